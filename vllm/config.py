@@ -1,0 +1,132 @@
+"""Validated configuration objects shared by the engine, the scheduler and the worker.
+
+User-facing values are checked here once, with a `ValueError` that names the field; the rest of
+the code asserts only its own invariants.
+"""
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def resolve_dtype(dtype: "str | torch.dtype", default: torch.dtype) -> torch.dtype:
+    """Maps a vLLM-style dtype name ("auto", "bfloat16", ...) to a torch dtype."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"dtype={dtype} is not supported; use one of float32, bfloat16, float16")
+        return dtype
+    if dtype == "auto":
+        return default
+    if dtype not in _DTYPES:
+        raise ValueError(
+            f"dtype={dtype!r} is not supported; use 'auto' or one of {sorted(set(_DTYPES))}")
+    return _DTYPES[dtype]
+
+
+def _require_positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass
+class ModelConfig:
+    """What to run: the checkpoint, its Hugging Face config and the compute dtype."""
+
+    model: str
+    tokenizer: str
+    hf_config: Any  # transformers.PretrainedConfig
+    dtype: torch.dtype
+    max_model_len: int
+    seed: int = 0
+    gguf_file: str | None = None  # set when `model` is a single .gguf file
+
+    def __post_init__(self) -> None:
+        _require_positive("max_model_len", self.max_model_len)
+
+    @property
+    def head_dim(self) -> int:
+        cfg = self.hf_config
+        return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+    @property
+    def num_kv_heads(self) -> int:
+        cfg = self.hf_config
+        return getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+
+    @property
+    def num_layers(self) -> int:
+        return self.hf_config.num_hidden_layers
+
+
+@dataclass
+class CacheConfig:
+    """Paged KV cache geometry.
+
+    The number of blocks is derived from `kv_cache_memory_bytes` (the memory the cache may take,
+    over all layers, keys and values) unless `num_gpu_blocks_override` pins it, as in vLLM.
+    """
+
+    block_size: int = 128
+    kv_cache_memory_bytes: int = 2 * 1024**3
+    num_gpu_blocks_override: int | None = None
+    num_blocks: int = field(default=0, init=False)  # filled in by the worker once it knows the model
+
+    def __post_init__(self) -> None:
+        _require_positive("block_size", self.block_size)
+        _require_positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
+        if self.num_gpu_blocks_override is not None:
+            _require_positive("num_gpu_blocks_override", self.num_gpu_blocks_override)
+
+
+@dataclass
+class SchedulerConfig:
+    """Token budget and admission policy of one engine step.
+
+    With chunked prefill (SARATHI) a step holds every running decode plus prefill chunks that
+    fill the rest of `max_num_batched_tokens`. Without it, a step is either whole prompts only or
+    decodes only (vLLM's classic policy), so a prompt must fit the budget in one piece.
+    """
+
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_model_len: int
+    enable_chunked_prefill: bool = True
+    max_num_partial_prefills: int = 1
+    long_prefill_token_threshold: int = 0
+
+    def __post_init__(self) -> None:
+        _require_positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        _require_positive("max_num_seqs", self.max_num_seqs)
+        _require_positive("max_model_len", self.max_model_len)
+        _require_positive("max_num_partial_prefills", self.max_num_partial_prefills)
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be >= 0 (0 disables it), "
+                             f"got {self.long_prefill_token_threshold}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than "
+                f"max_model_len ({self.max_model_len}): without chunked prefill a whole prompt must "
+                "fit in one step. Raise max_num_batched_tokens, lower max_model_len, or set "
+                "enable_chunked_prefill=True.")
+        if self.max_num_seqs > self.max_num_batched_tokens:
+            raise ValueError(
+                f"max_num_seqs ({self.max_num_seqs}) must be <= max_num_batched_tokens "
+                f"({self.max_num_batched_tokens}): every running decode needs one token of the budget")
+
+
+@dataclass
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    device: str = "cpu"
+    enforce_eager: bool = True

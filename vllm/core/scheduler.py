@@ -1,0 +1,213 @@
+"""SARATHI-style scheduler: one token budget per step, decodes first, prefill chunks fill the rest.
+
+There are no phases. Every request has `num_tokens` and `num_computed_tokens`; a step gives it
+`min(tokens left, budget left)`. Decodes (one token left) go first, so a long prompt never
+stalls them; the budget they leave is filled by the continuing partial prefill(s), then by new
+requests in arrival order. Imports no torch.
+"""
+
+import logging
+from collections import deque
+
+from vllm.config import SchedulerConfig
+from vllm.core.block_manager import BlockManager
+from vllm.core.scheduler_output import ScheduledSequence, SchedulerOutput
+from vllm.sequence import Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    """Owns the waiting queue, the running list and the block manager.
+
+    Invariants: `running` is in admission order and holds at most `max_num_seqs` requests; only
+    running requests own KV blocks; a request is in at most one of `waiting` and `running`.
+    """
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._finished_since_last_step: list[str] = []
+        self.num_preemptions = 0
+
+    # ---------------------------------------------------------------- requests in and out
+
+    def add(self, seq: Sequence) -> None:
+        """Queues a request, or finishes it at once (FINISHED_IGNORED) if it can never run."""
+        error = self._why_unschedulable(seq)
+        if error is not None:
+            logger.warning("Request %s ignored: %s", seq.request_id, error)
+            seq.error = error
+            seq.status = SequenceStatus.FINISHED_IGNORED
+            return
+        self.waiting.append(seq)
+
+    def _why_unschedulable(self, seq: Sequence) -> str | None:
+        if seq.num_prompt_tokens > self.config.max_model_len:
+            return (f"prompt has {seq.num_prompt_tokens} tokens, more than max_model_len="
+                    f"{self.config.max_model_len}")
+        needed = self.block_manager.num_blocks_for(seq.num_prompt_tokens)
+        if needed > self.block_manager.num_blocks:
+            return (f"prompt needs {needed} KV cache blocks but the cache only has "
+                    f"{self.block_manager.num_blocks}")
+        if not self.config.enable_chunked_prefill and seq.num_prompt_tokens > self.config.max_num_batched_tokens:
+            return (f"prompt has {seq.num_prompt_tokens} tokens, more than max_num_batched_tokens="
+                    f"{self.config.max_num_batched_tokens} (enable chunked prefill to run it)")
+        return None
+
+    def finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        """Marks a request finished and releases its blocks at once."""
+        assert status.finished
+        seq.status = status
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq.request_id)
+        self._finished_since_last_step.append(seq.request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---------------------------------------------------------------- the step
+
+    def schedule(self) -> SchedulerOutput:
+        if self.config.enable_chunked_prefill:
+            out = self._schedule_chunked()
+        else:
+            out = self._schedule_classic()
+        out.finished_request_ids = self._finished_since_last_step
+        self._finished_since_last_step = []
+        assert out.num_batched_tokens <= self.config.max_num_batched_tokens
+        assert len(out.scheduled) <= self.config.max_num_seqs
+        return out
+
+    def _schedule_chunked(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        decodes: list[ScheduledSequence] = []
+        prefills: list[ScheduledSequence] = []
+        preempted: list[str] = []
+        scheduled_ids: set[str] = set()
+
+        # 1. Running decodes, oldest first; blocks come from the newest running requests if needed.
+        for seq in [s for s in self.running if not s.is_prefill]:
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            if not self._reserve(seq, seq.num_tokens, scheduled_ids, preempted):
+                continue
+            decodes.append(self._take(seq, 1))
+            scheduled_ids.add(seq.request_id)
+            budget -= 1
+
+        # 2. Continuing partial prefills, then 3. new requests in arrival order.
+        num_partial = 0
+        for seq in [s for s in self.running if s.is_prefill]:
+            if budget == 0 or num_partial == self.config.max_num_partial_prefills:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            chunk = self._chunk_size(seq, budget)
+            if not self._reserve(seq, seq.num_computed_tokens + chunk, scheduled_ids, preempted):
+                continue
+            prefills.append(self._take(seq, chunk))
+            scheduled_ids.add(seq.request_id)
+            budget -= chunk
+            num_partial += 1
+
+        while (self.waiting and budget > 0 and not preempted
+               and num_partial < self.config.max_num_partial_prefills
+               and len(self.running) < self.config.max_num_seqs):
+            seq = self.waiting[0]
+            chunk = self._chunk_size(seq, budget)
+            if not self.block_manager.can_grow(seq.request_id, chunk):
+                break  # new requests never preempt running ones
+            self._admit(seq)
+            self.block_manager.grow(seq.request_id, chunk)
+            prefills.append(self._take(seq, chunk))
+            budget -= chunk
+            num_partial += 1
+
+        return SchedulerOutput(decodes + prefills, num_decodes=len(decodes),
+                               preempted_request_ids=preempted)
+
+    def _schedule_classic(self) -> SchedulerOutput:
+        """vLLM's policy without chunking: whole prompts in prefill-only steps, else decodes."""
+        budget = self.config.max_num_batched_tokens
+        prefills: list[ScheduledSequence] = []
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if seq.num_tokens > budget or not self.block_manager.can_grow(seq.request_id, seq.num_tokens):
+                break
+            self._admit(seq)
+            self.block_manager.grow(seq.request_id, seq.num_tokens)
+            prefills.append(self._take(seq, seq.num_tokens))
+            budget -= seq.num_tokens
+        if prefills:
+            return SchedulerOutput(prefills, num_decodes=0)
+
+        decodes: list[ScheduledSequence] = []
+        preempted: list[str] = []
+        scheduled_ids: set[str] = set()
+        for seq in list(self.running):
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            if not self._reserve(seq, seq.num_tokens, scheduled_ids, preempted):
+                continue
+            decodes.append(self._take(seq, 1))
+            scheduled_ids.add(seq.request_id)
+        return SchedulerOutput(decodes, num_decodes=len(decodes), preempted_request_ids=preempted)
+
+    # ---------------------------------------------------------------- helpers
+
+    def _chunk_size(self, seq: Sequence, budget: int) -> int:
+        chunk = min(seq.num_uncomputed_tokens, budget)
+        if self.config.long_prefill_token_threshold > 0:
+            chunk = min(chunk, self.config.long_prefill_token_threshold)
+        return chunk
+
+    def _reserve(self, seq: Sequence, num_tokens: int, scheduled_ids: set[str],
+                 preempted: list[str]) -> bool:
+        """Makes room for `seq` to hold `num_tokens` KV entries, preempting by recompute the most
+        recently admitted running requests not yet scheduled this step. False if `seq` itself had
+        to be preempted or no victim was left."""
+        while not self.block_manager.can_grow(seq.request_id, num_tokens):
+            victim = self.running[-1]
+            if victim.request_id in scheduled_ids:
+                return False
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            if victim is seq:
+                return False
+        self.block_manager.grow(seq.request_id, num_tokens)
+        return True
+
+    def _take(self, seq: Sequence, num_tokens: int) -> ScheduledSequence:
+        """Hands the next `num_tokens` of `seq` to this step and counts them as computed."""
+        assert 0 < num_tokens <= seq.num_uncomputed_tokens
+        start = seq.num_computed_tokens
+        seq.num_computed_tokens += num_tokens
+        return ScheduledSequence(
+            request_id=seq.request_id,
+            token_ids=seq.token_slice(start, start + num_tokens),
+            start_position=start,
+            block_table=list(self.block_manager.block_table(seq.request_id)),
+            sample=seq.num_computed_tokens == seq.num_tokens,
+            sampling_params=seq.sampling_params,
+        )
+
+    def _admit(self, seq: Sequence) -> None:
+        self.waiting.popleft()
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def _preempt(self, seq: Sequence) -> None:
+        logger.debug("Preempting request %s by recompute", seq.request_id)
+        self.running.remove(seq)
+        self.block_manager.free(seq.request_id)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)

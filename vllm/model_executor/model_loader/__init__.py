@@ -1,0 +1,45 @@
+"""Builds a model from a local checkpoint: config, tokenizer and weights."""
+
+import os
+
+import torch
+from torch import nn
+
+from vllm.model_executor.model_loader.gguf_weights import iter_gguf_weights
+from vllm.model_executor.model_loader.hf_weights import iter_hf_weights
+from vllm.model_executor.model_loader.source import ModelSource, resolve_model_source
+from vllm.model_executor.models.registry import resolve_model_class
+
+__all__ = ["ModelSource", "resolve_model_source", "load_hf_config", "load_tokenizer", "load_model"]
+
+
+def load_hf_config(source: ModelSource):
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(source.directory, **source.hf_kwargs())
+    except (OSError, KeyError) as e:
+        raise ValueError(f"cannot read the model config of {source.display_name}: {e}") from e
+
+
+def load_tokenizer(source: ModelSource):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(source.directory, **source.hf_kwargs())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot load a tokenizer from {source.display_name}: {e}") from e
+
+
+def load_model(source: ModelSource, hf_config, dtype: torch.dtype, max_position: int,
+               device: torch.device) -> nn.Module:
+    """Instantiates the model class for `hf_config` and fills it from the checkpoint."""
+    model_class = resolve_model_class(hf_config)
+    model = model_class(hf_config, max_position=max_position, dtype=dtype)
+    if source.gguf_file:
+        weights = iter_gguf_weights(os.path.join(source.directory, source.gguf_file),
+                                    hf_config.num_attention_heads, hf_config.num_key_value_heads)
+    else:
+        weights = iter_hf_weights(source.directory)
+    model.load_weights(weights)
+    return model.to(device=device, dtype=dtype).eval()

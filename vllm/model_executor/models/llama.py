@@ -1,0 +1,173 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) over a flattened token dimension.
+
+Inputs are `input_ids`/`positions` of shape (num_tokens,) holding every sequence of the step
+back to back; only attention knows where one sequence ends, through its metadata. Parameter
+names are Hugging Face's, except that q/k/v and gate/up are fused into one matmul each;
+`load_weights` maps the separate checkpoint tensors onto the shards of the fused ones.
+"""
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vllm.attention.backends.hpu_attn import AttentionMetadata, paged_attention, write_to_kv_cache
+from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # each (num_blocks, block_size, num_kv_heads, head_dim)
+
+
+def _sliding_window(config) -> int | None:
+    window = getattr(config, "sliding_window", None)
+    if config.model_type == "qwen2":
+        if getattr(config, "use_sliding_window", False):
+            raise ValueError("Qwen2 with use_sliding_window=True is not supported")
+        return None
+    return window
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                             f"num_key_value_heads ({self.num_kv_heads})")
+        qkv_bias = config.model_type == "qwen2" or getattr(config, "attention_bias", False)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size,
+                                bias=getattr(config, "attention_bias", False) and config.model_type != "qwen2")
+        self.rotary = rotary
+        self.scale = self.head_dim ** -0.5
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: KVCache,
+                metadata: AttentionMetadata) -> torch.Tensor:
+        t = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)                                         # (T, q + 2 kv)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)                        # (T, H, D)
+        k = k.view(t, self.num_kv_heads, self.head_dim)                     # (T, KVH, D)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        key_cache, value_cache = kv_cache
+        write_to_kv_cache(k, v, key_cache, value_cache, metadata.slot_mapping)
+        out = paged_attention(q, key_cache, value_cache, metadata, self.scale)  # (T, H, D)
+        return self.o_proj(out.reshape(t, self.q_size))                     # (T, hidden)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        if config.hidden_act != "silu":
+            raise ValueError(f"hidden_act={config.hidden_act!r} is not supported (only 'silu')")
+        bias = getattr(config, "mlp_bias", False)
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # (T, I) each
+        return self.down_proj(F.silu(gate) * up)                               # (T, hidden)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, rotary)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: KVCache,
+                metadata: AttentionMetadata) -> torch.Tensor:
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache, metadata)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config, max_position: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        rotary = RotaryEmbedding(config, head_dim, max_position, dtype)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                metadata: AttentionMetadata) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)                                   # (T, hidden)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden = layer(positions, hidden, kv_cache, metadata)
+        return self.norm(hidden)
+
+
+class LlamaForCausalLM(nn.Module):
+    # Checkpoint tensor -> (fused parameter, shard index) for the fused projections.
+    _STACKED = {
+        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config, max_position: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.config = config
+        self.sliding_window = _sliding_window(config)
+        self.model = LlamaModel(config, max_position, dtype)
+        self.tie_word_embeddings = getattr(config, "tie_word_embeddings", False)
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                metadata: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, kv_caches, metadata)           # (T, hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: (S, hidden) for the tokens that sample -> (S, vocab) float32 logits."""
+        weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copies checkpoint tensors in; every parameter must be written, every shape must match."""
+        params = dict(self.named_parameters())
+        shard_sizes = {}
+        for name, p in params.items():
+            if "qkv_proj" in name:
+                attn = self.model.layers[0].self_attn
+                shard_sizes[name] = [attn.q_size, attn.kv_size, attn.kv_size]
+            elif "gate_up_proj" in name:
+                shard_sizes[name] = [p.shape[0] // 2] * 2
+        loaded: set[str] = set()
+        with torch.no_grad():
+            for name, tensor in weights:
+                if "rotary_emb" in name:
+                    continue
+                if name == "lm_head.weight" and self.tie_word_embeddings:
+                    continue  # some checkpoints store the tied copy too
+                target, shard = name, None
+                for part, (fused, index) in self._STACKED.items():
+                    if f".{part}." in name:
+                        target, shard = name.replace(f".{part}.", f".{fused}."), index
+                        break
+                if target not in params:
+                    raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+                dest = params[target]
+                if shard is not None:
+                    start = sum(shard_sizes[target][:shard])
+                    dest = dest.narrow(0, start, shard_sizes[target][shard])
+                if dest.shape != tensor.shape:
+                    raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                     f"expected {tuple(dest.shape)}")
+                dest.copy_(tensor)
+                loaded.add(name if shard is None else f"{target}#{shard}")
+        expected = {n if n not in shard_sizes else f"{n}#{i}"
+                    for n in params for i in range(len(shard_sizes.get(n, [None])))}
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing tensors for: {missing[:8]}"
+                             + (" ..." if len(missing) > 8 else ""))

@@ -1,0 +1,32 @@
+"""What `generate` and `step` return, with vLLM's class and field names."""
+
+from dataclasses import dataclass, field
+
+from vllm.sequence import RequestMetrics
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: list | None = None
+    finish_reason: str | None = None  # "stop", "length" or "abort"; None while running
+    stop_reason: int | str | None = None  # the stop token id that ended it, if any
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    prompt_logprobs: list | None = None
+    metrics: RequestMetrics | None = None
+    # Why the engine refused the request (finish_reason "length" without any output), else None.
+    error: str | None = field(default=None)

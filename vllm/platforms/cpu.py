@@ -1,0 +1,20 @@
+import torch
+
+from vllm.platforms.interface import Platform
+
+
+def cpu_has_amx_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "amx_bf16" in f.read()
+    except OSError:
+        return False
+
+
+class CpuPlatform(Platform):
+    device_type = "cpu"
+
+    def __init__(self) -> None:
+        # bf16 runs on AMX/AVX512-bf16 tiles at several times the fp32 rate; without them fp32 is
+        # the safer default.
+        self.default_dtype = torch.bfloat16 if cpu_has_amx_bf16() else torch.float32

@@ -1,0 +1,21 @@
+"""What the engine needs to know about the device it runs on."""
+
+import torch
+
+
+class Platform:
+    """Base class; one subclass per device type. Holds no per-step state."""
+
+    device_type: str = "cpu"
+    # Compute dtype chosen by dtype="auto".
+    default_dtype: torch.dtype = torch.float32
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device(self.device_type)
+
+    def synchronize(self) -> None:
+        """Waits for queued device work (for timing)."""
+
+    def mark_step(self) -> None:
+        """Ends a lazily traced region (HPU lazy mode); a no-op on eager devices."""
