@@ -1,0 +1,34 @@
+"""Shared fixtures: tiny random Hugging Face checkpoints built on the spot, and the real model."""
+
+import os
+
+import pytest
+import torch
+
+from tests.utils import build_tiny_checkpoint, smollm2_path
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory) -> str:
+    """SmolLM2's tokenizer (from the GGUF), saved as plain Hugging Face files for the tiny models."""
+    from transformers import AutoTokenizer
+
+    path = smollm2_path()
+    tok = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    out = tmp_path_factory.mktemp("tokenizer")
+    tok.save_pretrained(out)
+    return str(out)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory, tokenizer_dir) -> dict[str, str]:
+    """model_type -> directory of a tiny random checkpoint (Llama GQA, Qwen2 with bias, Mistral)."""
+    root = tmp_path_factory.mktemp("tiny")
+    return {kind: build_tiny_checkpoint(kind, str(root / kind), tokenizer_dir)
+            for kind in ("llama", "qwen2", "mistral")}
+
+
+@pytest.fixture(autouse=True)
+def _deterministic_threads():
+    torch.manual_seed(0)
+    yield

