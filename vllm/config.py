@@ -7,21 +7,23 @@ the code asserts only its own invariants.
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
+# dtype names accepted from users -> torch attribute names. This module imports no torch, so
+# the scheduler (which reads SchedulerConfig) stays torch-free.
 _DTYPES = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "half": torch.float16,
+    "float32": "float32",
+    "float": "float32",
+    "bfloat16": "bfloat16",
+    "float16": "float16",
+    "half": "float16",
 }
 
 
-def resolve_dtype(dtype: "str | torch.dtype", default: torch.dtype) -> torch.dtype:
-    """Maps a vLLM-style dtype name ("auto", "bfloat16", ...) to a torch dtype."""
+def resolve_dtype(dtype: Any, default: Any) -> Any:
+    """Maps a vLLM-style dtype ("auto", "bfloat16", torch.float16, ...) to a torch dtype."""
+    import torch
+
     if isinstance(dtype, torch.dtype):
-        if dtype not in _DTYPES.values():
+        if str(dtype).removeprefix("torch.") not in _DTYPES:
             raise ValueError(f"dtype={dtype} is not supported; use one of float32, bfloat16, float16")
         return dtype
     if dtype == "auto":
@@ -29,7 +31,7 @@ def resolve_dtype(dtype: "str | torch.dtype", default: torch.dtype) -> torch.dty
     if dtype not in _DTYPES:
         raise ValueError(
             f"dtype={dtype!r} is not supported; use 'auto' or one of {sorted(set(_DTYPES))}")
-    return _DTYPES[dtype]
+    return getattr(torch, _DTYPES[dtype])
 
 
 def _require_positive(name: str, value: int) -> None:
@@ -44,7 +46,7 @@ class ModelConfig:
     model: str
     tokenizer: str
     hf_config: Any  # transformers.PretrainedConfig
-    dtype: torch.dtype
+    dtype: Any  # torch.dtype
     max_model_len: int
     seed: int = 0
     gguf_file: str | None = None  # set when `model` is a single .gguf file

@@ -114,7 +114,7 @@ class Scheduler:
             prefills.append(self._take(seq, chunk))
             scheduled_ids.add(seq.request_id)
             budget -= chunk
-            num_partial += 1
+            num_partial += seq.is_prefill  # still partial after this chunk
 
         while (self.waiting and budget > 0 and not preempted
                and num_partial < self.config.max_num_partial_prefills
@@ -127,7 +127,7 @@ class Scheduler:
             self.block_manager.grow(seq.request_id, chunk)
             prefills.append(self._take(seq, chunk))
             budget -= chunk
-            num_partial += 1
+            num_partial += seq.is_prefill
 
         return SchedulerOutput(decodes + prefills, num_decodes=len(decodes),
                                preempted_request_ids=preempted)

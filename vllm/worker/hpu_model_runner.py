@@ -16,6 +16,7 @@ import torch
 from vllm.attention.backends.hpu_attn import AttentionMetadata, SeqSpan, build_attention_metadata
 from vllm.config import EngineConfig
 from vllm.core.scheduler_output import SchedulerOutput
+from vllm.model_executor.layers.linear import can_pack, pack_linear_weights
 from vllm.model_executor.layers.sampler import sample
 from vllm.platforms import Platform
 from vllm.worker.cache_engine import CacheEngine
@@ -39,6 +40,8 @@ class HPUModelRunner:
         self.platform = platform
         self.device = platform.device
         self.model = model
+        if platform.device_type == "cpu" and can_pack(config.model.dtype):
+            pack_linear_weights(model)
         self.cache = CacheEngine(config.model, config.cache, self.device)
         hf = config.model.hf_config
         self.heads_per_kv = hf.num_attention_heads // config.model.num_kv_heads

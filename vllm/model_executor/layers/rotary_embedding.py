@@ -35,12 +35,15 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", (emb.cos() * scale).to(dtype), persistent=False)
         self.register_buffer("sin", (emb.sin() * scale).to(dtype), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: (T,); q: (T, H, D); k: (T, KVH, D)."""
-        cos = self.cos[positions].unsqueeze(1)                            # (T, 1, D)
-        sin = self.sin[positions].unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: (T,) -> cos, sin: (T, 1, D), looked up once per step for all layers."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """q: (T, H, D); k: (T, KVH, D); cos/sin: (T, 1, D)."""
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -14,9 +14,11 @@ from torch import nn
 
 from vllm.attention.backends.hpu_attn import AttentionMetadata, paged_attention, write_to_kv_cache
 from vllm.model_executor.layers.layernorm import RMSNorm
-from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
+from vllm.model_executor.layers.linear import Linear
+from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding, apply_rotary
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # each (num_blocks, block_size, num_kv_heads, head_dim)
+Rope = tuple[torch.Tensor, torch.Tensor]     # cos, sin: each (num_tokens, 1, head_dim)
 
 
 def _sliding_window(config) -> int | None:
@@ -29,7 +31,7 @@ def _sliding_window(config) -> int | None:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
@@ -40,13 +42,12 @@ class LlamaAttention(nn.Module):
         qkv_bias = config.model_type == "qwen2" or getattr(config, "attention_bias", False)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size,
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size,
                                 bias=getattr(config, "attention_bias", False) and config.model_type != "qwen2")
-        self.rotary = rotary
         self.scale = self.head_dim ** -0.5
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: KVCache,
+    def forward(self, rope: Rope, hidden: torch.Tensor, kv_cache: KVCache,
                 metadata: AttentionMetadata) -> torch.Tensor:
         t = hidden.shape[0]
         qkv = self.qkv_proj(hidden)                                         # (T, q + 2 kv)
@@ -54,7 +55,7 @@ class LlamaAttention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)                        # (T, H, D)
         k = k.view(t, self.num_kv_heads, self.head_dim)                     # (T, KVH, D)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
+        q, k = apply_rotary(q, k, *rope)
         key_cache, value_cache = kv_cache
         write_to_kv_cache(k, v, key_cache, value_cache, metadata.slot_mapping)
         out = paged_attention(q, key_cache, value_cache, metadata, self.scale)  # (T, H, D)
@@ -68,8 +69,8 @@ class LlamaMLP(nn.Module):
             raise ValueError(f"hidden_act={config.hidden_act!r} is not supported (only 'silu')")
         bias = getattr(config, "mlp_bias", False)
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # (T, I) each
@@ -77,16 +78,16 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, rotary)
+        self.self_attn = LlamaAttention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: KVCache,
+    def forward(self, rope: Rope, hidden: torch.Tensor, kv_cache: KVCache,
                 metadata: AttentionMetadata) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache, metadata)
+        hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), kv_cache, metadata)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -94,16 +95,17 @@ class LlamaModel(nn.Module):
     def __init__(self, config, max_position: int, dtype: torch.dtype) -> None:
         super().__init__()
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        rotary = RotaryEmbedding(config, head_dim, max_position, dtype)
+        self.rotary = RotaryEmbedding(config, head_dim, max_position, dtype)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 metadata: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)                                   # (T, hidden)
+        rope = self.rotary(positions)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(positions, hidden, kv_cache, metadata)
+            hidden = layer(rope, hidden, kv_cache, metadata)
         return self.norm(hidden)
 
 
@@ -120,8 +122,9 @@ class LlamaForCausalLM(nn.Module):
         self.sliding_window = _sliding_window(config)
         self.model = LlamaModel(config, max_position, dtype)
         self.tie_word_embeddings = getattr(config, "tie_word_embeddings", False)
-        if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 metadata: AttentionMetadata) -> torch.Tensor:
@@ -129,8 +132,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: (S, hidden) for the tokens that sample -> (S, vocab) float32 logits."""
-        weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return self.lm_head(hidden).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copies checkpoint tensors in; every parameter must be written, every shape must match."""

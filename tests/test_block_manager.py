@@ -1,0 +1,102 @@
+"""BlockManager: the free list, per-request block tables and the slot arithmetic. No torch."""
+
+import pytest
+
+from vllm.core.block_manager import BlockManager, cdiv
+
+
+def _assert_partition(bm: BlockManager) -> None:
+    """Every block id is in the free list or in exactly one table."""
+    owned = [b for table in bm._tables.values() for b in table]
+    assert sorted(owned + list(bm._free)) == list(range(bm.num_blocks))
+
+
+def test_cdiv_and_num_blocks_for():
+    assert [cdiv(n, 4) for n in (0, 1, 4, 5, 8, 9)] == [0, 1, 1, 2, 2, 3]
+    bm = BlockManager(num_blocks=8, block_size=16)
+    assert [bm.num_blocks_for(n) for n in (0, 1, 16, 17, 32, 33)] == [0, 1, 1, 2, 2, 3]
+
+
+def test_grow_allocates_only_missing_blocks():
+    bm = BlockManager(num_blocks=8, block_size=16)
+    bm.grow("a", 16)
+    assert bm.block_table("a") == [0]
+    bm.grow("a", 16)  # already holds 16 tokens: no new block
+    assert bm.block_table("a") == [0]
+    assert bm.num_missing_blocks("a", 17) == 1
+    bm.grow("a", 17)
+    assert bm.block_table("a") == [0, 1]
+    bm.grow("a", 5)  # never shrinks
+    assert bm.block_table("a") == [0, 1]
+    bm.grow("b", 40)
+    assert bm.block_table("b") == [2, 3, 4]
+    assert bm.num_free_blocks == 3
+    _assert_partition(bm)
+
+
+def test_free_returns_blocks_and_is_idempotent():
+    bm = BlockManager(num_blocks=4, block_size=4)
+    bm.grow("a", 8)
+    bm.grow("b", 8)
+    assert bm.num_free_blocks == 0
+    bm.free("a")
+    assert bm.num_free_blocks == 2
+    assert bm.block_table("a") == []
+    bm.free("a")  # no-op
+    bm.free("never-seen")  # no-op
+    assert bm.num_free_blocks == 2
+    bm.grow("c", 5)  # reuses a's blocks
+    assert bm.block_table("c") == [0, 1]
+    _assert_partition(bm)
+
+
+def test_can_grow_false_when_out_of_blocks():
+    bm = BlockManager(num_blocks=3, block_size=4)
+    assert bm.can_grow("a", 12)
+    assert not bm.can_grow("a", 13)
+    bm.grow("a", 8)
+    assert bm.can_grow("b", 4)
+    assert not bm.can_grow("b", 5)
+    assert bm.can_grow("a", 12)  # a needs only one more block
+    bm.grow("b", 4)
+    assert bm.num_free_blocks == 0
+    assert bm.can_grow("a", 8)  # nothing missing
+    assert not bm.can_grow("a", 9)
+    with pytest.raises(AssertionError):
+        bm.grow("a", 9)
+    assert bm.block_table("a") == [0, 1]  # a failed grow changes nothing
+    _assert_partition(bm)
+
+
+def test_slot_arithmetic_matches_module_docstring():
+    """Builds the docstring's table [7, 2, 9] (block_size 16) through the public API."""
+    bm = BlockManager(num_blocks=10, block_size=16)
+    for i in range(10):
+        bm.grow(f"r{i}", 16)  # r_i owns block i
+    for i in (7, 2, 9):
+        bm.free(f"r{i}")  # the free list is FIFO: 7, 2, 9
+    bm.grow("req", 41)
+    assert bm.block_table("req") == [7, 2, 9]
+    assert [bm.slot("req", p) for p in (0, 15, 16, 31, 32, 40)] == [112, 127, 32, 47, 144, 152]
+    _assert_partition(bm)
+
+
+def test_slots_of_one_request_are_distinct_and_inside_its_blocks():
+    bm = BlockManager(num_blocks=6, block_size=4)
+    bm.grow("x", 7)
+    bm.grow("y", 9)
+    bm.free("x")
+    bm.grow("z", 10)
+    for rid, n in (("y", 9), ("z", 10)):
+        slots = [bm.slot(rid, p) for p in range(n)]
+        assert len(set(slots)) == n
+        assert {s // 4 for s in slots} == set(bm.block_table(rid))
+    assert not {bm.slot("y", p) for p in range(9)} & {bm.slot("z", p) for p in range(10)}
+    _assert_partition(bm)
+
+
+def test_invalid_geometry_is_rejected():
+    with pytest.raises(AssertionError):
+        BlockManager(num_blocks=0, block_size=16)
+    with pytest.raises(AssertionError):
+        BlockManager(num_blocks=4, block_size=0)
