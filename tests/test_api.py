@@ -13,7 +13,7 @@ from vllm import LLM, SamplingParams
 @pytest.fixture(scope="module")
 def llm(tiny_checkpoints):
     return LLM(tiny_checkpoints["llama"], dtype="float32", max_model_len=256, block_size=16,
-               max_num_batched_tokens=32, max_num_seqs=8)
+               max_num_batched_tokens=32, max_num_seqs=8, enforce_eager=True)
 
 
 def test_outputs_in_input_order_with_vllm_fields(llm):

@@ -47,13 +47,16 @@ def test_mixed_batch_matches_reference(seed, block_size, heads, sliding_window):
     t = len(slots)
     q, k, v = torch.randn(t, num_heads, head_dim), torch.randn(t, num_kv_heads, head_dim), \
         torch.randn(t, num_kv_heads, head_dim)
-    meta = build_attention_metadata(spans, num_decodes, slots, block_size, num_heads // num_kv_heads,
-                                    sliding_window, num_blocks, torch.device("cpu"))
-    write_to_kv_cache(k, v, key_cache, value_cache, meta.slot_mapping)
     scale = head_dim ** -0.5
-    got = paged_attention(q, key_cache, value_cache, meta, scale)
-    want = reference_paged_attention(q, key_cache, value_cache, spans, scale, sliding_window)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    want = None
+    for split in (True, False):  # chunk-causal + context split, and the single-mask path
+        meta = build_attention_metadata(spans, num_decodes, slots, block_size, num_heads // num_kv_heads,
+                                        sliding_window, num_blocks, torch.device("cpu"), split_prefill=split)
+        write_to_kv_cache(k, v, key_cache, value_cache, meta.slot_mapping)
+        got = paged_attention(q, k, v, key_cache, value_cache, meta, scale)
+        if want is None:
+            want = reference_paged_attention(q, key_cache, value_cache, spans, scale, sliding_window)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 def test_cache_write_lands_in_the_right_slots():

@@ -37,9 +37,9 @@ def _hf(dtype: torch.dtype) -> tuple:
     return tuple(map(tuple, hf_greedy(smollm2_path(), [list(p) for p in _tokenized()], MAX_TOKENS, dtype)))
 
 
-def _ours(dtype: str, budget: int) -> list[tuple[int, ...]]:
+def _ours(dtype: str, budget: int, enforce_eager: bool = True) -> list[tuple[int, ...]]:
     llm = LLM(dtype=dtype, max_num_batched_tokens=budget, max_num_seqs=min(budget, 16), block_size=16,
-              max_model_len=1024)
+              max_model_len=1024, enforce_eager=enforce_eager)
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
     assert [tuple(o.prompt_token_ids) for o in outs] == list(_tokenized())
     for o in outs:
@@ -52,13 +52,18 @@ def test_float32_greedy_identical_to_transformers(budget):
     assert _ours("float32", budget) == list(_hf(torch.float32))
 
 
-def test_bfloat16_close_to_transformers():
+def test_float32_graph_mode_identical_to_transformers():
+    assert _ours("float32", 64, enforce_eager=False) == list(_hf(torch.float32))
+
+
+@pytest.mark.parametrize("enforce_eager", [True, False])
+def test_bfloat16_close_to_transformers(enforce_eager):
     """bf16 rounding may flip near-ties; where the outputs first differ, each choice must be in
     the top-5 of transformers' distribution for the same prefix."""
     from transformers import AutoModelForCausalLM
     import os
 
-    ours = _ours("bfloat16", 64)
+    ours = _ours("bfloat16", 64, enforce_eager)
     ref = _hf(torch.bfloat16)
     path = smollm2_path()
     model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),

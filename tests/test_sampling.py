@@ -44,7 +44,7 @@ def test_sampling_follows_the_distribution():
 
 def _seeded(path: str, budget: int, prompts: list[list[int]], seeds: list[int]) -> list[list[int]]:
     llm = LLM(path, dtype="float32", max_model_len=512, block_size=16, max_num_batched_tokens=budget,
-              max_num_seqs=min(budget, 8))
+              max_num_seqs=min(budget, 8), enforce_eager=True)
     params = [SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=s, max_tokens=16) for s in seeds]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs]

@@ -17,8 +17,8 @@ def _reference(path: str) -> tuple:
     return tuple(map(tuple, hf_greedy(path, random_prompts(PROMPT_LENGTHS), MAX_TOKENS)))
 
 
-def _generate(path: str, **engine_kwargs) -> list[list[int]]:
-    llm = LLM(path, dtype="float32", max_model_len=512, **engine_kwargs)
+def _generate(path: str, enforce_eager: bool = True, **engine_kwargs) -> list[list[int]]:
+    llm = LLM(path, dtype="float32", max_model_len=512, enforce_eager=enforce_eager, **engine_kwargs)
     prompts = [{"prompt_token_ids": p} for p in random_prompts(PROMPT_LENGTHS)]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs]
@@ -34,6 +34,13 @@ def test_greedy_matches_transformers(tiny_checkpoints, kind, budget, block_size)
     assert [tuple(g) for g in got] == list(_reference(path))
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])
+def test_graph_mode_matches_transformers(tiny_checkpoints, kind):
+    path = tiny_checkpoints[kind]
+    got = _generate(path, enforce_eager=False, max_num_batched_tokens=48, max_num_seqs=8, block_size=16)
+    assert [tuple(g) for g in got] == list(_reference(path))
+
+
 @pytest.mark.parametrize("kind", ["llama", "mistral"])
 def test_unchunked_matches_chunked(tiny_checkpoints, kind):
     path = tiny_checkpoints[kind]
@@ -45,7 +52,7 @@ def test_unchunked_matches_chunked(tiny_checkpoints, kind):
 def test_tiny_cache_forces_preemption_and_still_matches(tiny_checkpoints):
     path = tiny_checkpoints["llama"]
     llm = LLM(path, dtype="float32", max_model_len=512, block_size=16, num_gpu_blocks_override=34,
-              max_num_batched_tokens=64, max_num_seqs=8)
+              max_num_batched_tokens=64, max_num_seqs=8, enforce_eager=True)
     prompts = [{"prompt_token_ids": p} for p in random_prompts(PROMPT_LENGTHS)]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
     assert llm.llm_engine.stats.num_preemptions > 0

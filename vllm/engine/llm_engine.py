@@ -58,7 +58,13 @@ class LLMEngine:
                     time.perf_counter() - start)
         config.cache.num_blocks = determine_num_blocks(config.model, config.cache)
         runner = HPUModelRunner(config, platform, model)
+        runner.warmup()
         return cls(config, tokenizer, runner)
+
+    @property
+    def graph_stats(self):
+        """Graphs captured at warm-up, compiles since, padding overhead (see GraphStats)."""
+        return self.runner.graph_stats
 
     # ---------------------------------------------------------------- requests
 

@@ -1,3 +1,5 @@
+import functools
+
 import torch
 
 from vllm.platforms.interface import Platform
@@ -18,3 +20,8 @@ class CpuPlatform(Platform):
         # bf16 runs on AMX/AVX512-bf16 tiles at several times the fp32 rate; without them fp32 is
         # the safer default.
         self.default_dtype = torch.bfloat16 if cpu_has_amx_bf16() else torch.float32
+
+    def compile_fn(self):
+        # Inductor generates C++ kernels that fuse the norms, rotary and activation
+        # element-wise ops around the GEMMs; shapes stay static, one graph per bucket.
+        return functools.partial(torch.compile, dynamic=False, fullgraph=True)

@@ -1,5 +1,6 @@
 """Intel Gaudi. `habana_frameworks` is imported here only, and only when this platform is chosen."""
 
+import functools
 import importlib.util
 
 import torch
@@ -30,3 +31,7 @@ class HpuPlatform(Platform):
 
     def mark_step(self) -> None:
         self._htcore.mark_step()
+
+    def compile_fn(self):
+        # The Gaudi graph compiler behind torch.compile; static shapes, one recipe per bucket.
+        return functools.partial(torch.compile, backend="hpu_backend", dynamic=False, fullgraph=True)

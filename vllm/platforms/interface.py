@@ -1,5 +1,7 @@
 """What the engine needs to know about the device it runs on."""
 
+from collections.abc import Callable
+
 import torch
 
 
@@ -19,3 +21,7 @@ class Platform:
 
     def mark_step(self) -> None:
         """Ends a lazily traced region (HPU lazy mode); a no-op on eager devices."""
+
+    def compile_fn(self) -> Callable[[Callable], Callable]:
+        """Returns the function that captures a region for static shapes (one graph per shape)."""
+        raise NotImplementedError

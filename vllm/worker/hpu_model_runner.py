@@ -1,14 +1,16 @@
 """Turns a `SchedulerOutput` into one forward pass over a flattened batch, and samples.
 
-The step's sequences are packed back to back into one (num_tokens,) dimension, decodes first:
+The step's sequences are packed back to back into one (num_tokens,) dimension, decodes first,
+then padded up to the token bucket whose graphs were captured at warm-up:
 
-    input_ids   [ d0 | d1 | p0 p0 p0 p0 | p1 p1 ]
-    positions   [ 17 | 5  | 0  1  2  3  | 8  9  ]   (p1 is a later chunk: 8 tokens cached)
-    slot_mapping: the cache slot each token's K/V is written to
+    input_ids   [ d0 | d1 | p0 p0 p0 p0 | p1 p1 | 0  0 ]
+    positions   [ 17 | 5  | 0  1  2  3  | 8  9  | 0  0 ]   (p1 is a later chunk: 8 tokens cached)
+    slot_mapping: the cache slot each token's K/V goes to; padding -> the pad block
     logits rows: the last token of every sequence whose chunk reaches its end
 """
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -19,21 +21,30 @@ from vllm.core.scheduler_output import SchedulerOutput
 from vllm.model_executor.layers.linear import can_pack, pack_linear_weights
 from vllm.model_executor.layers.sampler import sample
 from vllm.platforms import Platform
+from vllm.worker.bucketing import bucket_config_from_env, find_bucket, generate_buckets
 from vllm.worker.cache_engine import CacheEngine
+from vllm.worker.graph_stats import GraphStats
 
 logger = logging.getLogger(__name__)
 
 
+def _compiled_graph_count() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
 @dataclass(slots=True)
 class ModelInputs:
-    input_ids: torch.Tensor       # (num_tokens,) int64
-    positions: torch.Tensor       # (num_tokens,) int64
+    input_ids: torch.Tensor       # (padded_tokens,) int64
+    positions: torch.Tensor       # (padded_tokens,) int64
     metadata: AttentionMetadata
     logits_indices: torch.Tensor  # (num_sampling_seqs,) int64: rows of the hidden states to sample
+    num_real_tokens: int
 
 
 class HPUModelRunner:
-    """Owns the model, the KV cache and the per-request random generators."""
+    """Owns the model, the KV cache, the captured graphs and the per-request random generators."""
 
     def __init__(self, config: EngineConfig, platform: Platform, model: torch.nn.Module) -> None:
         self.config = config
@@ -43,15 +54,54 @@ class HPUModelRunner:
         if platform.device_type == "cpu" and can_pack(config.model.dtype):
             pack_linear_weights(model)
         self.cache = CacheEngine(config.model, config.cache, self.device)
-        hf = config.model.hf_config
-        self.heads_per_kv = hf.num_attention_heads // config.model.num_kv_heads
+        self.heads_per_kv = config.model.hf_config.num_attention_heads // config.model.num_kv_heads
         self.sliding_window = getattr(model, "sliding_window", None)
         self._default_generator = torch.Generator().manual_seed(config.model.seed)
         self._generators: dict[str, torch.Generator] = {}
 
+        self.graph_stats = GraphStats(enabled=not config.enforce_eager)
+        self.buckets: list[int] = []
+        if self.graph_stats.enabled:
+            self.buckets = generate_buckets(bucket_config_from_env(config.scheduler.max_num_batched_tokens))
+            self.graph_stats.buckets = self.buckets
+            from torch._dynamo import config as dynamo_config
+
+            # Each captured function keeps one graph per bucket, and the cache is per function
+            # for the whole process (engines of other models add theirs); past the limit dynamo
+            # would quietly run eager.
+            dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 8 * len(self.buckets))
+            model.compile_regions(platform.compile_fn())
+        self._warmed_up = False
+
+    # ---------------------------------------------------------------- warm-up
+
+    @torch.inference_mode()
+    def warmup(self) -> None:
+        """Captures the graphs of every bucket, largest first, so no step compiles later."""
+        if not self.graph_stats.enabled or self._warmed_up:
+            return
+        start = time.perf_counter()
+        before = _compiled_graph_count()
+        pad_slot = self.cache.pad_slot
+        for size in reversed(self.buckets):
+            # Padding only: attention has no sequence to attend for, the regions see the shapes.
+            metadata = build_attention_metadata([], 0, [pad_slot] * size, self.cache.block_size,
+                                                self.heads_per_kv, self.sliding_window,
+                                                self.cache.pad_block, self.device)
+            ids = torch.zeros(size, dtype=torch.int64, device=self.device)
+            self.model(ids, ids, self.cache.kv_caches, metadata)
+            self.platform.synchronize()
+        stats = self.graph_stats
+        stats.graphs_compiled_at_warmup = _compiled_graph_count() - before
+        stats.warmup_seconds = time.perf_counter() - start
+        self._warmed_up = True
+        logger.info("Warm-up captured %d graphs for %d token buckets %s in %.1f s",
+                    stats.graphs_compiled_at_warmup, len(self.buckets), self.buckets,
+                    stats.warmup_seconds)
+
     # ---------------------------------------------------------------- inputs
 
-    def prepare_inputs(self, step: SchedulerOutput) -> ModelInputs:
+    def prepare_inputs(self, step: SchedulerOutput, padded_size: int) -> ModelInputs:
         block_size = self.cache.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -68,15 +118,34 @@ class HPUModelRunner:
             spans.append(SeqSpan(offset, s.num_tokens, s.context_len, table))
             if s.sample:
                 logits_indices.append(offset + s.num_tokens - 1)
+        num_real = len(input_ids)
+        num_pad = padded_size - num_real
+        assert num_pad >= 0
+        input_ids.extend([0] * num_pad)
+        positions.extend([0] * num_pad)
+        slots.extend([self.cache.pad_slot] * num_pad)
         metadata = build_attention_metadata(
             spans, step.num_decodes, slots, block_size, self.heads_per_kv, self.sliding_window,
-            self.cache.pad_block, self.device)
+            self.cache.pad_block, self.device, self.config.model.dtype,
+            split_prefill=self.device.type == "cpu")
         return ModelInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=self.device),
             positions=torch.tensor(positions, dtype=torch.int64, device=self.device),
             metadata=metadata,
             logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=self.device),
+            num_real_tokens=num_real,
         )
+
+    def _padded_size(self, num_tokens: int) -> int | None:
+        """The bucket for this step, or None to run it eagerly at its own size."""
+        if not self.graph_stats.enabled:
+            return None
+        bucket = find_bucket(self.buckets, num_tokens)
+        if bucket is None:
+            self.graph_stats.unwarmed_steps += 1
+            logger.warning("Step of %d tokens exceeds the largest bucket (%d); running it eagerly",
+                           num_tokens, self.buckets[-1])
+        return bucket
 
     # ---------------------------------------------------------------- the step
 
@@ -85,9 +154,13 @@ class HPUModelRunner:
         """Runs the step; returns the sampled token of each request whose chunk reached its end."""
         for request_id in step.finished_request_ids:
             self._generators.pop(request_id, None)
-        inputs = self.prepare_inputs(step)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.cache.kv_caches,
-                            inputs.metadata)                                # (T, hidden)
+        num_tokens = step.num_batched_tokens
+        bucket = self._padded_size(num_tokens)
+        inputs = self.prepare_inputs(step, bucket or num_tokens)
+        if bucket is not None:
+            self.graph_stats.real_tokens += num_tokens
+            self.graph_stats.padded_tokens += bucket - num_tokens
+        hidden = self._forward(inputs, eager=self.graph_stats.enabled and bucket is None)
         sampling = [s for s in step.scheduled if s.sample]
         if not sampling:
             return {}
@@ -95,6 +168,18 @@ class HPUModelRunner:
         tokens = sample(logits.cpu(), [s.sampling_params for s in sampling],
                         [self._generator(s.request_id, s.sampling_params.seed) for s in sampling])
         return {s.request_id: t for s, t in zip(sampling, tokens, strict=True)}
+
+    def _forward(self, inputs: ModelInputs, eager: bool) -> torch.Tensor:
+        args = (inputs.input_ids, inputs.positions, self.cache.kv_caches, inputs.metadata)
+        if eager:
+            with torch.compiler.set_stance("force_eager"):
+                return self.model(*args)
+        before = _compiled_graph_count()
+        hidden = self.model(*args)                                              # (T, hidden)
+        if self._warmed_up and _compiled_graph_count() != before:
+            self.graph_stats.compiles_after_warmup += _compiled_graph_count() - before
+            logger.warning("A graph was compiled after warm-up (%d tokens)", inputs.input_ids.shape[0])
+        return hidden
 
     def _generator(self, request_id: str, seed: int | None) -> torch.Generator:
         if seed is None:

@@ -1,17 +1,20 @@
 """Paged attention for a mixed step: prefill chunks and decodes in one flattened token dimension.
 
 Every token of the step first writes its key/value into the paged cache (through
-`slot_mapping`); then each sequence reads back all its keys, the earlier chunks' and its own, by
-gathering whole blocks through its block table. Sequences are attended in two groups, so the
-many one-token decodes are not padded to the length of a prefill chunk:
+`slot_mapping`). Sequences are then attended in two groups, so the many one-token decodes are
+not padded to the length of a prefill chunk:
 
     flat tokens   [ d0 d1 d2 | p0 p0 p0 p0 p0 | p1 p1 ]      decodes first, then prefill chunks
-    decode group  queries [3, 1]      keys [3, blocks_d * block_size]
-    prefill group queries [2, 5]      keys [2, blocks_p * block_size]   (p1 padded to 5 queries)
+    decode group  queries [3, 1]   keys: all cached, gathered by block   [3, blocks * block_size]
+    prefill group queries [2, 5]   keys: the chunk itself (causal)       [2, 5]
+                                        + earlier chunks from the cache  [2, ctx_blocks * block_size]
 
-A boolean mask gives query i of a sequence with `context_len` cached tokens the keys at
-positions <= context_len + i (and inside the sliding window, if any). Grouped-query attention
-folds the query heads that share a KV head into the query axis, so K/V are never repeated.
+A prefill chunk attends to its own tokens causally (no cache read, no mask) and, if earlier
+chunks exist, to their cached keys without a causal mask (all of them precede the chunk); the
+two partial softmaxes are merged through their log-sum-exp. With a sliding window the prefill
+group uses one explicit mask over the gathered cache instead. Grouped-query attention folds the
+query heads that share a KV head into the query axis wherever no causal structure is needed,
+so K/V are not repeated there.
 """
 
 from dataclasses import dataclass
@@ -26,16 +29,14 @@ class AttentionGroup:
 
     gather_index: torch.Tensor   # (S, Q) int64: flat token of each query; padding -> 0
     scatter_index: torch.Tensor  # (S, Q) int64: same, but padding -> num_tokens (a scratch row)
-    block_tables: torch.Tensor   # (S, B) int64: padding -> the pad block
-    mask: torch.Tensor           # (S, 1, Q * heads_per_kv, B * block_size) bool, True = attend
-
-    @property
-    def num_seqs(self) -> int:
-        return self.gather_index.shape[0]
-
-    @property
-    def max_query_len(self) -> int:
-        return self.gather_index.shape[1]
+    block_tables: torch.Tensor   # (S, B) int64: cached blocks to read; padding -> the pad block
+    # Full mask over the gathered cache, (S, 1, Q * heads_per_kv, B * block_size) bool, True =
+    # attend: decodes, and prefill chunks under a sliding window. None for split prefill groups.
+    mask: torch.Tensor | None
+    # Split prefill groups only: additive mask over the cached context, (S, 1, 1, B * block_size),
+    # and which sequences have no context at all (their context term is dropped).
+    context_bias: torch.Tensor | None = None
+    no_context: torch.Tensor | None = None  # (S,) bool
 
 
 @dataclass(slots=True)
@@ -57,28 +58,37 @@ class SeqSpan:
     block_table: list[int]
 
 
-def _build_group(spans: list[SeqSpan], num_tokens: int, block_size: int, heads_per_kv: int,
-                 sliding_window: int | None, pad_block: int) -> AttentionGroup:
-    num_seqs = len(spans)
-    max_q = max(s.query_len for s in spans)
-    max_blocks = max(-(-(s.context_len + s.query_len) // block_size) for s in spans)
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
+
+def _indices(spans: list[SeqSpan], num_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    max_q = max(s.query_len for s in spans)
     offsets = torch.tensor([s.token_offset for s in spans])        # (S,)
     q_lens = torch.tensor([s.query_len for s in spans])            # (S,)
-    ctx_lens = torch.tensor([s.context_len for s in spans])        # (S,)
-    tables = torch.full((num_seqs, max_blocks), pad_block, dtype=torch.int64)
-    for i, s in enumerate(spans):
-        n = -(-(s.context_len + s.query_len) // block_size)
-        tables[i, :n] = torch.tensor(s.block_table[:n])
-
     q_idx = torch.arange(max_q)                                     # (Q,)
     valid_q = q_idx[None, :] < q_lens[:, None]                      # (S, Q)
     flat = offsets[:, None] + q_idx[None, :]                        # (S, Q)
-    gather_index = torch.where(valid_q, flat, 0)
-    scatter_index = torch.where(valid_q, flat, num_tokens)
+    return torch.where(valid_q, flat, 0), torch.where(valid_q, flat, num_tokens), valid_q
 
-    q_pos = ctx_lens[:, None] + q_idx[None, :]                      # (S, Q)
-    k_pos = torch.arange(max_blocks * block_size)                   # (K,)
+
+def _block_tables(spans: list[SeqSpan], num_tokens_of, block_size: int, pad_block: int) -> torch.Tensor:
+    counts = [_cdiv(num_tokens_of(s), block_size) for s in spans]
+    tables = torch.full((len(spans), max(max(counts), 1)), pad_block, dtype=torch.int64)
+    for i, (s, n) in enumerate(zip(spans, counts)):
+        if n:
+            tables[i, :n] = torch.tensor(s.block_table[:n])
+    return tables
+
+
+def _masked_group(spans: list[SeqSpan], num_tokens: int, block_size: int, heads_per_kv: int,
+                  sliding_window: int | None, pad_block: int) -> AttentionGroup:
+    """All keys from the cache, one boolean mask (decodes; prefills under a sliding window)."""
+    gather_index, scatter_index, valid_q = _indices(spans, num_tokens)
+    tables = _block_tables(spans, lambda s: s.context_len + s.query_len, block_size, pad_block)
+    ctx_lens = torch.tensor([s.context_len for s in spans])        # (S,)
+    q_pos = ctx_lens[:, None] + torch.arange(valid_q.shape[1])[None, :]  # (S, Q)
+    k_pos = torch.arange(tables.shape[1] * block_size)              # (K,)
     mask = k_pos[None, None, :] <= q_pos[:, :, None]                # (S, Q, K)
     if sliding_window is not None:
         mask &= k_pos[None, None, :] > q_pos[:, :, None] - sliding_window
@@ -90,17 +100,50 @@ def _build_group(spans: list[SeqSpan], num_tokens: int, block_size: int, heads_p
     return AttentionGroup(gather_index, scatter_index, tables, mask)
 
 
+def _split_prefill_group(spans: list[SeqSpan], num_tokens: int, block_size: int,
+                         pad_block: int) -> AttentionGroup:
+    """Chunk-causal part on the fresh keys, plus the cached context if any (see module doc)."""
+    gather_index, scatter_index, _ = _indices(spans, num_tokens)
+    if all(s.context_len == 0 for s in spans):
+        return AttentionGroup(gather_index, scatter_index, torch.empty(len(spans), 0, dtype=torch.int64),
+                              mask=None)
+    tables = _block_tables(spans, lambda s: s.context_len, block_size, pad_block)
+    ctx_lens = torch.tensor([s.context_len for s in spans])        # (S,)
+    k_pos = torch.arange(tables.shape[1] * block_size)              # (K,)
+    visible = k_pos[None, :] < ctx_lens[:, None]                    # (S, K)
+    no_context = ctx_lens == 0
+    visible[:, 0] |= no_context  # keeps the softmax finite; the term is dropped at the merge
+    bias = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))
+    return AttentionGroup(gather_index, scatter_index, tables, mask=None,
+                          context_bias=bias[:, None, None, :], no_context=no_context)
+
+
 def build_attention_metadata(spans: list[SeqSpan], num_decodes: int, slot_mapping: list[int],
                              block_size: int, heads_per_kv: int, sliding_window: int | None,
-                             pad_block: int, device: torch.device) -> AttentionMetadata:
-    """Builds the metadata of one step; `spans[:num_decodes]` are the one-token decodes."""
+                             pad_block: int, device: torch.device,
+                             dtype: torch.dtype = torch.float32,
+                             split_prefill: bool = True) -> AttentionMetadata:
+    """Builds the metadata of one step; `spans[:num_decodes]` are the one-token decodes.
+
+    `split_prefill` selects the chunk-causal + context split for prefill chunks (CPU kernels);
+    otherwise, and always under a sliding window, prefills use one explicit mask.
+    """
     num_tokens = len(slot_mapping)
     groups = []
-    for members in (spans[:num_decodes], spans[num_decodes:]):
-        if members:
-            g = _build_group(members, num_tokens, block_size, heads_per_kv, sliding_window, pad_block)
-            groups.append(AttentionGroup(*(t.to(device) for t in (
-                g.gather_index, g.scatter_index, g.block_tables, g.mask))))
+    decodes, prefills = spans[:num_decodes], spans[num_decodes:]
+    if decodes:
+        groups.append(_masked_group(decodes, num_tokens, block_size, heads_per_kv, sliding_window,
+                                    pad_block))
+    if prefills:
+        if split_prefill and sliding_window is None:
+            groups.append(_split_prefill_group(prefills, num_tokens, block_size, pad_block))
+        else:
+            groups.append(_masked_group(prefills, num_tokens, block_size, heads_per_kv,
+                                        sliding_window, pad_block))
+    groups = [AttentionGroup(*(None if t is None else t.to(device=device, dtype=dtype)
+                               if t.is_floating_point() else t.to(device) for t in (
+                                   g.gather_index, g.scatter_index, g.block_tables, g.mask,
+                                   g.context_bias, g.no_context))) for g in groups]
     return AttentionMetadata(
         slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
         groups=tuple(groups),
@@ -116,27 +159,83 @@ def write_to_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
     value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
 
 
-def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                    metadata: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Attention of every query token over its own sequence's cached keys.
+def _fold(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """(S, Q, H, D) -> (S, KVH, Q * r, D): the r query heads of a KV head become query rows."""
+    s, q_len, h, d = q.shape
+    r = h // num_kv_heads
+    return q.view(s, q_len, num_kv_heads, r, d).transpose(1, 2).reshape(s, num_kv_heads, q_len * r, d)
 
-    query: (T, H, D); caches: (num_blocks, block_size, KVH, D), already holding this step's K/V.
-    Returns (T, H, D).
+
+def _unfold(o: torch.Tensor, q_len: int) -> torch.Tensor:
+    """(S, KVH, Q * r, D) -> (S, Q, H, D)."""
+    s, kvh, qr, d = o.shape
+    return o.view(s, kvh, q_len, qr // q_len, d).transpose(1, 2).reshape(s, q_len, -1, d)
+
+
+def _gather_cache(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """cache (num_blocks, block_size, KVH, D), tables (S, B) -> (S, KVH, B * block_size, D)."""
+    s, b = block_tables.shape
+    block_size, kvh, d = cache.shape[1:]
+    return cache[block_tables].view(s, b * block_size, kvh, d).transpose(1, 2)
+
+
+def _masked_attention(g: AttentionGroup, query: torch.Tensor, key_cache: torch.Tensor,
+                      value_cache: torch.Tensor, scale: float) -> torch.Tensor:
+    """Returns (S, Q, H, D)."""
+    q_len = g.gather_index.shape[1]
+    q = _fold(query[g.gather_index], key_cache.shape[2])             # (S, KVH, Q * r, D)
+    k = _gather_cache(key_cache, g.block_tables)                      # (S, KVH, K, D)
+    v = _gather_cache(value_cache, g.block_tables)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=scale)
+    return _unfold(o, q_len)
+
+
+def _split_prefill_attention(g: AttentionGroup, query: torch.Tensor, key: torch.Tensor,
+                             value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                             scale: float) -> torch.Tensor:
+    """Returns (S, Q, H, D)."""
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    q_rows = query[g.gather_index]                                    # (S, Q, H, D)
+    r = query.shape[1] // key.shape[1]
+    q = q_rows.transpose(1, 2)                                        # (S, H, Q, D)
+    k = key[g.gather_index].transpose(1, 2).repeat_interleave(r, dim=1)    # (S, H, Q, D)
+    v = value[g.gather_index].transpose(1, 2).repeat_interleave(r, dim=1)
+    if g.context_bias is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale).transpose(1, 2)
+    o_chunk, lse_chunk = flash(q, k, v, 0.0, True, scale=scale)     # (S, H, Q, D), (S, H, Q)
+    q_len = q_rows.shape[1]
+    kc = _gather_cache(key_cache, g.block_tables)                    # (S, KVH, K, D)
+    vc = _gather_cache(value_cache, g.block_tables)
+    o_ctx, lse_ctx = flash(_fold(q_rows, key.shape[1]), kc, vc, 0.0, False,
+                           attn_mask=g.context_bias, scale=scale)   # (S, KVH, Q*r, D), (S, KVH, Q*r)
+    o_ctx = _unfold(o_ctx, q_len).transpose(1, 2)                    # (S, H, Q, D)
+    s, kvh, _ = lse_ctx.shape
+    lse_ctx = lse_ctx.view(s, kvh, q_len, r).transpose(2, 3).reshape(s, kvh * r, q_len)  # (S, H, Q)
+    lse_ctx = lse_ctx.masked_fill(g.no_context[:, None, None], float("-inf"))
+    # softmax over both key sets = the two partial softmaxes weighted by their total mass
+    lse = torch.logaddexp(lse_chunk, lse_ctx)
+    w_chunk = torch.exp(lse_chunk - lse).unsqueeze(-1)               # (S, H, Q, 1)
+    w_ctx = torch.exp(lse_ctx - lse).unsqueeze(-1)
+    o = (o_chunk.float() * w_chunk + o_ctx.float() * w_ctx).to(query.dtype)
+    return o.transpose(1, 2)                                          # (S, Q, H, D)
+
+
+def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Attention of every query token over its own sequence's keys.
+
+    query: (T, H, D); key/value: (T, KVH, D), this step's, already written to the caches
+    (num_blocks, block_size, KVH, D). Returns (T, H, D); rows of tokens in no group are zero.
     """
     num_tokens, num_heads, head_dim = query.shape
-    block_size, num_kv_heads = key_cache.shape[1:3]
-    r = num_heads // num_kv_heads
-    # One scratch row at the end receives the outputs of padding queries.
-    out = query.new_empty(num_tokens + 1, num_heads, head_dim)      # (T + 1, H, D)
+    # One scratch row at the end receives the outputs of padding queries. Zero-filled: tokens
+    # that belong to no group (bucket padding) must stay finite, as their K/V reach the cache.
+    out = query.new_zeros(num_tokens + 1, num_heads, head_dim)      # (T + 1, H, D)
     for g in metadata.groups:
-        s, q_len = g.gather_index.shape
-        k_len = g.block_tables.shape[1] * block_size
-        q = query[g.gather_index]                                    # (S, Q, H, D)
-        q = q.view(s, q_len, num_kv_heads, r, head_dim).transpose(1, 2)
-        q = q.reshape(s, num_kv_heads, q_len * r, head_dim)          # (S, KVH, Q * r, D)
-        k = key_cache[g.block_tables].view(s, k_len, num_kv_heads, head_dim).transpose(1, 2)
-        v = value_cache[g.block_tables].view(s, k_len, num_kv_heads, head_dim).transpose(1, 2)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=scale)  # (S, KVH, Q*r, D)
-        o = o.view(s, num_kv_heads, q_len, r, head_dim).transpose(1, 2)
-        out[g.scatter_index.view(-1)] = o.reshape(s * q_len, num_heads, head_dim)
+        if g.mask is not None:
+            o = _masked_attention(g, query, key_cache, value_cache, scale)
+        else:
+            o = _split_prefill_attention(g, query, key, value, key_cache, value_cache, scale)
+        out[g.scatter_index.view(-1)] = o.reshape(-1, num_heads, head_dim)
     return out[:num_tokens]

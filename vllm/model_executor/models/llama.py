@@ -6,7 +6,7 @@ names are Hugging Face's, except that q/k/v and gate/up are fused into one matmu
 `load_weights` maps the separate checkpoint tensors onto the shards of the fused ones.
 """
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -18,7 +18,6 @@ from vllm.model_executor.layers.linear import Linear
 from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding, apply_rotary
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # each (num_blocks, block_size, num_kv_heads, head_dim)
-Rope = tuple[torch.Tensor, torch.Tensor]     # cos, sin: each (num_tokens, 1, head_dim)
 
 
 def _sliding_window(config) -> int | None:
@@ -47,19 +46,25 @@ class LlamaAttention(nn.Module):
                                 bias=getattr(config, "attention_bias", False) and config.model_type != "qwen2")
         self.scale = self.head_dim ** -0.5
 
-    def forward(self, rope: Rope, hidden: torch.Tensor, kv_cache: KVCache,
-                metadata: AttentionMetadata) -> torch.Tensor:
+    def project(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """hidden: (T, hidden) -> rotated q (T, H, D), rotated k and v (T, KVH, D)."""
         t = hidden.shape[0]
         qkv = self.qkv_proj(hidden)                                         # (T, q + 2 kv)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)                        # (T, H, D)
         k = k.view(t, self.num_kv_heads, self.head_dim)                     # (T, KVH, D)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, k, *rope)
+        q, k = apply_rotary(q, k, cos, sin)
+        return q, k, v
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
+               metadata: AttentionMetadata) -> torch.Tensor:
+        """Writes k/v to the paged cache and attends; returns (T, H * D)."""
         key_cache, value_cache = kv_cache
         write_to_kv_cache(k, v, key_cache, value_cache, metadata.slot_mapping)
-        out = paged_attention(q, key_cache, value_cache, metadata, self.scale)  # (T, H, D)
-        return self.o_proj(out.reshape(t, self.q_size))                     # (T, hidden)
+        out = paged_attention(q, k, v, key_cache, value_cache, metadata, self.scale)  # (T, H, D)
+        return out.view(q.shape[0], self.q_size)
 
 
 class LlamaMLP(nn.Module):
@@ -85,9 +90,14 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, rope: Rope, hidden: torch.Tensor, kv_cache: KVCache,
-                metadata: AttentionMetadata) -> torch.Tensor:
-        hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), kv_cache, metadata)
+    # The layer runs in three pieces so that graph capture can leave attention out: the two
+    # dense pieces depend on the (padded) token count only, attention on per-step metadata.
+    def pre_attention(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.self_attn.project(self.input_layernorm(hidden), cos, sin)
+
+    def post_attention(self, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        hidden = hidden + self.self_attn.o_proj(attn_out)                   # (T, hidden)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -99,13 +109,26 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.compile_regions(None)
+
+    def compile_regions(self, compile_fn: Callable | None) -> None:
+        """Runs the dense pieces of every layer through `compile_fn` (e.g. `torch.compile`).
+
+        The unbound methods are compiled once and shared by all layers (the layer is an
+        argument), so one graph per padded token count serves the whole stack.
+        """
+        wrap = compile_fn or (lambda fn: fn)
+        self._pre_attention = wrap(LlamaDecoderLayer.pre_attention)
+        self._post_attention = wrap(LlamaDecoderLayer.post_attention)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 metadata: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)                                   # (T, hidden)
-        rope = self.rotary(positions)
+        cos, sin = self.rotary(positions)                                       # (T, 1, D) each
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(rope, hidden, kv_cache, metadata)
+            q, k, v = self._pre_attention(layer, hidden, cos, sin)
+            attn_out = layer.self_attn.attend(q, k, v, kv_cache, metadata)
+            hidden = self._post_attention(layer, hidden, attn_out)
         return self.norm(hidden)
 
 
@@ -129,6 +152,9 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 metadata: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, metadata)           # (T, hidden)
+
+    def compile_regions(self, compile_fn: Callable | None) -> None:
+        self.model.compile_regions(compile_fn)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: (S, hidden) for the tokens that sample -> (S, vocab) float32 logits."""

@@ -1,0 +1,42 @@
+"""Graph mode: every bucket captured at warm-up, nothing compiled after, same tokens as eager."""
+
+import random
+
+from tests.utils import random_prompts
+from vllm import LLM, SamplingParams
+
+
+def _workload(seed: int) -> tuple[list[dict], list[SamplingParams]]:
+    rng = random.Random(seed)
+    lengths = [rng.randint(1, 200) for _ in range(14)]
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(lengths, seed=seed)]
+    params = [SamplingParams(temperature=0, max_tokens=rng.randint(1, 24)) for _ in lengths]
+    return prompts, params
+
+
+def _run(path: str, enforce_eager: bool):
+    # A cache of 24 blocks x 16 tokens for up to 8 sequences of up to 224 tokens forces preemption.
+    llm = LLM(path, dtype="float32", max_model_len=256, block_size=16, num_gpu_blocks_override=24,
+              max_num_batched_tokens=64, max_num_seqs=8, enforce_eager=enforce_eager)
+    prompts, params = _workload(7)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return llm.llm_engine, [o.outputs[0].token_ids for o in outs]
+
+
+def test_no_compile_after_warmup_and_same_tokens_as_eager(tiny_checkpoints):
+    import torch._dynamo
+
+    path = tiny_checkpoints["llama"]
+    eager_engine, eager = _run(path, enforce_eager=True)
+    # Compiled code is cached per function for the whole process; start from an empty cache so
+    # this engine's warm-up count is its own.
+    torch._dynamo.reset()
+    engine, graphs = _run(path, enforce_eager=False)
+    stats = engine.graph_stats
+    assert stats.enabled and stats.buckets == [16, 32, 64]
+    assert stats.graphs_compiled_at_warmup == 2 * len(stats.buckets)  # two regions per bucket
+    assert stats.compiles_after_warmup == 0 and stats.unwarmed_steps == 0
+    assert engine.stats.num_preemptions > 0
+    assert 0 < stats.padding_overhead < 1.0
+    assert graphs == eager
+    assert not eager_engine.graph_stats.enabled
