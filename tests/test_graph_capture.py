@@ -8,7 +8,7 @@ from vllm import LLM, SamplingParams
 
 def _workload(seed: int) -> tuple[list[dict], list[SamplingParams]]:
     rng = random.Random(seed)
-    lengths = [rng.randint(1, 200) for _ in range(14)]
+    lengths = [rng.randint(1, 232) for _ in range(14)]  # up to max_model_len with the outputs
     prompts = [{"prompt_token_ids": p} for p in random_prompts(lengths, seed=seed)]
     params = [SamplingParams(temperature=0, max_tokens=rng.randint(1, 24)) for _ in lengths]
     return prompts, params
