@@ -41,7 +41,7 @@ class EngineArgs:
     long_prefill_token_threshold: int = 0
     kv_cache_memory_bytes: int | None = None
     num_gpu_blocks_override: int | None = None
-    enforce_eager: bool = False
+    enforce_eager: bool | None = None  # None: the platform's default (see Platform.default_enforce_eager)
     device: str = "auto"
 
     @classmethod
@@ -85,5 +85,7 @@ class EngineArgs:
             max_num_partial_prefills=self.max_num_partial_prefills,
             long_prefill_token_threshold=self.long_prefill_token_threshold)
         config = EngineConfig(model=model_config, cache=cache_config, scheduler=scheduler_config,
-                              device=platform.device_type, enforce_eager=self.enforce_eager)
+                              device=platform.device_type,
+                              enforce_eager=(platform.default_enforce_eager if self.enforce_eager is None
+                                             else self.enforce_eager))
         return config, source, tokenizer_source

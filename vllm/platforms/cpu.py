@@ -15,6 +15,10 @@ def cpu_has_amx_bf16() -> bool:
 
 class CpuPlatform(Platform):
     device_type = "cpu"
+    # Measured on the 2-core AMX machine (benchmarks/results/graphs.json): captured regions run
+    # prefill ~1.07x faster but decode ~0.87x (the per-call cost of compiled regions exceeds the
+    # element-wise fusion they buy for a 135M model), so graphs are opt-in on CPU.
+    default_enforce_eager = True
 
     def __init__(self) -> None:
         # bf16 runs on AMX/AVX512-bf16 tiles at several times the fp32 rate; without them fp32 is

@@ -11,6 +11,8 @@ class Platform:
     device_type: str = "cpu"
     # Compute dtype chosen by dtype="auto".
     default_dtype: torch.dtype = torch.float32
+    # Whether graph capture is off unless the user asks for it (enforce_eager=False).
+    default_enforce_eager: bool = False
 
     @property
     def device(self) -> torch.device:
