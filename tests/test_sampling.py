@@ -62,3 +62,13 @@ def test_seeded_sampling_ignores_chunking_and_batch_mates(tiny_checkpoints):
     llm_mixed = _seeded(path, 32, [prompts[2]] + random_prompts([60, 9], seed=4), [seeds[2], 99, 98])
     assert llm_mixed[0] == reference[2]
     assert len({tuple(r) for r in reference}) == len(reference)  # different seeds, different draws
+
+
+def test_a_rows_draws_ignore_batch_mates_with_other_filters():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 100)
+    plain, filtered = SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_k=5, top_p=0.9)
+    g_alone, g_mixed, g_other = (torch.Generator().manual_seed(s) for s in (5, 5, 6))
+    alone = [sample(logits[:1], [plain], [g_alone])[0] for _ in range(30)]
+    mixed = [sample(logits, [plain, filtered], [g_mixed, g_other])[0] for _ in range(30)]
+    assert alone == mixed and len(set(alone)) > 5

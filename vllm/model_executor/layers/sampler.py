@@ -15,32 +15,39 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     """
     assert logits.shape[0] == len(params) == len(generators)
     tokens = logits.argmax(dim=-1)                                          # (S,)
-    rows = [i for i, p in enumerate(params) if not p.greedy]
-    if rows:
-        random_rows = torch.tensor(rows)
-        tokens[random_rows] = _sample_random(logits[random_rows], [params[i] for i in rows],
-                                             [generators[i] for i in rows])
+    # Rows with top-k/top-p filters draw in rank order, the others in vocabulary order; each
+    # kind is sampled on its own so a row's draw never depends on which rows share the batch.
+    for filtered in (False, True):
+        rows = [i for i, p in enumerate(params)
+                if not p.greedy and (p.top_k > 0 or p.top_p < 1.0) == filtered]
+        if rows:
+            index = torch.tensor(rows)
+            tokens[index] = _sample_random(logits[index], [params[i] for i in rows],
+                                           [generators[i] for i in rows], filtered)
     return tokens.tolist()
 
 
 def _sample_random(logits: torch.Tensor, params: list[SamplingParams],
-                   generators: list[torch.Generator]) -> torch.Tensor:
+                   generators: list[torch.Generator], filtered: bool) -> torch.Tensor:
     """logits: (R, V) -> (R,) token ids."""
     num_rows, vocab = logits.shape
     temperature = torch.tensor([p.temperature for p in params]).unsqueeze(1)   # (R, 1)
     top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params]).unsqueeze(1)
     top_p = torch.tensor([p.top_p for p in params]).unsqueeze(1)
 
-    sorted_logits, order = (logits / temperature).sort(dim=-1, descending=True)  # (R, V)
-    rank = torch.arange(vocab).unsqueeze(0)                                    # (1, V)
-    sorted_logits = sorted_logits.masked_fill(rank >= top_k, float("-inf"))
-    probs = sorted_logits.softmax(dim=-1)
-    # Drop a token when the tokens ranked above it already cover top_p (the first always stays).
-    mass_above = probs.cumsum(dim=-1) - probs
-    probs = probs.masked_fill(mass_above > top_p, 0.0)
+    scaled = logits / temperature                                              # (R, V)
+    if filtered:  # filters need the tokens in rank order
+        scaled, order = scaled.sort(dim=-1, descending=True)
+        rank = torch.arange(vocab).unsqueeze(0)                                # (1, V)
+        scaled = scaled.masked_fill(rank >= top_k, float("-inf"))
+    probs = scaled.softmax(dim=-1)
+    if filtered:
+        # Drop a token when the tokens ranked above it already cover top_p (the first stays).
+        mass_above = probs.cumsum(dim=-1) - probs
+        probs = probs.masked_fill(mass_above > top_p, 0.0)
 
     noise = torch.empty_like(probs)
     for i, gen in enumerate(generators):
         noise[i].exponential_(generator=gen)
     choice = (probs / noise).argmax(dim=-1, keepdim=True)                     # (R, 1)
-    return order.gather(1, choice).squeeze(1)
+    return (order.gather(1, choice) if filtered else choice).squeeze(1)

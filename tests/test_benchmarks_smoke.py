@@ -1,0 +1,289 @@
+"""The benchmark scripts run end to end at a tiny size on a tiny random Llama checkpoint.
+
+Each script runs as a subprocess (`sys.executable`), as a user would run it, and writes its JSON
+into tmp_path. Sizes are a few requests of a few tokens, so each run takes seconds. The pure
+helpers of the serving benchmark (arrivals, goodput, metrics, the capacity bisection) are also
+checked in process, without an engine.
+"""
+
+import importlib.util
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(REPO, "benchmarks")
+THROUGHPUT_LINE = re.compile(
+    r"^Throughput: [0-9.]+ requests/s, [0-9.]+ total tokens/s, [0-9.]+ output tokens/s$", re.M)
+VLLM_THROUGHPUT_KEYS = {"elapsed_time", "num_requests", "total_num_tokens", "requests_per_second",
+                        "tokens_per_second"}
+# Small engines: eager (no graph capture at start-up) and a small KV cache.
+ENGINE = ["--enforce-eager", "--kv-cache-memory-bytes", str(32 * 1024**2), "--block-size", "16"]
+
+
+def run_script(name: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, name), *args], capture_output=True,
+                          text=True, timeout=timeout, cwd=REPO, env=env)
+    return proc
+
+
+def check_ok(proc: subprocess.CompletedProcess) -> None:
+    assert proc.returncode == 0, (f"exit {proc.returncode}\nstdout:\n{proc.stdout}\n"
+                                  f"stderr:\n{proc.stderr[-4000:]}")
+
+
+def load_module(name: str):
+    """Imports benchmarks/<name>.py (its `import common` finds benchmarks/common.py)."""
+    if name in sys.modules:
+        return sys.modules[name]
+    sys.path.insert(0, BENCH)
+    try:
+        spec = importlib.util.spec_from_file_location(name, os.path.join(BENCH, f"{name}.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses look their module up there
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(BENCH)
+
+
+def check_roofline(roofline: dict) -> None:
+    assert "error" not in roofline, roofline
+    assert roofline["peak_matmul_flops_per_s"] > 0
+    assert roofline["memory_bandwidth_bytes_per_s"] > 0
+    assert 0 < roofline["prefill"]["fraction_of_matmul_peak"] < 1
+    assert 0 < roofline["decode"]["fraction_of_bandwidth"] < 1
+
+
+# --------------------------------------------------------------------------- throughput
+
+def test_throughput_vllm(tiny_checkpoints, tmp_path):
+    out = tmp_path / "throughput.json"
+    proc = run_script("benchmark_throughput.py", "--model", tiny_checkpoints["llama"],
+                      "--input-len", "16", "--output-len", "4", "--num-prompts", "4",
+                      "--max-num-batched-tokens", "32", *ENGINE, "--disable-tqdm",
+                      "--output-json", str(out))
+    check_ok(proc)
+    assert THROUGHPUT_LINE.search(proc.stdout), proc.stdout
+    result = json.loads(out.read_text())
+    assert VLLM_THROUGHPUT_KEYS <= result.keys()
+    assert result["num_requests"] == 4
+    assert result["total_num_tokens"] == 4 * (16 + 4)
+    assert result["generated_tokens"] == 4 * 4
+    assert result["backend"] == "vllm"
+    assert result["output_tokens_per_second"] > 0
+    assert math.isclose(result["tokens_per_second"], result["total_num_tokens"] / result["elapsed_time"])
+    assert {"cpu_model", "nproc", "torch_version"} <= result["machine"].keys()
+    assert result["args"]["input_len"] == 16
+    # The warm-up is not in the measured counters: 4 x 16 prompt tokens and 4 x 3 decodes are
+    # computed (the engine may count a prompt's last token as a decode, so only the sum is fixed).
+    stats = result["engine_stats"]
+    assert stats["num_prefill_tokens"] + stats["num_decode_tokens"] == 4 * 16 + 4 * 3
+    composition = result["step_composition"]
+    assert sum(c["prefill_tokens"] + c["decode_tokens"] for c in composition.values()) == 76
+    assert sum(c["steps"] for c in composition.values()) == stats["num_steps"]
+    check_roofline(result["roofline"])
+
+
+def test_throughput_hf_backend_with_dataset(tiny_checkpoints, tmp_path):
+    dataset = tmp_path / "workload.jsonl"
+    dataset.write_text("\n".join(json.dumps(r) for r in [
+        {"prompt": "The capital of France is", "output_len": 3},
+        {"prompt_token_ids": [100, 200, 300, 400, 500, 600, 700], "output_len": 5},
+        {"prompt": "Once upon a time", "output_len": 4},
+    ]) + "\n")
+    out = tmp_path / "hf.json"
+    proc = run_script("benchmark_throughput.py", "--backend", "hf", "--hf-max-batch-size", "2",
+                      "--model", tiny_checkpoints["llama"], "--dataset", str(dataset),
+                      "--num-prompts", "3", "--output-json", str(out))
+    check_ok(proc)
+    assert THROUGHPUT_LINE.search(proc.stdout), proc.stdout
+    result = json.loads(out.read_text())
+    assert VLLM_THROUGHPUT_KEYS <= result.keys()
+    assert result["backend"] == "hf"
+    assert result["num_requests"] == 3
+    assert result["total_output_tokens"] == 3 + 5 + 4
+    assert result["num_batches"] == 2
+    # Every row of a batch generates the batch's longest output (min_new_tokens = max_new_tokens).
+    assert result["generated_tokens"] == 2 * 5 + 1 * 4
+
+
+def test_throughput_dataset_output_len_override_vllm(tiny_checkpoints, tmp_path):
+    dataset = tmp_path / "workload.json"
+    dataset.write_text(json.dumps([{"prompt": "Hello there, how are you", "output_len": 50},
+                                   {"prompt": "Tell me a story", "output_len": 60}]))
+    out = tmp_path / "t.json"
+    proc = run_script("benchmark_throughput.py", "--model", tiny_checkpoints["llama"],
+                      "--dataset", str(dataset), "--output-len", "3", "--num-prompts", "5",
+                      "--no-enable-chunked-prefill", *ENGINE, "--disable-tqdm", "--no-roofline",
+                      "--output-json", str(out))
+    check_ok(proc)
+    result = json.loads(out.read_text())
+    assert result["num_requests"] == 2
+    assert result["total_output_tokens"] == 6
+    assert result["enable_chunked_prefill"] is False
+    assert "roofline" not in result
+
+
+def test_throughput_argument_errors(tiny_checkpoints):
+    proc = run_script("benchmark_throughput.py", "--backend", "hf", "--input-len", "4",
+                      "--output-len", "2", "--model", tiny_checkpoints["llama"])
+    assert proc.returncode == 2 and "--hf-max-batch-size" in proc.stderr
+    proc = run_script("benchmark_throughput.py", "--model", tiny_checkpoints["llama"])
+    assert proc.returncode == 2 and "--input-len" in proc.stderr
+
+
+def test_throughput_llama_cpp_backend(tiny_checkpoints, tmp_path):
+    """With llama-cpp-python missing (CI) the backend fails with a clear message; with it, it runs."""
+    has_llama_cpp = importlib.util.find_spec("llama_cpp") is not None
+    out = tmp_path / "llama_cpp.json"
+    args = ["--backend", "llama.cpp", "--input-len", "8", "--output-len", "3", "--num-prompts", "3",
+            "--output-json", str(out)]
+    if not has_llama_cpp:
+        args += ["--model", tiny_checkpoints["llama"]]
+    proc = run_script("benchmark_throughput.py", *args)
+    if has_llama_cpp:  # the default model is a GGUF
+        check_ok(proc)
+        assert THROUGHPUT_LINE.search(proc.stdout)
+        assert json.loads(out.read_text())["generated_tokens"] == 9
+    else:
+        assert proc.returncode != 0
+        assert "llama-cpp-python" in proc.stderr + proc.stdout
+
+
+# --------------------------------------------------------------------------- latency
+
+def test_latency(tiny_checkpoints, tmp_path):
+    out = tmp_path / "latency.json"
+    proc = run_script("benchmark_latency.py", "--model", tiny_checkpoints["llama"],
+                      "--input-len", "8", "--output-len", "4", "--batch-size", "2",
+                      "--num-iters-warmup", "1", "--num-iters", "3", *ENGINE,
+                      "--output-json", str(out))
+    check_ok(proc)
+    assert re.search(r"^Avg latency: [0-9.e-]+ seconds$", proc.stdout, re.M), proc.stdout
+    assert re.search(r"^99% percentile latency: [0-9.e-]+ seconds$", proc.stdout, re.M)
+    result = json.loads(out.read_text())
+    assert {"avg_latency", "latencies", "percentiles"} <= result.keys()
+    assert len(result["latencies"]) == 3
+    assert set(result["percentiles"]) == {"10", "25", "50", "75", "90", "99"}
+    assert math.isclose(result["avg_latency"], sum(result["latencies"]) / 3)
+    assert result["percentiles"]["10"] <= result["percentiles"]["99"]
+    # 3 iterations x 2 prompts x (8 prompt tokens + 3 decodes)
+    stats = result["engine_stats"]
+    assert stats["num_prefill_tokens"] + stats["num_decode_tokens"] == 3 * 2 * (8 + 3)
+    assert result["avg_decode_steps"] == 3
+    check_roofline(result["roofline"])
+
+
+# --------------------------------------------------------------------------- serving
+
+SERVING_TINY = ["--num-prompts", "5", "--short-input-len", "8:24", "--long-input-len", "150:200",
+                "--output-len-range", "3:6", "--max-num-batched-tokens", "64"]
+
+
+def test_serving_compare_chunked(tiny_checkpoints, tmp_path):
+    out = tmp_path / "serving.json"
+    png = tmp_path / "serving.png"
+    proc = run_script("benchmark_serving.py", "--model", tiny_checkpoints["llama"], *SERVING_TINY,
+                      "--request-rate", "50", "--burstiness", "0.5", "--compare-chunked",
+                      "--goodput", "ttft:60000", "tpot:60000", *ENGINE,
+                      "--output-json", str(out), "--plot", str(png))
+    check_ok(proc)
+    assert "Serving Benchmark Result (chunked prefill)" in proc.stdout
+    assert "Serving Benchmark Result (unchunked prefill)" in proc.stdout
+    assert re.search(r"^P99 ITL \(ms\):\s+[0-9.]+", proc.stdout, re.M)
+    result = json.loads(out.read_text())
+    assert set(result["runs"]) == {"chunked", "unchunked"}
+    for name, run in result["runs"].items():
+        assert run["completed"] == 5 and run["failed"] == 0, (name, run["errors"])
+        for metric in ("ttft", "tpot", "itl", "e2el"):
+            for stat in ("mean", "median", "p99"):
+                assert run[f"{stat}_{metric}_ms"] >= 0
+        assert run["request_goodput:"] == run["request_goodput"] == pytest.approx(run["request_throughput"])
+        assert sum(run["output_lens"]) == run["total_output_tokens"]
+        # Every prompt token and every output token but the last of each request is computed.
+        computed = sum(s["prefill_tokens"] + s["decode_tokens"] for s in run["steps"])
+        assert computed == run["total_input_tokens"] + run["total_output_tokens"] - 5
+        assert result["workload"]["num_long"] == 1
+    chunked, unchunked = result["runs"]["chunked"]["steps"], result["runs"]["unchunked"]["steps"]
+    assert max(s["prefill_tokens"] + s["decode_tokens"] for s in chunked) <= 64
+    assert max(s["prefill_tokens"] for s in unchunked) >= 150  # the long prompt in one step
+    assert not any(s["prefill_tokens"] and s["decode_tokens"] for s in unchunked)
+    assert "comparison" in result and "p99_itl_ms" in result["comparison"]
+    assert result["mean_ttft_ms"] == result["runs"]["chunked"]["mean_ttft_ms"]  # top level = first run
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert png.stat().st_size > 0
+    else:
+        assert "matplotlib is not installed" in proc.stdout
+        assert not png.exists()
+
+
+def test_serving_capacity_search(tiny_checkpoints, tmp_path):
+    out = tmp_path / "capacity.json"
+    proc = run_script("benchmark_serving.py", "--model", tiny_checkpoints["llama"], *SERVING_TINY,
+                      "--dataset-name", "random", "--random-input-len", "16",
+                      "--random-output-len", "4", "--random-range-ratio", "0.5",
+                      "--capacity-search", "--itl-slo-ms", "600000", "--max-probes", "2",
+                      "--min-rate", "1", "--max-rate", "100", *ENGINE, "--output-json", str(out))
+    check_ok(proc)
+    result = json.loads(out.read_text())
+    search = result["capacity_search"]["chunked"]
+    assert search["capacity_rate"] == 100  # a 10-minute ITL SLO is met at the highest rate
+    assert len(search["probes"]) == 1 and search["probes"][0]["meets_slo"]
+
+
+def test_serving_helpers():
+    bs = load_module("benchmark_serving")
+    # Arrivals: gamma gaps with mean 1 / rate; inf = all at once.
+    gaps = bs.unit_intervals(20000, 1.0, seed=0)
+    assert abs(sum(gaps) / len(gaps) - 1.0) < 0.05
+    offsets = bs.arrival_offsets(gaps[:5], 2.0)
+    assert offsets[0] == 0.0 and offsets[1] == pytest.approx(gaps[1] / 2.0)
+    assert bs.arrival_offsets(gaps[:3], float("inf")) == [0.0, 0.0, 0.0]
+    bursty = bs.unit_intervals(20000, 0.25, seed=0)
+    assert abs(sum(bursty) / len(bursty) - 1.0) < 0.1
+    # Goodput SLOs in vLLM's syntax.
+    assert bs.parse_goodput(["ttft:500", "tpot:50.5"]) == {"ttft": 500.0, "tpot": 50.5}
+    for bad in (["ttft"], ["itl:5"], ["ttft:-1"]):
+        with pytest.raises(ValueError):
+            bs.parse_goodput(bad)
+    # Metrics: two requests, known times.
+    R = bs.RequestRecord
+    a = R("a", 10, 3, "short", arrival=0.0, token_times=[0.5, 0.6, 0.8], finish=0.8)
+    b = R("b", 20, 2, "long", arrival=1.0, token_times=[3.0, 3.5], finish=3.5)
+    m = bs.compute_metrics([a, b], duration=4.0, slos={"ttft": 1000}, metric_percentiles=[99])
+    assert m["completed"] == 2 and m["total_input_tokens"] == 30 and m["total_output_tokens"] == 5
+    assert m["mean_ttft_ms"] == pytest.approx((500 + 2000) / 2)
+    assert m["mean_tpot_ms"] == pytest.approx((150 + 500) / 2)
+    assert m["median_itl_ms"] == pytest.approx(200)
+    assert m["mean_e2el_ms"] == pytest.approx((800 + 2500) / 2)
+    assert m["request_goodput"] == pytest.approx(1 / 4.0)  # only a meets TTFT <= 1 s
+    assert m["request_throughput"] == pytest.approx(0.5)
+    assert m["by_kind"]["long"]["mean_ttft_ms"] == pytest.approx(2000)
+
+
+def test_capacity_bisection_logic(monkeypatch):
+    bs = load_module("benchmark_serving")
+    probed = []
+
+    def fake_run_mode(llm, workload, intervals, rate, args, slos, tag):
+        probed.append(rate)
+        itl = 10.0 * rate  # P99 ITL grows with load: SLO 100 ms -> capacity 10 req/s
+        return {"itls": [[itl / 1000.0] * 10], "failed": 0, "completed": 1, "duration": 1.0,
+                "request_throughput": 1.0, "output_throughput": 1.0, "mean_ttft_ms": 1.0,
+                "median_itl_ms": itl}
+
+    monkeypatch.setattr(bs, "run_mode", fake_run_mode)
+    args = bs.make_parser().parse_args(["--capacity-search", "--itl-slo-ms", "100", "--min-rate", "1",
+                                        "--max-rate", "64", "--max-probes", "8"])
+    found = bs.capacity_search(None, [], [], args, {}, "chunked")
+    assert len(probed) == 8 and probed[:2] == [64, 1]
+    assert found["capacity_rate"] <= 10 < found["bracket"][1]
+    assert found["capacity_rate"] > 7  # 6 bisection steps of a 64x bracket
+    assert all(p["meets_slo"] == (p["request_rate"] <= 10) for p in found["probes"])
