@@ -9,9 +9,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
            generators: list[torch.Generator]) -> list[int]:
     """logits: (S, vocab) float32, one row per sampling request; `generators[i]` draws row i.
 
-    Random rows use the exponential race (argmax of p / E with E ~ Exp(1)), which picks token j
-    with probability p_j and consumes a fixed amount of the row's own random stream, so a seeded
-    request's tokens do not depend on the other rows.
+    Each random row draws once from its own generator, consuming a fixed amount of that stream,
+    so a seeded request's tokens do not depend on the other rows.
     """
     assert logits.shape[0] == len(params) == len(generators)
     tokens = logits.argmax(dim=-1)                                          # (S,)
@@ -46,8 +45,10 @@ def _sample_random(logits: torch.Tensor, params: list[SamplingParams],
         mass_above = probs.cumsum(dim=-1) - probs
         probs = probs.masked_fill(mass_above > top_p, 0.0)
 
-    noise = torch.empty_like(probs)
-    for i, gen in enumerate(generators):
-        noise[i].exponential_(generator=gen)
-    choice = (probs / noise).argmax(dim=-1, keepdim=True)                     # (R, 1)
+    # Inverse CDF: one uniform number per row from the row's own generator. (torch.multinomial
+    # draws one exponential per vocabulary entry, ~25x slower for a 49k vocabulary.)
+    cdf = probs.cumsum(dim=-1)                                                  # (R, V)
+    u = torch.cat([torch.rand(1, generator=gen) for gen in generators]).unsqueeze(1) * cdf[:, -1:]
+    # right=True: the first token whose cumulative mass exceeds u, so zero-mass tokens never win.
+    choice = torch.searchsorted(cdf, u, right=True).clamp_(max=vocab - 1)    # (R, 1)
     return (order.gather(1, choice) if filtered else choice).squeeze(1)
