@@ -121,14 +121,9 @@ def main(args: argparse.Namespace) -> dict:
                       "decode_tokens": stats["num_decode_tokens"], "num_steps": stats["num_steps"]})
         common.print_roofline(results["roofline"])
 
-    path = args.output_json
-    if path is None and args.save_result:
-        mode = "chunked" if args.enable_chunked_prefill else "unchunked"
-        path = common.default_result_path(
-            f"latency-{mode}-in{args.input_len}-out{args.output_len}-bs{args.batch_size}")
-    if path is not None:
-        path = common.write_json(results, path)
-        print(f"Results written to {path}")
+    mode = "chunked" if args.enable_chunked_prefill else "unchunked"
+    common.save_results(results, args.output_json, args.save_result,
+                        f"latency-{mode}-in{args.input_len}-out{args.output_len}-bs{args.batch_size}")
     return results
 
 

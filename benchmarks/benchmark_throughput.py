@@ -365,12 +365,7 @@ def main(args: argparse.Namespace) -> dict:
         "machine": common.machine_info(),
         **extra,
     }
-    path = args.output_json
-    if path is None and args.save_result:
-        path = common.default_result_path(result_name(args))
-    if path is not None:
-        path = common.write_json(results, path)
-        print(f"Results written to {path}")
+    common.save_results(results, args.output_json, args.save_result, result_name(args))
     return results
 
 

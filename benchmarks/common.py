@@ -269,6 +269,16 @@ def default_result_path(name: str) -> Path:
     return RESULTS_DIR / f"{name}.json"
 
 
+def save_results(results: dict, output_json: str | None, save_result: bool, name: str) -> None:
+    """Writes to --output-json, or with --save-result to benchmarks/results/<name>.json."""
+    path = output_json
+    if path is None and save_result:
+        path = default_result_path(name)
+    if path is not None:
+        path = write_json(results, path)
+        print(f"Results written to {path}")
+
+
 def write_json(result: dict, path: str | os.PathLike | None = None, name: str | None = None) -> Path:
     """Writes `result` to `path`, or to benchmarks/results/<name>.json; returns the path."""
     if path is None:
