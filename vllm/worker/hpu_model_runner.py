@@ -173,9 +173,12 @@ class HPUModelRunner:
         args = (inputs.input_ids, inputs.positions, self.cache.kv_caches, inputs.metadata)
         if eager:
             with torch.compiler.set_stance("force_eager"):
-                return self.model(*args)
+                hidden = self.model(*args)
+            self.platform.mark_step()
+            return hidden
         before = _compiled_graph_count()
         hidden = self.model(*args)                                              # (T, hidden)
+        self.platform.mark_step()  # HPU lazy mode: flush the step's ops; no-op elsewhere
         if self._warmed_up and _compiled_graph_count() != before:
             self.graph_stats.compiles_after_warmup += _compiled_graph_count() - before
             logger.warning("A graph was compiled after warm-up (%d tokens)", inputs.input_ids.shape[0])
