@@ -1,4 +1,8 @@
+import ctypes
+import ctypes.util
 import functools
+import logging
+import sys
 
 import torch
 
@@ -13,6 +17,38 @@ def cpu_has_amx_bf16() -> bool:
         return False
 
 
+logger = logging.getLogger(__name__)
+
+# glibc mallopt parameters
+_M_TRIM_THRESHOLD = -1
+_M_TOP_PAD = -2
+_M_MMAP_THRESHOLD = -3
+
+
+def keep_freed_memory_in_process() -> bool:
+    """Stops glibc from returning each freed activation buffer to the kernel.
+
+    By default glibc serves blocks above a few hundred KiB with mmap and unmaps them on free, so
+    every eager op on a (512, 576) activation page-faults its output in again: a bf16 RMSNorm
+    over 512 tokens took 0.9 ms instead of 0.15 ms on the 2-core AMX machine. Keeping blocks of
+    up to 32 MiB (glibc's maximum mmap threshold) on the heap, and not trimming it, lets the
+    allocator reuse them. This is what LD_PRELOAD'ing tcmalloc or jemalloc does for vLLM's CPU
+    backend. Returns whether the settings were applied (glibc only).
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        ok = (libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20) == 1
+              and libc.mallopt(_M_TRIM_THRESHOLD, 1 << 30) == 1
+              and libc.mallopt(_M_TOP_PAD, 64 << 20) == 1)
+    except (OSError, AttributeError):
+        ok = False
+    if not ok:
+        logger.info("Could not tune the C allocator (not glibc?); eager ops may page-fault more")
+    return ok
+
+
 class CpuPlatform(Platform):
     device_type = "cpu"
     # Measured on the 2-core AMX machine (benchmarks/results/graphs.json): captured regions run
@@ -24,6 +60,7 @@ class CpuPlatform(Platform):
         # bf16 runs on AMX/AVX512-bf16 tiles at several times the fp32 rate; without them fp32 is
         # the safer default.
         self.default_dtype = torch.bfloat16 if cpu_has_amx_bf16() else torch.float32
+        keep_freed_memory_in_process()
 
     def compile_fn(self):
         # Inductor generates C++ kernels that fuse the norms, rotary and activation
