@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+from torch._dynamo.utils import counters as dynamo_counters
 
 from vllm.attention.backends.hpu_attn import AttentionMetadata, SeqSpan, build_attention_metadata
 from vllm.config import EngineConfig
@@ -29,9 +30,7 @@ logger = logging.getLogger(__name__)
 
 
 def _compiled_graph_count() -> int:
-    from torch._dynamo.utils import counters
-
-    return counters["stats"]["unique_graphs"]
+    return dynamo_counters["stats"]["unique_graphs"]
 
 
 @dataclass(slots=True)
@@ -40,7 +39,6 @@ class ModelInputs:
     positions: torch.Tensor       # (padded_tokens,) int64
     metadata: AttentionMetadata
     logits_indices: torch.Tensor  # (num_sampling_seqs,) int64: rows of the hidden states to sample
-    num_real_tokens: int
 
 
 class HPUModelRunner:
@@ -60,16 +58,15 @@ class HPUModelRunner:
         self._generators: dict[str, torch.Generator] = {}
 
         self.graph_stats = GraphStats(enabled=not config.enforce_eager)
-        self.buckets: list[int] = []
         if self.graph_stats.enabled:
-            self.buckets = generate_buckets(bucket_config_from_env(config.scheduler.max_num_batched_tokens))
-            self.graph_stats.buckets = self.buckets
+            self.graph_stats.buckets = generate_buckets(
+                bucket_config_from_env(config.scheduler.max_num_batched_tokens))
             from torch._dynamo import config as dynamo_config
 
             # Each captured function keeps one graph per bucket, and the cache is per function
             # for the whole process (engines of other models add theirs); past the limit dynamo
             # would quietly run eager.
-            dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 8 * len(self.buckets))
+            dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 8 * len(self.graph_stats.buckets))
             model.compile_regions(platform.compile_fn())
         self._warmed_up = False
 
@@ -83,7 +80,7 @@ class HPUModelRunner:
         start = time.perf_counter()
         before = _compiled_graph_count()
         pad_slot = self.cache.pad_slot
-        for size in reversed(self.buckets):
+        for size in reversed(self.graph_stats.buckets):
             # Padding only: attention has no sequence to attend for, the regions see the shapes.
             metadata = build_attention_metadata([], 0, [pad_slot] * size, self.cache.block_size,
                                                 self.heads_per_kv, self.sliding_window,
@@ -96,7 +93,7 @@ class HPUModelRunner:
         stats.warmup_seconds = time.perf_counter() - start
         self._warmed_up = True
         logger.info("Warm-up captured %d graphs for %d token buckets %s in %.1f s",
-                    stats.graphs_compiled_at_warmup, len(self.buckets), self.buckets,
+                    stats.graphs_compiled_at_warmup, len(self.graph_stats.buckets), self.graph_stats.buckets,
                     stats.warmup_seconds)
 
     # ---------------------------------------------------------------- inputs
@@ -118,8 +115,7 @@ class HPUModelRunner:
             spans.append(SeqSpan(offset, s.num_tokens, s.context_len, table))
             if s.sample:
                 logits_indices.append(offset + s.num_tokens - 1)
-        num_real = len(input_ids)
-        num_pad = padded_size - num_real
+        num_pad = padded_size - len(input_ids)
         assert num_pad >= 0
         input_ids.extend([0] * num_pad)
         positions.extend([0] * num_pad)
@@ -133,18 +129,17 @@ class HPUModelRunner:
             positions=torch.tensor(positions, dtype=torch.int64, device=self.device),
             metadata=metadata,
             logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=self.device),
-            num_real_tokens=num_real,
         )
 
     def _padded_size(self, num_tokens: int) -> int | None:
         """The bucket for this step, or None to run it eagerly at its own size."""
         if not self.graph_stats.enabled:
             return None
-        bucket = find_bucket(self.buckets, num_tokens)
+        bucket = find_bucket(self.graph_stats.buckets, num_tokens)
         if bucket is None:
             self.graph_stats.unwarmed_steps += 1
             logger.warning("Step of %d tokens exceeds the largest bucket (%d); running it eagerly",
-                           num_tokens, self.buckets[-1])
+                           num_tokens, self.graph_stats.buckets[-1])
         return bucket
 
     # ---------------------------------------------------------------- the step

@@ -38,6 +38,14 @@ class AttentionGroup:
     context_bias: torch.Tensor | None = None
     no_context: torch.Tensor | None = None  # (S,) bool
 
+    def to(self, device: torch.device, dtype: torch.dtype) -> "AttentionGroup":
+        """Moves the tensors to `device`; the additive bias also takes the compute dtype."""
+        bias = None if self.context_bias is None else self.context_bias.to(device, dtype)
+        mask = None if self.mask is None else self.mask.to(device)
+        no_context = None if self.no_context is None else self.no_context.to(device)
+        return AttentionGroup(self.gather_index.to(device), self.scatter_index.to(device),
+                              self.block_tables.to(device), mask, bias, no_context)
+
 
 @dataclass(slots=True)
 class AttentionMetadata:
@@ -45,7 +53,6 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor          # (num_tokens,) int64: cache slot of each token's K/V
     groups: tuple[AttentionGroup, ...]  # decodes, then prefill chunks (empty groups omitted)
-    num_tokens: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,14 +147,9 @@ def build_attention_metadata(spans: list[SeqSpan], num_decodes: int, slot_mappin
         else:
             groups.append(_masked_group(prefills, num_tokens, block_size, heads_per_kv,
                                         sliding_window, pad_block))
-    groups = [AttentionGroup(*(None if t is None else t.to(device=device, dtype=dtype)
-                               if t.is_floating_point() else t.to(device) for t in (
-                                   g.gather_index, g.scatter_index, g.block_tables, g.mask,
-                                   g.context_bias, g.no_context))) for g in groups]
     return AttentionMetadata(
         slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
-        groups=tuple(groups),
-        num_tokens=num_tokens,
+        groups=tuple(g.to(device, dtype) for g in groups),
     )
 
 
