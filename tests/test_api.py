@@ -69,7 +69,7 @@ def test_abort_frees_blocks(llm):
 
 @pytest.mark.parametrize("field,value,match", [
     ("temperature", -1.0, "temperature"), ("top_p", 0.0, "top_p"), ("top_k", -3, "top_k"),
-    ("max_tokens", 0, "max_tokens"), ("n", 2, "n must be 1"),
+    ("max_tokens", 0, "max_tokens"), ("n", 0, "n must be"),
 ])
 def test_sampling_params_validation(field, value, match):
     with pytest.raises(ValueError, match=match):

@@ -72,3 +72,34 @@ def test_a_rows_draws_ignore_batch_mates_with_other_filters():
     alone = [sample(logits[:1], [plain], [g_alone])[0] for _ in range(30)]
     mixed = [sample(logits, [plain, filtered], [g_mixed, g_other])[0] for _ in range(30)]
     assert alone == mixed and len(set(alone)) > 5
+
+
+def test_repetition_penalty_and_min_tokens_end_to_end_match_transformers(tiny_checkpoints):
+    """transformers' RepetitionPenaltyLogitsProcessor and MinNewTokensLengthLogitsProcessor use
+    the same rules (prompt and output tokens penalised; EOS masked until the minimum)."""
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_checkpoints["llama"]
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    llm = LLM(path, dtype="float32", max_model_len=512, block_size=16, max_num_batched_tokens=16,
+              enforce_eager=True)
+    greedy = SamplingParams(temperature=0, max_tokens=24)
+    # Prompts that end with their own greedy continuation: the penalty has tokens to act on.
+    prompts = [p + o.outputs[0].token_ids for p, o in zip(
+        random_prompts([12, 70], seed=9),
+        llm.generate([{"prompt_token_ids": p} for p in random_prompts([12, 70], seed=9)], greedy,
+                     use_tqdm=False))]
+    params = SamplingParams(temperature=0, repetition_penalty=1.8, min_tokens=20, max_tokens=24)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    plain = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
+    for prompt, out, base in zip(prompts, outs, plain, strict=True):
+        ids = torch.tensor([prompt])
+        with torch.inference_mode():
+            ref = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=24, repetition_penalty=1.8, min_new_tokens=20)
+        expected = ref[0, len(prompt):].tolist()
+        eos = model.generation_config.eos_token_id
+        if eos in expected:
+            expected = expected[:expected.index(eos) + 1]
+        assert out.outputs[0].token_ids == expected
+        assert out.outputs[0].token_ids != base.outputs[0].token_ids  # the penalty mattered

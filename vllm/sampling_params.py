@@ -1,49 +1,120 @@
-"""Per-request sampling parameters, with vLLM's names and validation."""
+"""Per-request sampling parameters, with vLLM's names, defaults and validation."""
 
+import copy
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 # Below this temperature sampling is treated as greedy, as in vLLM.
 _SAMPLING_EPS = 1e-5
 
 
+def _is_int(value: object) -> bool:
+    # bool is a subclass of int in Python; `top_k=True` is a mistake, not 1.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
+
+
+def _check(name: str, value: object, ok: Callable[[object], bool], allowed: str) -> None:
+    if not ok(value):
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
 @dataclass
 class SamplingParams:
     """How to pick the tokens of one request.
 
-    `temperature=0` is greedy. `top_k=0` or `-1` and `top_p=1` disable those filters. A `seed`
-    gives the request its own random stream, so its tokens do not depend on which other requests
-    share a step, nor on how its prompt was chunked.
+    `temperature=0` is greedy. `top_k=0` (or -1, stored as 0), `top_p=1` and `min_p=0` disable
+    those filters; penalties at their defaults (0, 0, 1) do nothing. A `seed` gives the request
+    its own random stream, so its tokens do not depend on which other requests share a step,
+    nor on how its prompt was chunked. After `__post_init__`: `stop` is a list of strings,
+    `stop_token_ids` a list of ints, `best_of == n`, and floats are Python floats.
     """
 
     n: int = 1
+    best_of: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None
-    max_tokens: int | None = 16
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = field(default_factory=list)
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
-    stop_token_ids: list[int] = field(default_factory=list)
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
 
     def __post_init__(self) -> None:
-        if self.n != 1:
-            raise ValueError(f"n must be 1 (parallel sampling is not supported yet), got {self.n}")
-        if self.temperature < 0.0:
-            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        self._check_counts()
+        self._check_floats()
         if self.top_k == -1:
             self.top_k = 0
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be 0 or -1 (disable) or a positive integer, got {self.top_k}")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids}")
-        self.stop_token_ids = list(self.stop_token_ids)
+        _check("top_k", self.top_k, lambda v: _is_int(v) and v >= 0,
+               "0 or -1 (disabled) or an integer >= 1")
+        _check("seed", self.seed, lambda v: v is None or _is_int(v), "None or an integer")
+        for name in ("logprobs", "prompt_logprobs"):
+            _check(name, getattr(self, name), lambda v: v is None or (_is_int(v) and v >= 0),
+                   "None or an integer >= 0")
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens",
+                     "spaces_between_special_tokens"):
+            _check(name, getattr(self, name), lambda v: isinstance(v, bool), "True or False")
+        self._normalise_stops()
+
+    def _check_counts(self) -> None:
+        _check("n", self.n, lambda v: _is_int(v) and v >= 1, "an integer >= 1")
+        if self.best_of is None:
+            self.best_of = self.n
+        _check("best_of", self.best_of, lambda v: _is_int(v) and v >= self.n,
+               f"None or an integer >= n ({self.n})")
+        if self.best_of > self.n:
+            raise ValueError(f"best_of > n is not supported (all n samples are returned), "
+                             f"got best_of={self.best_of}, n={self.n}")
+        _check("max_tokens", self.max_tokens, lambda v: v is None or (_is_int(v) and v >= 1),
+               "None or an integer >= 1")
+        limit = math.inf if self.max_tokens is None else self.max_tokens
+        _check("min_tokens", self.min_tokens, lambda v: _is_int(v) and 0 <= v <= limit,
+               f"an integer in [0, max_tokens={self.max_tokens}]")
+
+    def _check_floats(self) -> None:
+        ranges = {  # name -> (test, allowed range as shown to the user)
+            "presence_penalty": (lambda v: -2.0 <= v <= 2.0, "in [-2, 2]"),
+            "frequency_penalty": (lambda v: -2.0 <= v <= 2.0, "in [-2, 2]"),
+            "repetition_penalty": (lambda v: v > 0.0, "> 0"),
+            "temperature": (lambda v: v >= 0.0, ">= 0"),
+            "top_p": (lambda v: 0.0 < v <= 1.0, "in (0, 1]"),
+            "min_p": (lambda v: 0.0 <= v <= 1.0, "in [0, 1]"),
+        }
+        for name, (in_range, allowed) in ranges.items():
+            value = getattr(self, name)
+            _check(name, value, lambda v: _is_number(v) and in_range(v), f"a number {allowed}")
+            setattr(self, name, float(value))
+
+    def _normalise_stops(self) -> None:
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop
+        _check("stop", stop, lambda v: v is None or (
+            isinstance(v, (list, tuple)) and all(isinstance(s, str) and s for s in v)),
+            "None, a non-empty string or a list of non-empty strings")
+        self.stop = list(stop or [])
+        _check("stop_token_ids", self.stop_token_ids, lambda v: v is None or (
+            isinstance(v, (list, tuple)) and all(_is_int(t) and t >= 0 for t in v)),
+            "None or a list of integers >= 0")
+        self.stop_token_ids = list(self.stop_token_ids or [])
 
     @property
     def greedy(self) -> bool:
         return self.temperature < _SAMPLING_EPS
+
+    def clone(self) -> "SamplingParams":
+        """A deep copy, so editing the copy's lists leaves this request alone."""
+        return copy.deepcopy(self)

@@ -1,8 +1,29 @@
-"""Turns the logits of the sampling rows into token ids: greedy, or temperature/top-k/top-p."""
+"""Turns the logits of the sampling rows into token ids.
+
+Order, as in vLLM: min_tokens masking and penalties, then greedy argmax or temperature, min_p,
+top-k and top-p, then one draw per row.
+"""
 
 import torch
 
+from vllm.model_executor.layers.logits_processors import (apply_min_p, apply_min_tokens,
+                                                             apply_penalties)
 from vllm.sampling_params import SamplingParams
+
+
+def sample_with_processors(logits: torch.Tensor, params: list[SamplingParams],
+                           generators: list[torch.Generator],
+                           prompt_token_ids: list[list[int]], output_token_ids: list[list[int]],
+                           eos_token_id: int | None) -> list[int]:
+    """The model runner's entry point: logits (S, vocab) float32, one row per sampling request.
+
+    Row i belongs to the request with `params[i]`, `generators[i]`, and the tokens generated so
+    far `output_token_ids[i]`. Greedy rows see the penalties and min_tokens too.
+    """
+    logits = apply_min_tokens(logits, params, [len(ids) for ids in output_token_ids],
+                              eos_token_id)                                     # (S, V)
+    logits = apply_penalties(logits, params, prompt_token_ids, output_token_ids)  # (S, V)
+    return sample(logits, params, generators)
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],
@@ -16,6 +37,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     tokens = logits.argmax(dim=-1)                                          # (S,)
     # Rows with top-k/top-p filters draw in rank order, the others in vocabulary order; each
     # kind is sampled on its own so a row's draw never depends on which rows share the batch.
+    # min_p keeps a row in vocabulary order: it removes tokens without needing their ranks.
     for filtered in (False, True):
         rows = [i for i, p in enumerate(params)
                 if not p.greedy and (p.top_k > 0 or p.top_p < 1.0) == filtered]
@@ -35,6 +57,7 @@ def _sample_random(logits: torch.Tensor, params: list[SamplingParams],
     top_p = torch.tensor([p.top_p for p in params]).unsqueeze(1)
 
     scaled = logits / temperature                                              # (R, V)
+    scaled = apply_min_p(scaled, params)                                       # (R, V)
     if filtered:  # filters need the tokens in rank order
         scaled, order = scaled.sort(dim=-1, descending=True)
         rank = torch.arange(vocab).unsqueeze(0)                                # (1, V)
@@ -52,3 +75,4 @@ def _sample_random(logits: torch.Tensor, params: list[SamplingParams],
     # right=True: the first token whose cumulative mass exceeds u, so zero-mass tokens never win.
     choice = torch.searchsorted(cdf, u, right=True).clamp_(max=vocab - 1)    # (R, 1)
     return (order.gather(1, choice) if filtered else choice).squeeze(1)
+
