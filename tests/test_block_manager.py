@@ -1,14 +1,17 @@
 """BlockManager: the free list, per-request block tables and the slot arithmetic. No torch."""
 
+from collections import Counter
 import pytest
 
 from vllm.core.block_manager import BlockManager, cdiv
 
 
 def _assert_partition(bm: BlockManager) -> None:
-    """Every block id is in the free list or in exactly one table."""
-    owned = [b for table in bm._tables.values() for b in table]
-    assert sorted(owned + list(bm._free)) == list(range(bm.num_blocks))
+    """A block is free exactly when no table holds it; its count is the tables that do."""
+    holders = Counter(b for table in bm._tables.values() for b in table)
+    assert sorted(set(holders) | set(bm._free)) == list(range(bm.num_blocks))
+    assert not set(holders) & set(bm._free) and len(bm._free) == len(set(bm._free))
+    assert all(bm.ref_count(b) == holders[b] for b in range(bm.num_blocks))
 
 
 def test_cdiv_and_num_blocks_for():
@@ -100,3 +103,40 @@ def test_invalid_geometry_is_rejected():
         BlockManager(num_blocks=0, block_size=16)
     with pytest.raises(AssertionError):
         BlockManager(num_blocks=4, block_size=0)
+
+
+def test_fork_shares_full_blocks_and_copies_the_partial_one():
+    bm = BlockManager(num_blocks=10, block_size=4)
+    bm.grow("p", 10)                                  # blocks 0, 1, 2 (2 half full)
+    assert bm.fork("p", "c1", 10) == (2, 3)           # copy partial block 2 into fresh block 3
+    assert bm.fork("p", "c2", 10) == (2, 4)
+    assert bm.block_table("c1") == [0, 1, 3] and bm.block_table("c2") == [0, 1, 4]
+    assert [bm.ref_count(b) for b in range(5)] == [3, 3, 1, 1, 1]
+    _assert_partition(bm)
+    bm.free("p")                                      # shared blocks stay with the children
+    assert bm.num_free_blocks == 10 - 4
+    bm.free("c1")
+    bm.free("c2")
+    assert bm.num_free_blocks == 10
+    _assert_partition(bm)
+
+
+def test_fork_at_a_block_boundary_copies_nothing_and_needs_no_free_block():
+    bm = BlockManager(num_blocks=3, block_size=4)
+    bm.grow("p", 8)
+    bm.grow("q", 1)
+    assert bm.num_free_blocks == 0 and bm.can_fork("p", 8)
+    assert bm.fork("p", "c", 8) is None and bm.block_table("c") == [0, 1]
+    bm.free("q")
+    bm.grow("p", 10)  # position 8 opens a block of p's own
+    assert bm.block_table("p") == [0, 1, 2] and bm.ref_count(2) == 1
+    assert not bm.can_grow("c", 9)
+    _assert_partition(bm)
+
+
+def test_fork_with_a_partial_block_needs_a_free_one():
+    bm = BlockManager(num_blocks=3, block_size=4)
+    bm.grow("p", 6)
+    assert bm.can_fork("p", 6)
+    bm.grow("q", 1)
+    assert not bm.can_fork("p", 6)

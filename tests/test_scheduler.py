@@ -4,6 +4,7 @@
 gets one new token, and a request finishes (FINISHED_LENGTH) at `max_tokens` or `max_model_len`.
 """
 
+from collections import Counter
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -77,8 +78,11 @@ def assert_caps(out: SchedulerOutput, config: SchedulerConfig) -> None:
 
 
 def assert_block_partition(bm: BlockManager) -> None:
-    owned = [b for table in bm._tables.values() for b in table]
-    assert sorted(owned + list(bm._free)) == list(range(bm.num_blocks)), "blocks lost or shared"
+    """A block is free exactly when no table holds it; its count is the tables that do."""
+    holders = Counter(b for table in bm._tables.values() for b in table)
+    assert sorted(set(holders) | set(bm._free)) == list(range(bm.num_blocks)), "blocks lost"
+    assert not set(holders) & set(bm._free) and len(bm._free) == len(set(bm._free))
+    assert all(bm.ref_count(b) == holders[b] for b in range(bm.num_blocks))
 
 
 # ---------------------------------------------------------------- 1. budget and decodes first

@@ -50,9 +50,12 @@ class ModelConfig:
     max_model_len: int
     seed: int = 0
     gguf_file: str | None = None  # set when `model` is a single .gguf file
+    max_logprobs: int = 20  # largest `logprobs` / `prompt_logprobs` a request may ask for
 
     def __post_init__(self) -> None:
         _require_positive("max_model_len", self.max_model_len)
+        if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be a non-negative integer, got {self.max_logprobs!r}")
 
     @property
     def head_dim(self) -> int:

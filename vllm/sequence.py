@@ -64,6 +64,13 @@ class Sequence:
     # Why the request was ignored, for FINISHED_IGNORED.
     error: str | None = None
     stop_reason: int | str | None = None
+    # Parallel sampling (n > 1): the other samples of this prompt, forked from this sequence
+    # once its prompt is in the cache (they share its blocks), and this sample's index.
+    pending_forks: list["Sequence"] = field(default_factory=list)
+    index: int = 0
+    # Per generated token: the Logprob dicts, when the request asks for logprobs.
+    output_logprobs: list[dict] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
     metrics: RequestMetrics = field(init=False)
 
     def __post_init__(self) -> None:
@@ -90,6 +97,11 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status.finished
 
+    @property
+    def num_seats(self) -> int:
+        """Sequences this one stands for in the `max_num_seqs` limit (itself and its forks)."""
+        return 1 + len(self.pending_forks)
+
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
@@ -101,3 +113,26 @@ class Sequence:
         if start >= n:
             return self.output_token_ids[start - n:end - n]
         return self.prompt_token_ids[start:] + self.output_token_ids[:end - n]
+
+
+@dataclass(eq=False)
+class SequenceGroup:
+    """One user request: its prompt and its `n` samples, each a `Sequence`.
+
+    With n = 1 the sample's id is the request id. With n > 1 sample i has the id
+    `f"{i}_{request_id}"`; sample 0 computes the prompt and holds the others in
+    `pending_forks` until the prompt is in the cache. `prompt_logprobs` starts as `[None]` (the
+    first prompt token has no prediction) and gains one entry per prompt position as chunks run.
+    """
+
+    request_id: str
+    seqs: list[Sequence]
+    prompt_logprobs: list | None = None
+
+    @property
+    def first(self) -> Sequence:
+        return self.seqs[0]
+
+    @property
+    def is_finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)

@@ -20,8 +20,9 @@ logger = logging.getLogger(__name__)
 class Scheduler:
     """Owns the waiting queue, the running list and the block manager.
 
-    Invariants: `running` is in admission order and holds at most `max_num_seqs` requests; only
-    running requests own KV blocks; a request is in at most one of `waiting` and `running`.
+    Invariants: `running` is in admission order and its sequences, counting the samples each
+    has yet to fork, are at most `max_num_seqs`; only running requests own KV blocks; a request
+    is in at most one of `waiting` and `running`.
     """
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
@@ -30,6 +31,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._finished_since_last_step: list[str] = []
+        self._blocks_to_copy: list[tuple[int, int]] = []
         self.num_preemptions = 0
 
     # ---------------------------------------------------------------- requests in and out
@@ -45,6 +47,9 @@ class Scheduler:
         self.waiting.append(seq)
 
     def _why_unschedulable(self, seq: Sequence) -> str | None:
+        if seq.num_seats > self.config.max_num_seqs:
+            return (f"n={seq.num_seats} parallel samples exceed max_num_seqs="
+                    f"{self.config.max_num_seqs}")
         if seq.num_prompt_tokens > self.config.max_model_len:
             return (f"prompt has {seq.num_prompt_tokens} tokens, more than max_model_len="
                     f"{self.config.max_model_len}")
@@ -71,6 +76,25 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def fork(self, parent: Sequence) -> None:
+        """Starts the parent's pending samples, now that its prompt is in the cache: each shares
+        the prompt's full blocks and gets a copy of the partial last one. A sample that finds no
+        free block for that copy waits to recompute its prompt instead, like a preempted one."""
+        assert parent.status is SequenceStatus.RUNNING and not parent.is_prefill
+        num_tokens = parent.num_computed_tokens
+        for child in parent.pending_forks:
+            if self.block_manager.can_fork(parent.request_id, num_tokens):
+                copy = self.block_manager.fork(parent.request_id, child.request_id, num_tokens)
+                if copy is not None:
+                    self._blocks_to_copy.append(copy)
+                child.num_computed_tokens = num_tokens
+                child.status = SequenceStatus.RUNNING
+                self.running.append(child)
+            else:
+                child.status = SequenceStatus.WAITING
+                self.waiting.appendleft(child)
+        parent.pending_forks = []
+
     # ---------------------------------------------------------------- the step
 
     def schedule(self) -> SchedulerOutput:
@@ -79,9 +103,11 @@ class Scheduler:
         else:
             out = self._schedule_classic()
         out.finished_request_ids = self._finished_since_last_step
+        out.blocks_to_copy = self._blocks_to_copy
         self._finished_since_last_step = []
+        self._blocks_to_copy = []
         assert out.num_batched_tokens <= self.config.max_num_batched_tokens
-        assert len(out.scheduled) <= self.config.max_num_seqs
+        assert self._num_seats() <= self.config.max_num_seqs
         return out
 
     def _schedule_chunked(self) -> SchedulerOutput:
@@ -118,7 +144,7 @@ class Scheduler:
 
         while (self.waiting and budget > 0 and not preempted
                and num_partial < self.config.max_num_partial_prefills
-               and len(self.running) < self.config.max_num_seqs):
+               and self._num_seats() + self.waiting[0].num_seats <= self.config.max_num_seqs):
             seq = self.waiting[0]
             chunk = self._chunk_size(seq, budget)
             if not self.block_manager.can_grow(seq.request_id, chunk):
@@ -136,7 +162,8 @@ class Scheduler:
         """vLLM's policy without chunking: whole prompts in prefill-only steps, else decodes."""
         budget = self.config.max_num_batched_tokens
         prefills: list[ScheduledSequence] = []
-        while self.waiting and len(self.running) < self.config.max_num_seqs:
+        while (self.waiting
+               and self._num_seats() + self.waiting[0].num_seats <= self.config.max_num_seqs):
             seq = self.waiting[0]
             if seq.num_tokens > budget or not self.block_manager.can_grow(seq.request_id, seq.num_tokens):
                 break
@@ -160,6 +187,9 @@ class Scheduler:
         return SchedulerOutput(decodes, num_decodes=len(decodes), preempted_request_ids=preempted)
 
     # ---------------------------------------------------------------- helpers
+
+    def _num_seats(self) -> int:
+        return sum(s.num_seats for s in self.running)
 
     def _chunk_size(self, seq: Sequence, budget: int) -> int:
         chunk = min(seq.num_uncomputed_tokens, budget)
@@ -188,13 +218,24 @@ class Scheduler:
         assert 0 < num_tokens <= seq.num_uncomputed_tokens
         start = seq.num_computed_tokens
         seq.num_computed_tokens += num_tokens
+        sample = seq.num_computed_tokens == seq.num_tokens
+        # Rows of this chunk that predict a prompt token (position p predicts token p + 1). A
+        # recomputation after preemption asks again; the engine keeps the first answer.
+        targets: tuple[int, ...] = ()
+        if seq.sampling_params.prompt_logprobs is not None:
+            end = min(start + num_tokens, seq.num_prompt_tokens - 1)  # last predicting position + 1
+            targets = tuple(seq.prompt_token_ids[start + 1:end + 1])
         return ScheduledSequence(
             request_id=seq.request_id,
             token_ids=seq.token_slice(start, start + num_tokens),
             start_position=start,
             block_table=list(self.block_manager.block_table(seq.request_id)),
-            sample=seq.num_computed_tokens == seq.num_tokens,
+            sample=sample,
             sampling_params=seq.sampling_params,
+            prompt_token_ids=seq.prompt_token_ids,
+            output_token_ids=seq.output_token_ids,
+            forks=tuple((c.request_id, c.sampling_params) for c in seq.pending_forks) if sample else (),
+            prompt_logprob_targets=targets,
         )
 
     def _admit(self, seq: Sequence) -> None:

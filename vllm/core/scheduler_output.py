@@ -11,7 +11,12 @@ class ScheduledSequence:
 
     A decode has one token; a prefill chunk has one or more. `sample` is true when the chunk
     reaches the end of the request's known tokens, so the step's output for its last token is
-    the next token (a non-final prefill chunk samples nothing).
+    the next token (a non-final prefill chunk samples nothing). `forks` lists further samples
+    (request id, params) to draw from that same output row: the other samples of an n > 1
+    request, drawn when its prompt completes. `prompt_logprob_targets[i]` is the prompt token
+    that row i of the chunk predicts, for requests that ask for prompt logprobs (it may cover
+    fewer rows than the chunk: the last prompt position predicts a generated token).
+    `prompt_token_ids` and `output_token_ids` are the request's own lists, read by penalties.
     """
 
     request_id: str
@@ -20,6 +25,10 @@ class ScheduledSequence:
     block_table: list[int]
     sample: bool
     sampling_params: SamplingParams
+    prompt_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)
+    forks: tuple[tuple[str, SamplingParams], ...] = ()
+    prompt_logprob_targets: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -40,6 +49,9 @@ class SchedulerOutput:
     # Requests that finished since the previous step, so the runner can drop their state.
     finished_request_ids: list[str] = field(default_factory=list)
     preempted_request_ids: list[str] = field(default_factory=list)
+    # (source, destination) KV blocks to copy before the forward pass: the partial last prompt
+    # block of each sample forked since the previous step.
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:

@@ -32,6 +32,7 @@ class EngineArgs:
     tokenizer: str | None = None
     dtype: str = "auto"
     seed: int = 0
+    max_logprobs: int = 20
     max_model_len: int | None = None
     block_size: int = 128
     enable_chunked_prefill: bool = True
@@ -72,7 +73,8 @@ class EngineArgs:
             budget = DEFAULT_CHUNKED_BUDGET if self.enable_chunked_prefill else max(max_model_len, 2048)
         model_config = ModelConfig(
             model=source.display_name, tokenizer=tokenizer_source.display_name, hf_config=hf_config,
-            dtype=dtype, max_model_len=max_model_len, seed=self.seed, gguf_file=source.gguf_file)
+            dtype=dtype, max_model_len=max_model_len, seed=self.seed, gguf_file=source.gguf_file,
+            max_logprobs=self.max_logprobs)
         cache_config = CacheConfig(
             block_size=self.block_size,
             kv_cache_memory_bytes=self.kv_cache_memory_bytes or kv_cache_bytes_from_env(),

@@ -48,6 +48,15 @@ class CacheEngine:
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB, %s)", self.num_blocks,
                     cache.block_size, self._storage.nbytes / 1024**3, model.dtype)
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copies the keys and values of block `src` into block `dst`, in every layer."""
+        if not pairs:
+            return
+        src = torch.tensor([p[0] for p in pairs], device=self._storage.device)
+        dst = torch.tensor([p[1] for p in pairs], device=self._storage.device)
+        # storage: (layers, 2, blocks, block_size, KVH, D); blocks are dimension 2.
+        self._storage.index_copy_(2, dst, self._storage.index_select(2, src))
+
     @property
     def pad_slot(self) -> int:
         return self.pad_block * self.block_size

@@ -20,11 +20,13 @@ from vllm.attention.backends.hpu_attn import AttentionMetadata, SeqSpan, build_a
 from vllm.config import EngineConfig
 from vllm.core.scheduler_output import SchedulerOutput
 from vllm.model_executor.layers.linear import can_pack, pack_linear_weights
-from vllm.model_executor.layers.sampler import sample
+from vllm.model_executor.layers.logprobs import compute_logprobs
+from vllm.model_executor.layers.sampler import sample_with_processors
 from vllm.platforms import Platform
 from vllm.worker.bucketing import bucket_config_from_env, find_bucket, generate_buckets
 from vllm.worker.cache_engine import CacheEngine
 from vllm.worker.graph_stats import GraphStats
+from vllm.worker.runner_output import ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -44,8 +46,10 @@ class ModelInputs:
 class HPUModelRunner:
     """Owns the model, the KV cache, the captured graphs and the per-request random generators."""
 
-    def __init__(self, config: EngineConfig, platform: Platform, model: torch.nn.Module) -> None:
+    def __init__(self, config: EngineConfig, platform: Platform, model: torch.nn.Module,
+                 eos_token_id: int | None = None) -> None:
         self.config = config
+        self.eos_token_id = eos_token_id  # masked while a request is below its min_tokens
         self.platform = platform
         self.device = platform.device
         self.model = model
@@ -145,10 +149,14 @@ class HPUModelRunner:
     # ---------------------------------------------------------------- the step
 
     @torch.inference_mode()
-    def execute_model(self, step: SchedulerOutput) -> dict[str, int]:
-        """Runs the step; returns the sampled token of each request whose chunk reached its end."""
+    def execute_model(self, step: SchedulerOutput) -> ModelRunnerOutput:
+        """Runs the step; samples for each request whose chunk reached its end (and its forks)."""
         for request_id in step.finished_request_ids:
             self._generators.pop(request_id, None)
+        # Before any KV write of this step: forked samples take their copy of the last block.
+        self.cache.copy_blocks(step.blocks_to_copy)
+        if step.is_empty:
+            return ModelRunnerOutput()
         num_tokens = step.num_batched_tokens
         bucket = self._padded_size(num_tokens)
         inputs = self.prepare_inputs(step, bucket or num_tokens)
@@ -156,13 +164,50 @@ class HPUModelRunner:
             self.graph_stats.real_tokens += num_tokens
             self.graph_stats.padded_tokens += bucket - num_tokens
         hidden = self._forward(inputs, eager=self.graph_stats.enabled and bucket is None)
-        sampling = [s for s in step.scheduled if s.sample]
-        if not sampling:
-            return {}
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])   # (S, vocab) fp32
-        tokens = sample(logits.cpu(), [s.sampling_params for s in sampling],
-                        [self._generator(s.request_id, s.sampling_params.seed) for s in sampling])
-        return {s.request_id: t for s, t in zip(sampling, tokens, strict=True)}
+        output = ModelRunnerOutput()
+        if any(s.sample for s in step.scheduled):
+            self._sample(step, hidden[inputs.logits_indices], output)
+        if any(s.prompt_logprob_targets for s in step.scheduled):
+            self._prompt_logprobs(step, hidden, output)
+        return output
+
+    def _sample(self, step: SchedulerOutput, hidden: torch.Tensor, output: ModelRunnerOutput) -> None:
+        """hidden: (S, hidden), the last token of each sampling sequence, in step order."""
+        logits = self.model.compute_logits(hidden).cpu()                       # (S, vocab) fp32
+        rows, ids, params, prompts, outs = [], [], [], [], []
+        for row, s in enumerate(x for x in step.scheduled if x.sample):
+            # Forked samples draw from their parent's row: one prompt, n next tokens.
+            for request_id, p in ((s.request_id, s.sampling_params), *s.forks):
+                rows.append(row)
+                ids.append(request_id)
+                params.append(p)
+                prompts.append(s.prompt_token_ids)
+                outs.append(s.output_token_ids if request_id == s.request_id else [])
+        if len(rows) != logits.shape[0]:
+            logits = logits[torch.tensor(rows)]                                # (R, vocab)
+        generators = [self._generator(rid, p.seed) for rid, p in zip(ids, params, strict=True)]
+        # The processors never modify `logits`, which logprobs read afterwards.
+        tokens = sample_with_processors(logits, params, generators, prompts, outs, self.eos_token_id)
+        output.sampled_token_ids.update(zip(ids, tokens, strict=True))
+        wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if wanted:
+            index = torch.tensor(wanted)
+            entries = compute_logprobs(logits[index], [tokens[i] for i in wanted],
+                                       [params[i].logprobs for i in wanted])
+            output.logprobs.update((ids[i], e) for i, e in zip(wanted, entries, strict=True))
+
+    def _prompt_logprobs(self, step: SchedulerOutput, hidden: torch.Tensor,
+                         output: ModelRunnerOutput) -> None:
+        """hidden: (T, hidden), every token of the step."""
+        offset = 0
+        for s in step.scheduled:
+            targets = s.prompt_logprob_targets
+            if targets:
+                logits = self.model.compute_logits(hidden[offset:offset + len(targets)])  # (L, V)
+                entries = compute_logprobs(logits, list(targets),
+                                           [s.sampling_params.prompt_logprobs] * len(targets))
+                output.prompt_logprobs[s.request_id] = (s.start_position, entries)
+            offset += s.num_tokens
 
     def _forward(self, inputs: ModelInputs, eager: bool) -> torch.Tensor:
         args = (inputs.input_ids, inputs.positions, self.cache.kv_caches, inputs.metadata)
