@@ -7,12 +7,18 @@ with the decodes, so the short requests keep producing tokens and finish early.
 
     python examples/chunked_prefill_demo.py                 # chunked prefill, default model
     python examples/chunked_prefill_demo.py --compare       # also without chunking, same requests
+    python examples/chunked_prefill_demo.py --async         # streaming clients on AsyncLLMEngine
+
+The --async mode is the serving picture: each request is an asyncio task that arrives at its own
+time and streams its tokens from one AsyncLLMEngine; the short chat requests get their first token
+while the long documents are still being prefilled, chunk by chunk.
 """
 
 import argparse
+import asyncio
 import time
 
-from vllm import LLM, SamplingParams
+from vllm import LLM, AsyncEngineArgs, AsyncLLMEngine, SamplingParams
 
 _PASSAGE = (
     "The history of computing is a story of layers. Each generation of engineers built tools on "
@@ -75,6 +81,61 @@ def run(llm: LLM, requests: list[tuple[int, str, str]], max_tokens: int) -> dict
     return {"wall": wall, "small_gap": max(max_gap[n] for _, n, _ in requests if n.startswith("small"))}
 
 
+def chat_prompt(tokenizer, question: str) -> str:
+    """The question in the model's chat format, or as is when the tokenizer has no template."""
+    if not getattr(tokenizer, "chat_template", None):
+        return question
+    return tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
+                                         add_generation_prompt=True)
+
+
+async def run_async(engine: AsyncLLMEngine, requests: list[tuple[float, str, str]], max_tokens: int) -> None:
+    """Sends each (arrival seconds, name, prompt) request from its own task and times its stream."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    tok = await engine.get_tokenizer()
+    start = time.perf_counter()
+
+    async def client(delay: float, name: str, prompt: str) -> tuple:
+        await asyncio.sleep(delay)
+        sent = time.perf_counter()
+        first = None
+        async for out in engine.generate(prompt, params, name):
+            first = first or time.perf_counter()
+        done = time.perf_counter()
+        return name, out, sent - start, first - sent, done - sent, done - start
+
+    results = await asyncio.gather(*(client(*r) for r in requests))
+    await engine.shutdown()
+    print(f"\n{'request':<8} | {'prompt':>6} | {'arrives':>7} | {'TTFT':>6} | {'latency':>7} | "
+          f"{'done at':>7} | output")
+    for name, out, arrives, ttft, latency, done_at in sorted(results, key=lambda r: r[5]):
+        text = tok.decode(out.outputs[0].token_ids, skip_special_tokens=True).strip()
+        text = text.replace("\n", " ")[:40]
+        print(f"{name:<8} | {len(out.prompt_token_ids):>6} | {arrives:>6.2f}s | {ttft:>5.2f}s | "
+              f"{latency:>6.2f}s | {done_at:>6.2f}s | {text}")
+    for kind in ("small", "large"):
+        rows = [r for r in results if r[0].startswith(kind)]
+        print(f"{kind} requests: mean TTFT {sum(r[3] for r in rows) / len(rows):.2f} s, "
+              f"mean latency {sum(r[4] for r in rows) / len(rows):.2f} s")
+    stats = engine.engine.stats
+    print(f"{stats.num_steps} steps, {stats.num_mixed_steps} of them mixed prefill+decode")
+
+
+def main_async(args: argparse.Namespace) -> None:
+    engine = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(
+        model=args.model, enable_chunked_prefill=True, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=64, max_model_len=args.max_model_len, dtype=args.dtype))
+    tok = engine.engine.tokenizer
+    questions = ["What is 2+2?", "Hello, how are you?", "Translate 'hello' to French.",
+                 "Name a prime number.", "What colour is the sky?", "Give me a synonym for fast."]
+    requests = [  # (arrival in seconds, name, prompt): two documents amid a stream of chat turns
+        (0.00, "large_1", long_prompt(tok, args.long_tokens, "the history of computing")),
+        (0.05, "large_2", long_prompt(tok, args.long_tokens * 3 // 4, "computer memory")),
+    ] + [(0.02 + 0.15 * i, f"small_{i + 1}", chat_prompt(tok, q)) for i, q in enumerate(questions)]
+    print(f"=== AsyncLLMEngine, chunked prefill (budget {args.max_num_batched_tokens} tokens per step) ===")
+    asyncio.run(run_async(engine, requests, args.max_tokens))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="HF directory or .gguf (default: SmolLM2-135M)")
@@ -82,24 +143,31 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--compare", action="store_true", help="also run without chunked prefill")
+    parser.add_argument("--async", dest="use_async", action="store_true",
+                        help="staggered streaming clients on AsyncLLMEngine instead")
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--long-tokens", type=int, default=2000, help="length of the longest prompt")
     args = parser.parse_args()
+    if args.use_async:
+        main_async(args)
+        return
 
     llm = LLM(args.model, enable_chunked_prefill=True, max_num_batched_tokens=args.max_num_batched_tokens,
-              max_num_seqs=64, max_model_len=4096, dtype=args.dtype)
+              max_num_seqs=64, max_model_len=args.max_model_len, dtype=args.dtype)
     tok = llm.get_tokenizer()
     requests = [  # (arrival step, name, prompt)
         (0, "small_1", "What is 2+2?"),
         (0, "small_2", "Hello, how are you?"),
         (0, "small_3", "Translate 'hello' to French."),
-        (4, "large_1", long_prompt(tok, 2000, "the history of computing")),
-        (8, "large_2", long_prompt(tok, 1500, "computer memory")),
+        (4, "large_1", long_prompt(tok, args.long_tokens, "the history of computing")),
+        (8, "large_2", long_prompt(tok, args.long_tokens * 3 // 4, "computer memory")),
     ]
     print(f"=== chunked prefill (budget {args.max_num_batched_tokens} tokens per step) ===")
     chunked = run(llm, requests, args.max_tokens)
     if args.compare:
         del llm
         llm = LLM(args.model, enable_chunked_prefill=False, max_num_batched_tokens=4096, max_num_seqs=64,
-                  max_model_len=4096, dtype=args.dtype)
+                  max_model_len=args.max_model_len, dtype=args.dtype)
         print("\n=== without chunked prefill (whole prompts, prefill steps before decodes) ===")
         classic = run(llm, requests, args.max_tokens)
         print(f"\nlongest stall of a short request's decoding: {chunked['small_gap']:.2f} s chunked vs "

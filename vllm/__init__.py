@@ -1,6 +1,7 @@
 """A chunked-prefill (SARATHI) inference engine shaped like vLLM's Gaudi branch."""
 
 from vllm.engine.arg_utils import EngineArgs
+from vllm.engine.async_llm_engine import AsyncEngineArgs, AsyncLLMEngine
 from vllm.engine.llm_engine import LLMEngine
 from vllm.entrypoints.llm import LLM
 from vllm.inputs import TextPrompt, TokensPrompt
@@ -9,4 +10,5 @@ from vllm.sampling_params import SamplingParams
 
 __all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput",
            "TextPrompt", "TokensPrompt"]
+__all__ += ["AsyncLLMEngine", "AsyncEngineArgs"]
 __version__ = "0.1.0"

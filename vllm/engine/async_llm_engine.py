@@ -1,0 +1,202 @@
+"""The asynchronous engine: many `async for` streams served by one background step loop."""
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+from vllm.engine.arg_utils import EngineArgs
+from vllm.engine.llm_engine import LLMEngine
+from vllm.inputs import PromptType
+from vllm.outputs import RequestOutput
+from vllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# vLLM's name for the engine arguments of the async engine; here they are the same knobs.
+AsyncEngineArgs = EngineArgs
+
+# Put in a stream to end it without an output (the request was aborted).
+_END_OF_STREAM = None
+
+StreamItem = RequestOutput | BaseException | None
+
+
+class AsyncEngineDeadError(RuntimeError):
+    """The background loop has stopped on an error; the engine serves no more requests."""
+
+
+class AsyncLLMEngine:
+    """Streams the outputs of concurrent requests; all of them share the steps of one `LLMEngine`.
+
+    One background task (started on first use in the running event loop) runs `engine.step()` in
+    a worker thread while any stream is open, and sleeps on `_has_work` when none is. Invariants:
+    - A step runs (in its thread) only while the loop holds `_lock`, which it keeps until the
+      outputs are in the streams; `generate` and `abort` hold it to add or abort. So adds and
+      aborts land between steps, and no two threads ever use the engine at once.
+      (A lock rather than a queue of adds applied by the loop: `add_request`'s ValueError then
+      reaches the caller as is, and `abort` returns only once the blocks are free.)
+    - `_streams` maps every request id whose stream is open to its queue; an id leaves it when its
+      finished output is queued, when it is aborted, or when the loop fails.
+    - A stream ends after its finished output, after an abort, or with the loop's error.
+    """
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._streams: dict[str, asyncio.Queue[StreamItem]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._lock: asyncio.Lock | None = None
+        self._has_work: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+        self._stopping = False
+        self._dead_error: BaseException | None = None
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> "AsyncLLMEngine":
+        return cls(LLMEngine.from_engine_args(engine_args))
+
+    @property
+    def is_running(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    @property
+    def errored(self) -> bool:
+        return self._dead_error is not None
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        """Requests whose stream is open: not yet finished, aborted or failed."""
+        return len(self._streams)
+
+    async def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    # ---------------------------------------------------------------- requests
+
+    async def generate(self, prompt: PromptType, sampling_params: SamplingParams,
+                       request_id: str) -> AsyncIterator[RequestOutput]:
+        """Yields the request's cumulative output each time it changes; the last one is finished.
+
+        Bad input raises ValueError here, at the first iteration. A consumer that stops iterating
+        or is cancelled aborts the request, which frees its KV blocks.
+        """
+        queue = await self._add_request(request_id, prompt, sampling_params)
+        try:
+            while True:
+                item = await queue.get()
+                if item is _END_OF_STREAM:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    return
+        finally:
+            if self._streams.get(request_id) is queue:  # still open: the consumer left early
+                await self.abort(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        """Aborts the request between steps: its KV blocks are free when this returns."""
+        if self._lock is None or self._loop is not asyncio.get_running_loop():
+            return  # the loop never ran here, so nothing of ours is in the engine
+        async with self._lock:
+            queue = self._streams.pop(request_id, None)
+            if queue is None:
+                return  # finished or aborted already
+            self.engine.abort_request(request_id)
+            while not queue.empty():  # outputs not yet consumed are stale: end the stream now
+                queue.get_nowait()
+            queue.put_nowait(_END_OF_STREAM)
+
+    async def _add_request(self, request_id: str, prompt: PromptType,
+                           params: SamplingParams) -> asyncio.Queue[StreamItem]:
+        self._check_alive()
+        self._start_loop()
+        async with self._lock:
+            self._check_alive()  # again: the loop may have died while we waited
+            if request_id in self._streams:
+                raise ValueError(f"request_id {request_id!r} is already in use")
+            self.engine.add_request(request_id, prompt, params)  # raises ValueError on bad input
+            queue: asyncio.Queue[StreamItem] = asyncio.Queue()
+            self._streams[request_id] = queue
+        self._has_work.set()
+        return queue
+
+    # ---------------------------------------------------------------- the loop
+
+    def _check_alive(self) -> None:
+        if self._dead_error is not None:
+            raise AsyncEngineDeadError("the engine loop has died") from self._dead_error
+
+    def _start_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:
+            # asyncio objects belong to one event loop: a new loop (another asyncio.run) gets its
+            # own. Streams left by the old one have no consumer any more.
+            if self._streams:
+                self.engine.abort_request(list(self._streams))
+                self._streams.clear()
+            self._loop, self._task = loop, None
+            self._lock, self._has_work = asyncio.Lock(), asyncio.Event()
+        if self._task is None or self._task.done():
+            self._stopping = False
+            self._task = loop.create_task(self._run_loop(), name="AsyncLLMEngine loop")
+
+    async def _run_loop(self) -> None:
+        try:
+            while not self._stopping:
+                if not self._streams:
+                    self._has_work.clear()
+                    await self._has_work.wait()
+                    continue
+                async with self._lock:
+                    outputs = await self._step_in_thread()
+                    self._dispatch(outputs)
+                await asyncio.sleep(0)  # let consumers, adds and aborts run between steps
+        except Exception as error:
+            logger.exception("AsyncLLMEngine: a step failed; failing %d stream(s)", len(self._streams))
+            self._dead_error = error
+            self._fail_all(error)
+
+    async def _step_in_thread(self) -> list[RequestOutput]:
+        # The step is blocking CPU work: a worker thread keeps the event loop responsive.
+        future = asyncio.get_running_loop().run_in_executor(None, self.engine.step)
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            # A thread cannot be interrupted: hold the lock until the step is over.
+            await asyncio.wait([future])
+            raise
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            queue = self._streams.get(out.request_id)
+            if queue is None:
+                continue  # not one of our streams (the LLMEngine may be shared)
+            queue.put_nowait(out)
+            if out.finished:
+                del self._streams[out.request_id]
+        if self._streams and not outputs and not self.engine.has_unfinished_requests():
+            stuck = sorted(self._streams)
+            raise RuntimeError(f"the engine went idle with streams {stuck[:5]} unfinished")
+
+    def _fail_all(self, error: BaseException) -> None:
+        """Ends every open stream with `error` and aborts its request."""
+        ids = list(self._streams)
+        for queue in self._streams.values():
+            queue.put_nowait(error)
+        self._streams.clear()
+        try:
+            self.engine.abort_request(ids)
+        except Exception:
+            logger.exception("AsyncLLMEngine: aborting %d request(s) failed", len(ids))
+
+    async def shutdown(self) -> None:
+        """Stops the loop after its current step; open streams end with AsyncEngineDeadError."""
+        if not self.is_running or self._loop is not asyncio.get_running_loop():
+            return
+        self._stopping = True
+        self._has_work.set()
+        await self._task
+        async with self._lock:
+            if self._streams:
+                self._fail_all(AsyncEngineDeadError("the engine was shut down"))
