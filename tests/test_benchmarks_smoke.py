@@ -181,6 +181,28 @@ def test_latency(tiny_checkpoints, tmp_path):
     check_roofline(result["roofline"])
 
 
+# --------------------------------------------------------------------------- workloads A-E
+
+def test_workloads(tiny_checkpoints, tmp_path):
+    out = tmp_path / "workloads.json"
+    proc = run_script("benchmark_workloads.py", "--model", tiny_checkpoints["llama"], "--scale", "0.02",
+                      "--max-model-len", "256", "--enforce-eager", "--block-size", "16",
+                      "--output-json", str(out))
+    check_ok(proc)
+    result = json.loads(out.read_text())
+    for backend in ("vllm", "hf"):
+        values = result["workloads"][backend]
+        for key in ("A_total_tokens_per_s", "B_ttft_s", "C_decode_tokens_per_s", "D_wall_s"):
+            assert values[key] > 0, (backend, key)
+    e = result["workloads"]["vllm"]["E"]
+    assert e["chunked"]["p99_gap_s"] <= e["chunked"]["max_gap_s"]
+    assert set(result["ratios"]) == {"A_throughput_vs_hf", "B_ttft_hf_over_ours", "C_decode_vs_hf",
+                                     "D_wall_ours_over_hf"}
+    assert re.search(r"^A_throughput_vs_hf: [0-9.]+$", proc.stdout, re.M), proc.stdout
+    bad = run_script("benchmark_workloads.py", "--workloads", "A,Z")
+    assert bad.returncode != 0 and "unknown workloads" in bad.stderr
+
+
 # --------------------------------------------------------------------------- serving
 
 SERVING_TINY = ["--num-prompts", "5", "--short-input-len", "8:24", "--long-input-len", "150:200",

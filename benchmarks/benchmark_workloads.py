@@ -1,0 +1,240 @@
+"""The five workloads of the performance goals, this engine beside transformers, in one run.
+
+    A  16 prompts x 256 tokens, 64 outputs each          total tokens/s (hf: one batch of 16)
+    B  one 2048-token prompt                               time to first token
+    C  batch-1 decode (16-token prompt, 128 outputs)       decode tokens/s
+    D  4 x 2000-token + 16 x 32-token prompts, 64 outputs  wall time (hf: one request at a time)
+    E  8 streams decoding 64 tokens; after their 8th token two 2000-token prompts (64 outputs)
+       arrive. Inter-token gaps of the 8 streams (P99 and max) and total tokens/s, chunked
+       (budget 256) against unchunked (whole prompts in one step); engine only.
+
+Prompts are random token ids, outputs greedy with exactly the requested length (ignore_eos).
+B reports prefill as a fraction of the bf16 matmul peak (dense FLOPs, 2 x body parameters per
+token) and C decode as a fraction of memory bandwidth (every weight read once per step), both
+ceilings measured in the same run. `--scale` shrinks every length (for smoke tests).
+
+    python benchmarks/benchmark_workloads.py --output-json benchmarks/results/workloads.json
+"""
+
+import argparse
+import random
+import statistics
+import time
+
+import common
+
+REPEATS = 3  # B and C: best of
+
+
+def _prompts(rng: random.Random, lengths: list[int], vocab: int) -> list[list[int]]:
+    return [[rng.randrange(1000, vocab) for _ in range(n)] for n in lengths]
+
+
+def _size(n: int, scale: float) -> int:
+    return max(1, round(n * scale))
+
+
+class Engine:
+    """The workloads on this engine: `vllm.LLM` and its `LLMEngine` step loop."""
+
+    def __init__(self, args: argparse.Namespace, **overrides) -> None:
+        self.llm, self.init_seconds = common.build_llm(args, **overrides)
+        self.engine = self.llm.llm_engine
+
+    def generate(self, prompts: list[list[int]], output_len: int) -> float:
+        from vllm import SamplingParams
+        params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+        start = time.perf_counter()
+        self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return time.perf_counter() - start
+
+    def token_times(self, prompt: list[int], output_len: int) -> list[float]:
+        """Runs one request alone; the time each of its tokens arrived (first = TTFT)."""
+        from vllm import SamplingParams
+        start = time.perf_counter()
+        self.engine.add_request("single", {"prompt_token_ids": prompt},
+                                SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True))
+        times = []
+        while self.engine.has_unfinished_requests():
+            if self.engine.step():
+                times.append(time.perf_counter() - start)
+        return times
+
+    def arrivals(self, streams: list[list[int]], stream_len: int, late: list[list[int]],
+                 late_len: int, after_tokens: int) -> dict:
+        """Workload E: `late` prompts arrive once every stream has `after_tokens` tokens."""
+        from vllm import SamplingParams
+        engine = self.engine
+        for i, p in enumerate(streams):
+            engine.add_request(f"s{i}", {"prompt_token_ids": p},
+                               SamplingParams(temperature=0, max_tokens=stream_len, ignore_eos=True))
+        times: dict[str, list[float]] = {f"s{i}": [] for i in range(len(streams))}
+        added = False
+        start = time.perf_counter()
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.request_id in times:
+                    times[out.request_id].append(time.perf_counter() - start)
+            if not added and all(len(t) >= after_tokens for t in times.values()):
+                for i, p in enumerate(late):
+                    engine.add_request(f"late{i}", {"prompt_token_ids": p},
+                                       SamplingParams(temperature=0, max_tokens=late_len, ignore_eos=True))
+                added = True
+        wall = time.perf_counter() - start
+        gaps = sorted(b - a for t in times.values() for a, b in zip(t, t[1:]))
+        tokens = sum(map(len, streams + late)) + len(streams) * stream_len + len(late) * late_len
+        return {"p99_gap_s": gaps[min(len(gaps) - 1, int(0.99 * len(gaps)))], "max_gap_s": gaps[-1],
+                "median_gap_s": statistics.median(gaps), "wall_s": wall, "total_tokens_per_s": tokens / wall}
+
+
+class HF:
+    """The same workloads on transformers' `generate` (greedy, KV cache, no padding)."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+        directory, kwargs = common.hf_load_kwargs(common.resolve_model_path(args.model))
+        dtype = getattr(torch, common.resolve_dtype_name(args.dtype))
+        self.model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, local_files_only=True,
+                                                          **kwargs).eval()
+
+    def generate(self, prompts: list[list[int]], output_len: int) -> float:
+        """One `generate` call for the batch; all prompts must have one length (no padding)."""
+        import torch
+        assert len({len(p) for p in prompts}) == 1
+        ids = torch.tensor(prompts)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            self.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                max_new_tokens=output_len, min_new_tokens=output_len)
+        return time.perf_counter() - start
+
+
+def run(args: argparse.Namespace) -> dict:
+    import torch
+    common.apply_threads(args)
+    s = args.scale
+    rng = random.Random(args.seed)
+    tokenizer = common.load_hf_tokenizer(args.model, args.tokenizer)
+    vocab = len(tokenizer)
+    want = set(args.workloads.split(","))
+    result: dict = {"workloads": {}, "definitions": __doc__.split("\n\n")[1]}
+    w = result["workloads"]
+
+    dtype_name = common.resolve_dtype_name(args.dtype)
+    result["machine_roofline"] = common.measure_machine_roofline(dtype_name)
+    params = common.model_param_counts(common.resolve_model_path(args.model))
+    bytes_per_param = torch.finfo(getattr(torch, dtype_name)).bits // 8
+
+    a_prompts = _prompts(rng, [_size(256, s)] * 16, vocab)
+    b_prompt = _prompts(rng, [_size(2048, s)], vocab)[0]
+    c_prompt = _prompts(rng, [_size(16, s)], vocab)[0]
+    d_prompts = _prompts(rng, [_size(2000, s)] * 4 + [_size(32, s)] * 16, vocab)
+    out_a, out_c = _size(64, s), max(2, _size(128, s))
+
+    backends = args.backends.split(",")
+    for backend in backends:
+        common.log(f"{backend}: loading")
+        runner = Engine(args) if backend == "vllm" else HF(args)
+        runner.generate(a_prompts[:2], 4)  # warm-up
+        res = w.setdefault(backend, {})
+        if "A" in want:
+            elapsed = runner.generate(a_prompts, out_a)
+            res["A_total_tokens_per_s"] = 16 * (len(a_prompts[0]) + out_a) / elapsed
+        if "B" in want:
+            if backend == "vllm":
+                ttft = min(runner.token_times(b_prompt, 1)[0] for _ in range(REPEATS))
+            else:
+                ttft = min(runner.generate([b_prompt], 1) for _ in range(REPEATS))
+            res["B_ttft_s"] = ttft
+            flops = 2.0 * params["matmul_body"] * len(b_prompt)
+            res["B_fraction_of_matmul_peak"] = flops / ttft / result["machine_roofline"]["matmul"]["flops_per_s"]
+        if "C" in want:
+            if backend == "vllm":
+                rates = []
+                for _ in range(REPEATS):
+                    t = runner.token_times(c_prompt, out_c)
+                    rates.append((len(t) - 1) / (t[-1] - t[0]))
+                rate = max(rates)
+            else:  # decode time = full generate minus a prefill-only generate
+                rate = max((out_c - 1) / (runner.generate([c_prompt], out_c) - runner.generate([c_prompt], 1))
+                           for _ in range(REPEATS))
+            res["C_decode_tokens_per_s"] = rate
+            weight_bytes = params["total"] * bytes_per_param  # a tied LM head counts once
+            res["C_fraction_of_memory_bandwidth"] = (weight_bytes * rate /
+                                                     result["machine_roofline"]["memory"]["bytes_per_s"])
+        if "D" in want:
+            if backend == "vllm":
+                res["D_wall_s"] = runner.generate(d_prompts, out_a)
+            else:
+                res["D_wall_s"] = sum(runner.generate([p], out_a) for p in d_prompts)
+        del runner
+
+    if "E" in want and "vllm" in backends:
+        streams = _prompts(rng, [_size(32, s)] * 8, vocab)
+        late = _prompts(rng, [_size(2000, s)] * 2, vocab)
+        e = {}
+        for name, overrides in (("chunked", {"enable_chunked_prefill": True, "max_num_batched_tokens": 256}),
+                                ("unchunked", {"enable_chunked_prefill": False, "max_num_batched_tokens": None})):
+            engine = Engine(args, **overrides)
+            engine.generate(a_prompts[:2], 4)  # warm-up
+            # At least a few tokens per stream, so that there are gaps to measure at any scale.
+            e[name] = engine.arrivals(streams, max(4, _size(64, s)), late, _size(64, s),
+                                      after_tokens=max(2, _size(8, s)))
+            del engine
+        e["p99_gap_ratio_chunked_over_unchunked"] = e["chunked"]["p99_gap_s"] / e["unchunked"]["p99_gap_s"]
+        e["throughput_ratio_chunked_over_unchunked"] = (e["chunked"]["total_tokens_per_s"]
+                                                       / e["unchunked"]["total_tokens_per_s"])
+        w["vllm"]["E"] = e
+
+    if {"vllm", "hf"} <= set(backends):
+        ours, hf = w["vllm"], w["hf"]
+        ratios = {}
+        if "A" in want:
+            ratios["A_throughput_vs_hf"] = ours["A_total_tokens_per_s"] / hf["A_total_tokens_per_s"]
+        if "B" in want:
+            ratios["B_ttft_hf_over_ours"] = hf["B_ttft_s"] / ours["B_ttft_s"]
+        if "C" in want:
+            ratios["C_decode_vs_hf"] = ours["C_decode_tokens_per_s"] / hf["C_decode_tokens_per_s"]
+        if "D" in want:
+            ratios["D_wall_ours_over_hf"] = ours["D_wall_s"] / hf["D_wall_s"]
+        result["ratios"] = ratios
+    result["machine"] = common.machine_info()
+    result["args"] = common.args_dict(args)
+    return result
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workloads", default="A,B,C,D,E", help="comma-separated subset of A,B,C,D,E")
+    parser.add_argument("--backends", default="vllm,hf", help="comma-separated: vllm, hf")
+    parser.add_argument("--scale", type=float, default=1.0, help="multiplies every length (smoke tests)")
+    parser.add_argument("--output-json", default=None)
+    common.add_engine_args(parser)
+    return parser
+
+
+def main() -> None:
+    parser = make_parser()
+    args = parser.parse_args()
+    unknown = set(args.workloads.split(",")) - set("ABCDE")
+    if unknown:
+        parser.error(f"unknown workloads {sorted(unknown)}; choose from A,B,C,D,E")
+    if set(args.backends.split(",")) - {"vllm", "hf"}:
+        parser.error("--backends takes vllm and/or hf")
+    result = run(args)
+    for backend, values in result["workloads"].items():
+        print(f"{backend}: " + ", ".join(f"{k}={v:.4g}" for k, v in values.items() if isinstance(v, float)))
+        if "E" in values:
+            e = values["E"]
+            print(f"E: P99 gap chunked {e['chunked']['p99_gap_s'] * 1e3:.0f} ms vs unchunked "
+                  f"{e['unchunked']['p99_gap_s'] * 1e3:.0f} ms (ratio {e['p99_gap_ratio_chunked_over_unchunked']:.2f}), "
+                  f"throughput ratio {e['throughput_ratio_chunked_over_unchunked']:.2f}")
+    for k, v in result.get("ratios", {}).items():
+        print(f"{k}: {v:.2f}")
+    path = common.write_json(result, args.output_json, name="workloads")
+    print(f"Results written to {path}")
+
+
+if __name__ == "__main__":
+    main()
