@@ -17,6 +17,7 @@ ceilings measured in the same run. `--scale` shrinks every length (for smoke tes
 """
 
 import argparse
+import copy
 import random
 import statistics
 import time
@@ -110,6 +111,26 @@ class HF:
         return time.perf_counter() - start
 
 
+class LlamaCpp:
+    """The same workloads on llama.cpp (the GGUF's own quantized weights), through the
+    continuous-batching loop of `benchmark_throughput.py --backend llama.cpp`; each call loads
+    the model and warms up outside the timed part."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        import benchmark_throughput
+        self._run = benchmark_throughput.run_llama_cpp
+        self.args = copy.copy(args)
+        self.args.llama_cpp_verbose = False
+
+    def generate(self, prompts: list[list[int]], output_len: int) -> float:
+        requests = [{"prompt_token_ids": p, "prompt_len": len(p), "output_len": output_len}
+                    for p in prompts]
+        return self._run(requests, self.args)["elapsed"]
+
+
+BACKENDS = {"vllm": Engine, "hf": HF, "llama.cpp": LlamaCpp}
+
+
 def run(args: argparse.Namespace) -> dict:
     import torch
     common.apply_threads(args)
@@ -135,7 +156,7 @@ def run(args: argparse.Namespace) -> dict:
     backends = args.backends.split(",")
     for backend in backends:
         common.log(f"{backend}: loading")
-        runner = Engine(args) if backend == "vllm" else HF(args)
+        runner = BACKENDS[backend](args)
         runner.generate(a_prompts[:2], 4)  # warm-up
         res = w.setdefault(backend, {})
         if "A" in want:
@@ -147,8 +168,9 @@ def run(args: argparse.Namespace) -> dict:
             else:
                 ttft = min(runner.generate([b_prompt], 1) for _ in range(REPEATS))
             res["B_ttft_s"] = ttft
-            flops = 2.0 * params["matmul_body"] * len(b_prompt)
-            res["B_fraction_of_matmul_peak"] = flops / ttft / result["machine_roofline"]["matmul"]["flops_per_s"]
+            if backend != "llama.cpp":  # its quantized weights have another roofline
+                flops = 2.0 * params["matmul_body"] * len(b_prompt)
+                res["B_fraction_of_matmul_peak"] = flops / ttft / result["machine_roofline"]["matmul"]["flops_per_s"]
         if "C" in want:
             if backend == "vllm":
                 rates = []
@@ -160,14 +182,17 @@ def run(args: argparse.Namespace) -> dict:
                 rate = max((out_c - 1) / (runner.generate([c_prompt], out_c) - runner.generate([c_prompt], 1))
                            for _ in range(REPEATS))
             res["C_decode_tokens_per_s"] = rate
-            weight_bytes = params["total"] * bytes_per_param  # a tied LM head counts once
-            res["C_fraction_of_memory_bandwidth"] = (weight_bytes * rate /
-                                                     result["machine_roofline"]["memory"]["bytes_per_s"])
+            if backend != "llama.cpp":
+                weight_bytes = params["total"] * bytes_per_param  # a tied LM head counts once
+                res["C_fraction_of_memory_bandwidth"] = (weight_bytes * rate /
+                                                         result["machine_roofline"]["memory"]["bytes_per_s"])
         if "D" in want:
             if backend == "vllm":
                 res["D_wall_s"] = runner.generate(d_prompts, out_a)
-            else:
+            elif backend == "hf":  # one at a time: its best strategy (batches pad to 2000 tokens)
                 res["D_wall_s"] = sum(runner.generate([p], out_a) for p in d_prompts)
+            else:
+                res["D_wall_s"] = runner.generate(d_prompts, out_a)
         del runner
 
     if "E" in want and "vllm" in backends:
@@ -187,18 +212,20 @@ def run(args: argparse.Namespace) -> dict:
                                                        / e["unchunked"]["total_tokens_per_s"])
         w["vllm"]["E"] = e
 
-    if {"vllm", "hf"} <= set(backends):
-        ours, hf = w["vllm"], w["hf"]
-        ratios = {}
+    ratios = {}
+    for other in ("hf", "llama.cpp"):
+        if "vllm" not in w or other not in w:
+            continue
+        ours, ref = w["vllm"], w[other]
         if "A" in want:
-            ratios["A_throughput_vs_hf"] = ours["A_total_tokens_per_s"] / hf["A_total_tokens_per_s"]
+            ratios[f"A_throughput_vs_{other}"] = ours["A_total_tokens_per_s"] / ref["A_total_tokens_per_s"]
         if "B" in want:
-            ratios["B_ttft_hf_over_ours"] = hf["B_ttft_s"] / ours["B_ttft_s"]
+            ratios[f"B_ttft_{other}_over_ours"] = ref["B_ttft_s"] / ours["B_ttft_s"]
         if "C" in want:
-            ratios["C_decode_vs_hf"] = ours["C_decode_tokens_per_s"] / hf["C_decode_tokens_per_s"]
+            ratios[f"C_decode_vs_{other}"] = ours["C_decode_tokens_per_s"] / ref["C_decode_tokens_per_s"]
         if "D" in want:
-            ratios["D_wall_ours_over_hf"] = ours["D_wall_s"] / hf["D_wall_s"]
-        result["ratios"] = ratios
+            ratios[f"D_wall_ours_over_{other}"] = ours["D_wall_s"] / ref["D_wall_s"]
+    result["ratios"] = ratios
     result["machine"] = common.machine_info()
     result["args"] = common.args_dict(args)
     return result
@@ -207,7 +234,8 @@ def run(args: argparse.Namespace) -> dict:
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", default="A,B,C,D,E", help="comma-separated subset of A,B,C,D,E")
-    parser.add_argument("--backends", default="vllm,hf", help="comma-separated: vllm, hf")
+    parser.add_argument("--backends", default="vllm,hf",
+                        help="comma-separated: vllm, hf, llama.cpp (needs llama-cpp-python)")
     parser.add_argument("--scale", type=float, default=1.0, help="multiplies every length (smoke tests)")
     parser.add_argument("--output-json", default=None)
     common.add_engine_args(parser)
@@ -220,8 +248,8 @@ def main() -> None:
     unknown = set(args.workloads.split(",")) - set("ABCDE")
     if unknown:
         parser.error(f"unknown workloads {sorted(unknown)}; choose from A,B,C,D,E")
-    if set(args.backends.split(",")) - {"vllm", "hf"}:
-        parser.error("--backends takes vllm and/or hf")
+    if set(args.backends.split(",")) - set(BACKENDS):
+        parser.error(f"--backends takes a subset of {sorted(BACKENDS)}")
     result = run(args)
     for backend, values in result["workloads"].items():
         print(f"{backend}: " + ", ".join(f"{k}={v:.4g}" for k, v in values.items() if isinstance(v, float)))
