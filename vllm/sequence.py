@@ -56,6 +56,9 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
+    # Prompt positions whose prediction of the next prompt token was handed out (prompt
+    # logprobs); unlike num_computed_tokens, preemption keeps it, so none is computed twice.
+    num_prompt_logprob_positions: int = 0
     num_preemptions: int = 0
     # Incremental detokenization state (see engine/detokenizer.py).
     output_text: str = ""

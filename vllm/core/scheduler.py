@@ -219,12 +219,14 @@ class Scheduler:
         start = seq.num_computed_tokens
         seq.num_computed_tokens += num_tokens
         sample = seq.num_computed_tokens == seq.num_tokens
-        # Rows of this chunk that predict a prompt token (position p predicts token p + 1). A
-        # recomputation after preemption asks again; the engine keeps the first answer.
+        # Positions of this chunk that predict a prompt token (p predicts token p + 1), skipping
+        # those a run before a preemption already handed out.
         targets: tuple[int, ...] = ()
+        first = max(start, seq.num_prompt_logprob_positions)
         if seq.sampling_params.prompt_logprobs is not None:
             end = min(start + num_tokens, seq.num_prompt_tokens - 1)  # last predicting position + 1
-            targets = tuple(seq.prompt_token_ids[start + 1:end + 1])
+            targets = tuple(seq.prompt_token_ids[first + 1:end + 1])
+            seq.num_prompt_logprob_positions = first + len(targets)
         return ScheduledSequence(
             request_id=seq.request_id,
             token_ids=seq.token_slice(start, start + num_tokens),
@@ -235,6 +237,7 @@ class Scheduler:
             prompt_token_ids=seq.prompt_token_ids,
             output_token_ids=seq.output_token_ids,
             forks=tuple((c.request_id, c.sampling_params) for c in seq.pending_forks) if sample else (),
+            prompt_logprobs_start=first,
             prompt_logprob_targets=targets,
         )
 

@@ -14,8 +14,9 @@ class ScheduledSequence:
     the next token (a non-final prefill chunk samples nothing). `forks` lists further samples
     (request id, params) to draw from that same output row: the other samples of an n > 1
     request, drawn when its prompt completes. `prompt_logprob_targets[i]` is the prompt token
-    that row i of the chunk predicts, for requests that ask for prompt logprobs (it may cover
-    fewer rows than the chunk: the last prompt position predicts a generated token).
+    that position `prompt_logprobs_start + i` of the chunk predicts, for requests that ask for
+    prompt logprobs (it may cover fewer rows than the chunk: the last prompt position predicts
+    a generated token, and positions already handed out before a preemption are left out).
     `prompt_token_ids` and `output_token_ids` are the request's own lists, read by penalties.
     """
 
@@ -28,6 +29,7 @@ class ScheduledSequence:
     prompt_token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
     forks: tuple[tuple[str, SamplingParams], ...] = ()
+    prompt_logprobs_start: int = 0
     prompt_logprob_targets: tuple[int, ...] = ()
 
     @property

@@ -221,14 +221,11 @@ class LLMEngine:
 
     def _add_prompt_logprobs(self, group: SequenceGroup, seq: Sequence, first: int,
                              entries: list[TokenLogprobs]) -> None:
-        """Appends the entries for prompt tokens first + 1, first + 2, ...; positions already
-        known (from before a preemption) are kept as they are."""
-        if group.prompt_logprobs is None or seq is not group.first:
-            return
-        for position, entry in enumerate(entries, start=first + 1):
-            if position == len(group.prompt_logprobs):
-                group.prompt_logprobs.append(self._logprob_dict(entry))
-        assert len(group.prompt_logprobs) >= first + 1 + len(entries)
+        """Appends the entries for prompt tokens first + 1, first + 2, ... (the scheduler hands
+        out each position once, in order)."""
+        assert group.prompt_logprobs is not None and seq is group.first
+        assert len(group.prompt_logprobs) == first + 1
+        group.prompt_logprobs.extend(self._logprob_dict(entry) for entry in entries)
 
     def _make_output(self, group: SequenceGroup) -> RequestOutput:
         first = group.first

@@ -203,10 +203,11 @@ class HPUModelRunner:
         for s in step.scheduled:
             targets = s.prompt_logprob_targets
             if targets:
-                logits = self.model.compute_logits(hidden[offset:offset + len(targets)])  # (L, V)
+                row = offset + s.prompt_logprobs_start - s.start_position
+                logits = self.model.compute_logits(hidden[row:row + len(targets)])    # (L, V)
                 entries = compute_logprobs(logits, list(targets),
                                            [s.sampling_params.prompt_logprobs] * len(targets))
-                output.prompt_logprobs[s.request_id] = (s.start_position, entries)
+                output.prompt_logprobs[s.request_id] = (s.prompt_logprobs_start, entries)
             offset += s.num_tokens
 
     def _forward(self, inputs: ModelInputs, eager: bool) -> torch.Tensor:
