@@ -297,9 +297,10 @@ def test_capacity_bisection_logic(monkeypatch):
     def fake_run_mode(llm, workload, intervals, rate, args, slos, tag):
         probed.append(rate)
         itl = 10.0 * rate  # P99 ITL grows with load: SLO 100 ms -> capacity 10 req/s
+        ttft = 100.0 * rate  # queueing grows too: the default 2000 ms bound -> 20 req/s
         return {"itls": [[itl / 1000.0] * 10], "failed": 0, "completed": 1, "duration": 1.0,
-                "request_throughput": 1.0, "output_throughput": 1.0, "mean_ttft_ms": 1.0,
-                "median_itl_ms": itl}
+                "request_throughput": 1.0, "output_throughput": 1.0, "mean_ttft_ms": ttft,
+                "median_ttft_ms": ttft, "median_itl_ms": itl}
 
     monkeypatch.setattr(bs, "run_mode", fake_run_mode)
     args = bs.make_parser().parse_args(["--capacity-search", "--itl-slo-ms", "100", "--min-rate", "1",
@@ -309,3 +310,9 @@ def test_capacity_bisection_logic(monkeypatch):
     assert found["capacity_rate"] <= 10 < found["bracket"][1]
     assert found["capacity_rate"] > 7  # 6 bisection steps of a 64x bracket
     assert all(p["meets_slo"] == (p["request_rate"] <= 10) for p in found["probes"])
+    # The TTFT bound binds first when it is the tighter one: an overloaded rate never counts.
+    probed.clear()
+    args.max_median_ttft_ms = 800.0  # -> 8 req/s
+    found = bs.capacity_search(None, [], [], args, {}, "chunked")
+    assert 6 < found["capacity_rate"] <= 8 < found["bracket"][1]
+    assert all(p["meets_slo"] == (p["request_rate"] <= 8) for p in found["probes"])
