@@ -48,7 +48,7 @@ def measure(args: argparse.Namespace, enforce_eager: bool) -> dict:
         params = SamplingParams(temperature=0, max_tokens=args.decode_tokens + 1, ignore_eos=True)
         for i in range(batch):
             engine.add_request(f"d{batch}-{i}", {"prompt_token_ids": _prompt(args.decode_prompt_len, i)}, params)
-        while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.requests.values()):
+        while any(g.first.num_computed_tokens < g.first.num_prompt_tokens for g in engine.requests.values()):
             engine.step()
         t = time.perf_counter()
         steps = _drain(engine)
