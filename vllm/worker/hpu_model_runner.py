@@ -19,6 +19,7 @@ from torch._dynamo.utils import counters as dynamo_counters
 from vllm.attention.backends.hpu_attn import AttentionMetadata, SeqSpan, build_attention_metadata
 from vllm.config import EngineConfig
 from vllm.core.scheduler_output import SchedulerOutput
+from vllm.forward_context import ForwardContext, forward_context
 from vllm.model_executor.layers.linear import can_pack, pack_linear_weights
 from vllm.model_executor.layers.logprobs import compute_logprobs
 from vllm.model_executor.layers.sampler import sample_with_processors
@@ -71,7 +72,9 @@ class HPUModelRunner:
             # for the whole process (engines of other models add theirs); past the limit dynamo
             # would quietly run eager.
             dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 8 * len(self.graph_stats.buckets))
-            model.compile_regions(platform.compile_fn())
+            # One graph per bucket for the whole forward pass; attention inside it is an opaque
+            # op that reads the step's metadata from the forward context (vllm/attention/layer.py).
+            self._compiled_model = platform.compile_fn()(model)
         self._warmed_up = False
 
     # ---------------------------------------------------------------- warm-up
@@ -85,12 +88,15 @@ class HPUModelRunner:
         before = _compiled_graph_count()
         pad_slot = self.cache.pad_slot
         for size in reversed(self.graph_stats.buckets):
-            # Padding only: attention has no sequence to attend for, the regions see the shapes.
+            # Padding only: attention has no sequence to attend for, the graph sees the shapes.
             metadata = build_attention_metadata([], 0, [pad_slot] * size, self.cache.block_size,
                                                 self.heads_per_kv, self.sliding_window,
                                                 self.cache.pad_block, self.device)
+            # Two tensors: the same one twice would be captured as aliased inputs.
             ids = torch.zeros(size, dtype=torch.int64, device=self.device)
-            self.model(ids, ids, self.cache.kv_caches, metadata)
+            positions = torch.zeros(size, dtype=torch.int64, device=self.device)
+            with forward_context(ForwardContext(metadata, self.cache.kv_caches)):
+                self._compiled_model(ids, positions)
             self.platform.synchronize()
         stats = self.graph_stats
         stats.graphs_compiled_at_warmup = _compiled_graph_count() - before
@@ -163,7 +169,7 @@ class HPUModelRunner:
         if bucket is not None:
             self.graph_stats.real_tokens += num_tokens
             self.graph_stats.padded_tokens += bucket - num_tokens
-        hidden = self._forward(inputs, eager=self.graph_stats.enabled and bucket is None)
+        hidden = self._forward(inputs, eager=bucket is None)
         output = ModelRunnerOutput()
         if any(s.sample for s in step.scheduled):
             self._sample(step, hidden[inputs.logits_indices], output)
@@ -211,16 +217,19 @@ class HPUModelRunner:
             offset += s.num_tokens
 
     def _forward(self, inputs: ModelInputs, eager: bool) -> torch.Tensor:
-        args = (inputs.input_ids, inputs.positions, self.cache.kv_caches, inputs.metadata)
-        if eager:
-            with torch.compiler.set_stance("force_eager"):
-                hidden = self.model(*args)
-            self.platform.mark_step()
-            return hidden
+        captured = self.graph_stats.enabled and not eager
         before = _compiled_graph_count()
-        hidden = self.model(*args)                                              # (T, hidden)
+        with forward_context(ForwardContext(inputs.metadata, self.cache.kv_caches)):
+            if captured:
+                # After warm-up every step is padded to a captured bucket, so only the guards
+                # that tell the buckets apart (the token count) need to run, not the hundreds
+                # on parameters.
+                with torch.compiler.set_stance(skip_guard_eval_unsafe=self._warmed_up):
+                    hidden = self._compiled_model(inputs.input_ids, inputs.positions)  # (T, hidden)
+            else:
+                hidden = self.model(inputs.input_ids, inputs.positions)              # (T, hidden)
         self.platform.mark_step()  # HPU lazy mode: flush the step's ops; no-op elsewhere
-        if self._warmed_up and _compiled_graph_count() != before:
+        if captured and self._warmed_up and _compiled_graph_count() != before:
             self.graph_stats.compiles_after_warmup += _compiled_graph_count() - before
             logger.warning("A graph was compiled after warm-up (%d tokens)", inputs.input_ids.shape[0])
         return hidden

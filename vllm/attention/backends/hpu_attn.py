@@ -37,6 +37,9 @@ class AttentionGroup:
     # and which sequences have no context at all (their context term is dropped).
     context_bias: torch.Tensor | None = None
     no_context: torch.Tensor | None = None  # (S,) bool
+    # True for the decode group: its queries are tokens 0..S-1 of the step, one per sequence, so
+    # they are sliced from the step's queries and outputs rather than gathered and scattered.
+    leading_decodes: bool = False
 
     def to(self, device: torch.device, dtype: torch.dtype) -> "AttentionGroup":
         """Moves the tensors to `device`; the additive bias also takes the compute dtype."""
@@ -44,7 +47,8 @@ class AttentionGroup:
         mask = None if self.mask is None else self.mask.to(device)
         no_context = None if self.no_context is None else self.no_context.to(device)
         return AttentionGroup(self.gather_index.to(device), self.scatter_index.to(device),
-                              self.block_tables.to(device), mask, bias, no_context)
+                              self.block_tables.to(device), mask, bias, no_context,
+                              self.leading_decodes)
 
 
 @dataclass(slots=True)
@@ -139,8 +143,10 @@ def build_attention_metadata(spans: list[SeqSpan], num_decodes: int, slot_mappin
     groups = []
     decodes, prefills = spans[:num_decodes], spans[num_decodes:]
     if decodes:
-        groups.append(_masked_group(decodes, num_tokens, block_size, heads_per_kv, sliding_window,
-                                    pad_block))
+        assert all(s.query_len == 1 and s.token_offset == i for i, s in enumerate(decodes))
+        group = _masked_group(decodes, num_tokens, block_size, heads_per_kv, sliding_window, pad_block)
+        group.leading_decodes = True
+        groups.append(group)
     if prefills:
         if split_prefill and sliding_window is None:
             groups.append(_split_prefill_group(prefills, num_tokens, block_size, pad_block))
@@ -192,7 +198,11 @@ def _masked_attention(g: AttentionGroup, query: torch.Tensor, key_cache: torch.T
                       value_cache: torch.Tensor, scale: float) -> torch.Tensor:
     """Returns (S, Q, H, D)."""
     q_len = g.gather_index.shape[1]
-    q = _fold(_rows(query, g.gather_index), key_cache.shape[2])      # (S, KVH, Q * r, D)
+    if g.leading_decodes:
+        s = g.gather_index.shape[0]
+        q = _fold(query[:s].unsqueeze(1), key_cache.shape[2])         # (S, KVH, r, D)
+    else:
+        q = _fold(_rows(query, g.gather_index), key_cache.shape[2])  # (S, KVH, Q * r, D)
     k = _gather_cache(key_cache, g.block_tables)                      # (S, KVH, K, D)
     v = _gather_cache(value_cache, g.block_tables)
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=scale)
@@ -207,11 +217,12 @@ def _split_prefill_attention(g: AttentionGroup, query: torch.Tensor, key: torch.
     q_rows = _rows(query, g.gather_index)                             # (S, Q, H, D)
     r = query.shape[1] // key.shape[1]
     q = q_rows.transpose(1, 2)                                        # (S, H, Q, D)
-    k = _rows(key, g.gather_index).transpose(1, 2).repeat_interleave(r, dim=1)    # (S, H, Q, D)
-    v = _rows(value, g.gather_index).transpose(1, 2).repeat_interleave(r, dim=1)
-    if g.context_bias is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale).transpose(1, 2)
+    # The CPU flash kernel maps query head h to KV head h // r itself, without copies.
+    k = _rows(key, g.gather_index).transpose(1, 2)                    # (S, KVH, Q, D)
+    v = _rows(value, g.gather_index).transpose(1, 2)
     o_chunk, lse_chunk = flash(q, k, v, 0.0, True, scale=scale)     # (S, H, Q, D), (S, H, Q)
+    if g.context_bias is None:
+        return o_chunk.transpose(1, 2)
     q_len = q_rows.shape[1]
     kc = _gather_cache(key_cache, g.block_tables)                    # (S, KVH, K, D)
     vc = _gather_cache(value_cache, g.block_tables)
@@ -246,5 +257,8 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             o = _masked_attention(g, query, key_cache, value_cache, scale)
         else:
             o = _split_prefill_attention(g, query, key, value, key_cache, value_cache, scale)
-        out.index_copy_(0, g.scatter_index.view(-1), o.reshape(-1, num_heads, head_dim))
+        if g.leading_decodes:
+            out[:o.shape[0]] = o.view(-1, num_heads, head_dim)
+        else:
+            out.index_copy_(0, g.scatter_index.view(-1), o.reshape(-1, num_heads, head_dim))
     return out[:num_tokens]

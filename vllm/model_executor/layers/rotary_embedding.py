@@ -24,28 +24,30 @@ def _inverse_frequencies(config, head_dim: int) -> tuple[torch.Tensor, float]:
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotates the two halves of each head (Hugging Face's "rotate_half" layout)."""
+    """Rotates the two halves of each head (Hugging Face's "rotate_half" layout).
+
+    rotate_half(x) = cat(-x2, x1) equals roll(x, D/2) with the first half negated, so the table
+    keeps sin with its first half negated and a rotation costs one roll instead of a negation
+    and a cat. The products are the same numbers as Hugging Face's, bit for bit.
+    """
 
     def __init__(self, config, head_dim: int, max_position: int, dtype: torch.dtype) -> None:
         super().__init__()
         inv_freq, scale = _inverse_frequencies(config, head_dim)
         positions = torch.arange(max_position, dtype=torch.int64).float()
         freqs = positions[:, None] * inv_freq[None, :]                    # (P, D/2)
-        emb = torch.cat((freqs, freqs), dim=-1)                           # (P, D)
-        self.register_buffer("cos", (emb.cos() * scale).to(dtype), persistent=False)
-        self.register_buffer("sin", (emb.sin() * scale).to(dtype), persistent=False)
+        sin = freqs.sin() * scale                                          # (P, D/2)
+        cos = (torch.cat((freqs, freqs), dim=-1).cos() * scale).to(dtype)  # (P, D)
+        signed_sin = torch.cat((-sin, sin), dim=-1).to(dtype)             # (P, D)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("signed_sin", signed_sin, persistent=False)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: (T,) -> cos, sin: (T, 1, D), looked up once per step for all layers."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        """positions: (T,) -> cos, signed_sin: (T, 1, D), looked up once per step for all layers."""
+        return self.cos[positions].unsqueeze(1), self.signed_sin[positions].unsqueeze(1)
 
 
-def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q: (T, H, D); k: (T, KVH, D); cos/sin: (T, 1, D)."""
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x: (T, heads, D), queries and keys side by side; cos/signed_sin: (T, 1, D)."""
+    rotated_half = torch.roll(x, x.shape[-1] // 2, dims=-1)               # (-x2, x1) before signs
+    return x * cos + rotated_half * signed_sin

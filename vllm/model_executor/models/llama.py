@@ -6,19 +6,16 @@ names are Hugging Face's, except that q/k/v and gate/up are fused into one matmu
 `load_weights` maps the separate checkpoint tensors onto the shards of the fused ones.
 """
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vllm.attention.backends.hpu_attn import AttentionMetadata, paged_attention, write_to_kv_cache
+from vllm.attention.layer import attention
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import Linear
 from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding, apply_rotary
-
-KVCache = tuple[torch.Tensor, torch.Tensor]  # each (num_blocks, block_size, num_kv_heads, head_dim)
-
 
 def _sliding_window(config) -> int | None:
     window = getattr(config, "sliding_window", None)
@@ -30,8 +27,9 @@ def _sliding_window(config) -> int | None:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config) -> None:
+    def __init__(self, config, layer_index: int) -> None:
         super().__init__()
+        self.layer_index = layer_index
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
@@ -51,20 +49,17 @@ class LlamaAttention(nn.Module):
         """hidden: (T, hidden) -> rotated q (T, H, D), rotated k and v (T, KVH, D)."""
         t = hidden.shape[0]
         qkv = self.qkv_proj(hidden)                                         # (T, q + 2 kv)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)                        # (T, H, D)
-        k = k.view(t, self.num_kv_heads, self.head_dim)                     # (T, KVH, D)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, k, cos, sin)
-        return q, k, v
+        # q and k sit side by side: one rotation serves both.
+        qk = qkv[:, :self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads,
+                                                     self.head_dim)        # (T, H + KVH, D)
+        q, k = apply_rotary(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
+        return q, k, v                                                      # (T, H | KVH, D)
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
-               metadata: AttentionMetadata) -> torch.Tensor:
-        """Writes k/v to the paged cache and attends; returns (T, H * D)."""
-        key_cache, value_cache = kv_cache
-        write_to_kv_cache(k, v, key_cache, value_cache, metadata.slot_mapping)
-        out = paged_attention(q, k, v, key_cache, value_cache, metadata, self.scale)  # (T, H, D)
-        return out.view(q.shape[0], self.q_size)
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """hidden: (T, hidden) -> (T, hidden); K/V go to this layer's paged cache."""
+        q, k, v = self.project(hidden, cos, sin)
+        return self.o_proj(attention(q, k, v, self.layer_index, self.scale))    # (T, hidden)
 
 
 class LlamaMLP(nn.Module):
@@ -83,21 +78,15 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config) -> None:
+    def __init__(self, config, layer_index: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config)
+        self.self_attn = LlamaAttention(config, layer_index)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
-    # The layer runs in three pieces so that graph capture can leave attention out: the two
-    # dense pieces depend on the (padded) token count only, attention on per-step metadata.
-    def pre_attention(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.self_attn.project(self.input_layernorm(hidden), cos, sin)
-
-    def post_attention(self, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
-        hidden = hidden + self.self_attn.o_proj(attn_out)                   # (T, hidden)
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin)  # (T, hidden)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -107,28 +96,18 @@ class LlamaModel(nn.Module):
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.rotary = RotaryEmbedding(config, head_dim, max_position, dtype)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.compile_regions(None)
 
-    def compile_regions(self, compile_fn: Callable | None) -> None:
-        """Runs the dense pieces of every layer through `compile_fn` (e.g. `torch.compile`).
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: (T,) -> final hidden states (T, hidden).
 
-        The unbound methods are compiled once and shared by all layers (the layer is an
-        argument), so one graph per padded token count serves the whole stack.
+        Attention reads the step's metadata and KV caches from the current forward_context.
         """
-        wrap = compile_fn or (lambda fn: fn)
-        self._pre_attention = wrap(LlamaDecoderLayer.pre_attention)
-        self._post_attention = wrap(LlamaDecoderLayer.post_attention)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                metadata: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)                                   # (T, hidden)
         cos, sin = self.rotary(positions)                                       # (T, 1, D) each
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            q, k, v = self._pre_attention(layer, hidden, cos, sin)
-            attn_out = layer.self_attn.attend(q, k, v, kv_cache, metadata)
-            hidden = self._post_attention(layer, hidden, attn_out)
+        for layer in self.layers:
+            hidden = layer(hidden, cos, sin)
         return self.norm(hidden)
 
 
@@ -149,12 +128,8 @@ class LlamaForCausalLM(nn.Module):
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                metadata: AttentionMetadata) -> torch.Tensor:
-        return self.model(input_ids, positions, kv_caches, metadata)           # (T, hidden)
-
-    def compile_regions(self, compile_fn: Callable | None) -> None:
-        self.model.compile_regions(compile_fn)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)                                # (T, hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: (S, hidden) for the tokens that sample -> (S, vocab) float32 logits."""
