@@ -67,3 +67,35 @@ def test_cache_write_lands_in_the_right_slots():
     assert key_cache[1, 1, 0].tolist() == [0.0, 1.0]     # slot 5 = block 1, offset 1
     assert key_cache[0, 0, 0].tolist() == [2.0, 3.0]
     assert value_cache[2, 3, 0].tolist() == [-4.0, -5.0]  # slot 11 = block 2, offset 3
+
+
+def test_decodes_of_very_different_lengths_are_attended_in_separate_groups():
+    # Four decodes with 2000 cached tokens and sixteen with 40: one group would pad all twenty
+    # to 2000 keys. Each group keeps every member within twice its own block count.
+    block_size = 16
+    lengths = [2000] * 4 + [40] * 16
+    rng = random.Random(0)
+    rng.shuffle(lengths)
+    spans = [SeqSpan(i, 1, n, list(range(-(-(n + 1) // block_size)))) for i, n in enumerate(lengths)]
+    slots = [0] * len(spans)
+    meta = build_attention_metadata(spans, len(spans), slots, block_size, 1, None, 999, torch.device("cpu"))
+    assert sorted(g.block_tables.shape for g in meta.groups) == [(4, 126), (16, 3)]
+    assert not any(g.leading_decodes for g in meta.groups)
+    # Each group keeps the step's token order, and together they cover every decode once.
+    rows = [g.gather_index.view(-1).tolist() for g in meta.groups]
+    assert all(r == sorted(r) for r in rows) and sorted(sum(rows, [])) == list(range(20))
+    # Lengths within a factor of two share one group, sliced rather than gathered.
+    near = [SeqSpan(i, 1, n, list(range(-(-(n + 1) // block_size)))) for i, n in enumerate([40, 70, 33])]
+    meta = build_attention_metadata(near, 3, [0] * 3, block_size, 1, None, 999, torch.device("cpu"))
+    assert len(meta.groups) == 1 and meta.groups[0].leading_decodes
+
+
+def test_prefill_chunks_of_very_different_lengths_are_attended_in_separate_groups():
+    # The last 464-token chunk of a long prompt beside sixteen fresh 32-token prompts: one group
+    # would pad all seventeen to 464 queries.
+    spans, offset = [SeqSpan(0, 464, 1536, list(range(125)))], 464
+    for i in range(16):
+        spans.append(SeqSpan(offset, 32, 0, [200 + 2 * i, 201 + 2 * i]))
+        offset += 32
+    meta = build_attention_metadata(spans, 0, [0] * offset, 16, 1, None, 999, torch.device("cpu"))
+    assert sorted(g.gather_index.shape for g in meta.groups) == [(1, 464), (16, 32)]

@@ -1,8 +1,9 @@
 """Paged attention for a mixed step: prefill chunks and decodes in one flattened token dimension.
 
 Every token of the step first writes its key/value into the paged cache (through
-`slot_mapping`). Sequences are then attended in two groups, so the many one-token decodes are
-not padded to the length of a prefill chunk:
+`slot_mapping`). Sequences are then attended in groups, so the many one-token decodes are
+not padded to the length of a prefill chunk (and decodes of very different lengths fall into
+separate groups, as do prefill chunks of very different lengths; see `_bands`):
 
     flat tokens   [ d0 d1 d2 | p0 p0 p0 p0 p0 | p1 p1 ]      decodes first, then prefill chunks
     decode group  queries [3, 1]   keys: all cached, gathered by block   [3, blocks * block_size]
@@ -129,6 +130,23 @@ def _split_prefill_group(spans: list[SeqSpan], num_tokens: int, block_size: int,
                           context_bias=bias[:, None, None, :], no_context=no_context)
 
 
+def _bands(spans: list[SeqSpan], size) -> list[list[SeqSpan]]:
+    """Splits `spans` into groups in which no member's `size(span)` is below half its group's largest.
+
+    A group is padded to its largest member (keys for decodes, queries for prefill chunks), so
+    one 2000-token sequence among short ones would make every short one attend at its size.
+    Sorted by size, a new group starts wherever a member is under half its group's largest.
+    Each group keeps the step's token order.
+    """
+    order = sorted(spans, key=size, reverse=True)
+    bands: list[list[SeqSpan]] = []
+    for span in order:
+        if not bands or 2 * size(span) < size(bands[-1][0]):
+            bands.append([])
+        bands[-1].append(span)
+    return [sorted(band, key=lambda s: s.token_offset) for band in bands]
+
+
 def build_attention_metadata(spans: list[SeqSpan], num_decodes: int, slot_mapping: list[int],
                              block_size: int, heads_per_kv: int, sliding_window: int | None,
                              pad_block: int, device: torch.device,
@@ -142,17 +160,18 @@ def build_attention_metadata(spans: list[SeqSpan], num_decodes: int, slot_mappin
     num_tokens = len(slot_mapping)
     groups = []
     decodes, prefills = spans[:num_decodes], spans[num_decodes:]
-    if decodes:
-        assert all(s.query_len == 1 and s.token_offset == i for i, s in enumerate(decodes))
-        group = _masked_group(decodes, num_tokens, block_size, heads_per_kv, sliding_window, pad_block)
-        group.leading_decodes = True
+    assert all(s.query_len == 1 and s.token_offset == i for i, s in enumerate(decodes))
+    bands = _bands(decodes, lambda s: _cdiv(s.context_len + 1, block_size))  # keys, in blocks
+    for band in bands:
+        group = _masked_group(band, num_tokens, block_size, heads_per_kv, sliding_window, pad_block)
+        group.leading_decodes = len(bands) == 1
         groups.append(group)
-    if prefills:
+    for band in _bands(prefills, lambda s: s.query_len):
         if split_prefill and sliding_window is None:
-            groups.append(_split_prefill_group(prefills, num_tokens, block_size, pad_block))
+            groups.append(_split_prefill_group(band, num_tokens, block_size, pad_block))
         else:
-            groups.append(_masked_group(prefills, num_tokens, block_size, heads_per_kv,
-                                        sliding_window, pad_block))
+            groups.append(_masked_group(band, num_tokens, block_size, heads_per_kv, sliding_window,
+                                        pad_block))
     return AttentionMetadata(
         slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
         groups=tuple(g.to(device, dtype) for g in groups),
