@@ -14,6 +14,8 @@ import argparse
 import json
 import os
 import platform
+import subprocess
+import sys
 import time
 
 import torch
@@ -71,8 +73,24 @@ def measure(args: argparse.Namespace, enforce_eager: bool) -> dict:
     result.update(buckets=stats.buckets, graphs_compiled_at_warmup=stats.graphs_compiled_at_warmup,
                   warmup_seconds=stats.warmup_seconds, compiles_after_warmup=stats.compiles_after_warmup,
                   unwarmed_steps=stats.unwarmed_steps, padding_overhead=stats.padding_overhead)
-    del llm
     return result
+
+
+_RESULT_MARK = "MODE_RESULT "
+
+
+def _measure_in_child(args: argparse.Namespace, mode: str) -> dict:
+    """Measures one mode in a fresh process, so one engine's leftovers (allocator state, compile
+    workers, packed weights) cannot slow the other."""
+    argv = [sys.executable, __file__, "--mode", mode]
+    for name, value in vars(args).items():
+        if name in ("mode", "output_json") or value is None:
+            continue
+        argv.append("--" + name.replace("_", "-"))
+        argv.extend(str(v) for v in (value if isinstance(value, list) else [value]))
+    out = subprocess.run(argv, check=True, stdout=subprocess.PIPE, text=True).stdout
+    line = next(x for x in out.splitlines() if x.startswith(_RESULT_MARK))
+    return json.loads(line[len(_RESULT_MARK):])
 
 
 def main() -> None:
@@ -89,10 +107,13 @@ def main() -> None:
     p.add_argument("--prefill-len", type=int, default=2000)
     p.add_argument("--prefill-reps", type=int, default=2)
     p.add_argument("--output-json", default=None)
+    p.add_argument("--mode", choices=["eager", "graphs"], default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
 
-    eager = measure(args, enforce_eager=True)
-    graphs = measure(args, enforce_eager=False)
+    if args.mode is not None:  # the child process of one mode
+        print(_RESULT_MARK + json.dumps(measure(args, enforce_eager=args.mode == "eager")))
+        return
+    eager, graphs = _measure_in_child(args, "eager"), _measure_in_child(args, "graphs")
     speedup = {k: graphs[k] / eager[k] for k in eager if k.endswith("tokens_per_s")}
     result = {"config": vars(args), "eager": eager, "graphs": graphs, "graphs_over_eager": speedup,
               "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),

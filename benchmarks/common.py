@@ -64,7 +64,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--long-prefill-token-threshold", type=int, default=None)
     g.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     g.add_argument("--num-gpu-blocks-override", type=int, default=None)
-    g.add_argument("--enforce-eager", action="store_true")
+    g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
+                   help="run without captured graphs; --no-enforce-eager captures them (default: the "
+                        "platform's choice, eager on CPU)")
     g.add_argument("--device", type=str, default=None, help="auto, cpu or hpu")
     g.add_argument("--threads", type=int, default=None,
                    help="torch.set_num_threads(N) before anything runs (default: torch's default)")
@@ -88,8 +90,8 @@ def engine_kwargs(args: argparse.Namespace, **overrides) -> dict:
         value = getattr(args, name, None)
         if value is not None:
             kwargs[name] = value
-    if getattr(args, "enforce_eager", False):
-        kwargs["enforce_eager"] = True
+    if getattr(args, "enforce_eager", None) is not None:
+        kwargs["enforce_eager"] = args.enforce_eager
     kwargs.update(overrides)
     return kwargs
 
