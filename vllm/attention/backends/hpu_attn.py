@@ -98,7 +98,8 @@ def _block_tables(spans: list[SeqSpan], num_tokens_of, block_size: int, pad_bloc
 
 
 def _masked_group(spans: list[SeqSpan], num_tokens: int, block_size: int, heads_per_kv: int,
-                  sliding_window: int | None, pad_block: int) -> AttentionGroup:
+                  sliding_window: int | None, pad_block: int,
+                  leading_decodes: bool = False) -> AttentionGroup:
     """All keys from the cache, one boolean mask (decodes; prefills under a sliding window)."""
     gather_index, scatter_index, valid_q = _indices(spans, num_tokens)
     tables = _block_tables(spans, lambda s: s.context_len + s.query_len, block_size, pad_block)
@@ -113,7 +114,7 @@ def _masked_group(spans: list[SeqSpan], num_tokens: int, block_size: int, heads_
     mask[:, :, 0] |= ~valid_q
     # Query q of KV head h becomes rows q * heads_per_kv .. + heads_per_kv - 1 of that head.
     mask = mask.repeat_interleave(heads_per_kv, dim=1).unsqueeze(1)  # (S, 1, Q * r, K)
-    return AttentionGroup(gather_index, scatter_index, tables, mask)
+    return AttentionGroup(gather_index, scatter_index, tables, mask, leading_decodes=leading_decodes)
 
 
 def _split_prefill_group(spans: list[SeqSpan], num_tokens: int, block_size: int,
@@ -170,9 +171,8 @@ def build_attention_metadata(spans: list[SeqSpan], num_decodes: int, slot_mappin
     assert all(s.query_len == 1 and s.token_offset == i for i, s in enumerate(decodes))
     bands = _bands(decodes, lambda s: _cdiv(s.context_len + 1, block_size))  # keys, in blocks
     for band in bands:
-        group = _masked_group(band, num_tokens, block_size, heads_per_kv, sliding_window, pad_block)
-        group.leading_decodes = len(bands) == 1
-        groups.append(group)
+        groups.append(_masked_group(band, num_tokens, block_size, heads_per_kv, sliding_window,
+                                    pad_block, leading_decodes=len(bands) == 1))
     for band in _bands(prefills, lambda s: s.query_len):
         if split_prefill and sliding_window is None:
             groups.append(_split_prefill_group(band, num_tokens, block_size, pad_block))
@@ -241,7 +241,6 @@ def _split_prefill_attention(g: AttentionGroup, query: torch.Tensor, key: torch.
     """Returns (S, Q, H, D)."""
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     q_rows = _rows(query, g.gather_index)                             # (S, Q, H, D)
-    r = query.shape[1] // key.shape[1]
     q = q_rows.transpose(1, 2)                                        # (S, H, Q, D)
     # The CPU flash kernel maps query head h to KV head h // r itself, without copies.
     k = _rows(key, g.gather_index).transpose(1, 2)                    # (S, KVH, Q, D)
@@ -260,6 +259,7 @@ def _split_prefill_attention(g: AttentionGroup, query: torch.Tensor, key: torch.
                                attn_mask=g.context_bias, scale=scale)  # (S, KVH, Q*r, D), (S, KVH, Q*r)
         o_ctx = _unfold(o_ctx, q_len).transpose(1, 2)                # (S, H, Q, D)
         s, kvh, _ = lse_ctx.shape
+        r = query.shape[1] // kvh
         lse_ctx = lse_ctx.view(s, kvh, q_len, r).transpose(2, 3).reshape(s, kvh * r, q_len)  # (S, H, Q)
         lse_ctx = lse_ctx.masked_fill(g.no_context[:, None, None], float("-inf"))
     # softmax over both key sets = the two partial softmaxes weighted by their total mass

@@ -49,5 +49,5 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """x: (T, heads, D), queries and keys side by side; cos/signed_sin: (T, 1, D)."""
-    rotated_half = torch.roll(x, x.shape[-1] // 2, dims=-1)               # (-x2, x1) before signs
+    rotated_half = torch.roll(x, x.shape[-1] // 2, dims=-1)               # (x2, x1): signs in the table
     return x * cos + rotated_half * signed_sin

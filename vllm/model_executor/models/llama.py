@@ -17,6 +17,7 @@ from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import Linear
 from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding, apply_rotary
 
+
 def _sliding_window(config) -> int | None:
     window = getattr(config, "sliding_window", None)
     if config.model_type == "qwen2":
