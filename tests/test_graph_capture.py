@@ -1,4 +1,4 @@
-"""Graph mode: every bucket captured at warm-up, nothing compiled after, same tokens as eager."""
+"""Graph mode: every bucket warmed up, nothing compiled after, same tokens as eager."""
 
 import random
 
@@ -34,9 +34,37 @@ def test_no_compile_after_warmup_and_same_tokens_as_eager(tiny_checkpoints):
     engine, graphs = _run(path, enforce_eager=False)
     stats = engine.graph_stats
     assert stats.enabled and stats.buckets == [16, 32, 64]
-    assert stats.graphs_compiled_at_warmup == len(stats.buckets)  # one whole-model graph each
+    # CPU: one graph, its token count symbolic, serves every bucket.
+    assert stats.graphs_compiled_at_warmup == 1
     assert stats.compiles_after_warmup == 0 and stats.unwarmed_steps == 0
     assert engine.stats.num_preemptions > 0
     assert 0 < stats.padding_overhead < 1.0
     assert graphs == eager
     assert not eager_engine.graph_stats.enabled
+
+
+def test_size_one_bucket_gets_its_own_graph(tiny_checkpoints, monkeypatch):
+    import torch._dynamo
+
+    monkeypatch.setenv("VLLM_TOKEN_BUCKET_MIN", "1")
+    torch._dynamo.reset()
+    engine, _ = _run(tiny_checkpoints["llama"], enforce_eager=False)
+    stats = engine.graph_stats
+    assert stats.buckets == [1, 2, 4, 8, 16, 32, 64]
+    # Dynamo specializes size 1, so the symbolic graph covers 2..64 and size 1 has its own.
+    assert stats.graphs_compiled_at_warmup == 2
+    assert stats.compiles_after_warmup == 0 and stats.unwarmed_steps == 0
+
+
+def test_static_capture_has_one_graph_per_bucket(tiny_checkpoints, monkeypatch):
+    """The capture device graph runtimes use (HPU): static shapes, one graph per bucket."""
+    import torch._dynamo
+
+    from vllm.platforms.cpu import CpuPlatform
+
+    monkeypatch.setattr(CpuPlatform, "symbolic_token_count", False)
+    torch._dynamo.reset()
+    engine, _ = _run(tiny_checkpoints["llama"], enforce_eager=False)
+    stats = engine.graph_stats
+    assert stats.graphs_compiled_at_warmup == len(stats.buckets) == 3
+    assert stats.compiles_after_warmup == 0 and stats.unwarmed_steps == 0

@@ -51,11 +51,15 @@ def keep_freed_memory_in_process() -> bool:
 
 class CpuPlatform(Platform):
     device_type = "cpu"
-    # Measured on the 2-core AMX machine (benchmarks/results/graphs.json): the whole-model graphs
-    # run decode 1.02x (batch 1) to 1.10x (batch 16) and prefill 1.15x faster than eager, but a
-    # cold start compiles for about 110 s (6 buckets). Eager stays the default so that an LLM
-    # starts in seconds; servers that run for long should pass enforce_eager=False.
+    # Measured on the 2-core AMX machine (benchmarks/results/graphs.json): the graphs run decode
+    # and prefill about 1.1x faster than eager, but a cold start compiles for about 35 s. Eager
+    # stays the default so that an LLM starts in seconds; servers that run for long should pass
+    # enforce_eager=False.
     default_enforce_eager = True
+    # Inductor's C++ kernels take the size as an argument, and run as fast as kernels
+    # specialized per bucket; so the model is compiled once (~35 s cold) instead of once per
+    # bucket (6 buckets: ~110 s).
+    symbolic_token_count = True
 
     def __init__(self) -> None:
         # bf16 runs on AMX/AVX512-bf16 tiles at several times the fp32 rate; without them fp32 is
@@ -64,6 +68,7 @@ class CpuPlatform(Platform):
         keep_freed_memory_in_process()
 
     def compile_fn(self):
-        # Inductor generates C++ kernels that fuse the norms, rotary and activation
-        # element-wise ops around the GEMMs; shapes stay static, one graph per bucket.
+        # Inductor generates C++ kernels that fuse the norms, rotary and activation element-wise
+        # ops around the GEMMs. Shapes are static except the token dimension, which the runner
+        # marks dynamic.
         return functools.partial(torch.compile, dynamic=False, fullgraph=True)

@@ -13,6 +13,9 @@ class Platform:
     default_dtype: torch.dtype = torch.float32
     # Whether graph capture is off unless the user asks for it (enforce_eager=False).
     default_enforce_eager: bool = False
+    # True: one compiled graph whose token dimension is symbolic (bounded by the bucket range)
+    # serves every bucket. False: one static graph per bucket, as device graph runtimes need.
+    symbolic_token_count: bool = False
 
     @property
     def device(self) -> torch.device:
@@ -25,5 +28,5 @@ class Platform:
         """Ends a lazily traced region (HPU lazy mode); a no-op on eager devices."""
 
     def compile_fn(self) -> Callable[[Callable], Callable]:
-        """Returns the function that captures a region for static shapes (one graph per shape)."""
+        """Returns the function that captures the model (see `symbolic_token_count`)."""
         raise NotImplementedError

@@ -1,9 +1,9 @@
 """Token-count buckets: the few static shapes every step is padded to, so graphs are reused.
 
 Only one dimension is bucketed: the step's flattened token count. Attention, whose inputs vary
-with the number of sequences and their lengths, runs outside the captured graphs, so the
-Habana fork's (batch size x sequence length) and (batch size x blocks) grids collapse into one
-short list. Environment overrides, in the style of the Habana fork:
+with the number of sequences and their lengths, is an op the captured graphs do not trace, so
+the Habana fork's (batch size x sequence length) and (batch size x blocks) grids collapse into
+one short list. Environment overrides, in the style of the Habana fork:
 
     VLLM_EXPONENTIAL_BUCKETING  "true" (default): min, 2*min, 4*min, ... up to max
                                 "false": linear: min, then multiples of step, up to max

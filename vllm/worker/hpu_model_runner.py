@@ -36,6 +36,15 @@ def _compiled_graph_count() -> int:
     return dynamo_counters["stats"]["unique_graphs"]
 
 
+def _mark_token_count_dynamic(input_ids: torch.Tensor, positions: torch.Tensor) -> None:
+    """Asks the compile of the largest bucket to cover all of them, as far as it can: dynamo
+    still specializes sizes 0 and 1, so a bucket of size 1 gets a graph of its own."""
+    # A hint, not a constraint: with a hard range, a compile cached on disk under another
+    # range would be rejected instead of recompiled.
+    for t in (input_ids, positions):
+        torch._dynamo.maybe_mark_dynamic(t, 0)
+
+
 @dataclass(slots=True)
 class ModelInputs:
     input_ids: torch.Tensor       # (padded_tokens,) int64
@@ -68,12 +77,12 @@ class HPUModelRunner:
                 bucket_config_from_env(config.scheduler.max_num_batched_tokens))
             from torch._dynamo import config as dynamo_config
 
-            # Each captured function keeps one graph per bucket, and the cache is per function
+            # A captured function keeps up to one graph per bucket, and the cache is per function
             # for the whole process (engines of other models add theirs); past the limit dynamo
             # would quietly run eager.
             dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 8 * len(self.graph_stats.buckets))
-            # One graph per bucket for the whole forward pass; attention inside it is an opaque
-            # op that reads the step's metadata from the forward context (vllm/attention/layer.py).
+            # The whole forward pass is one graph; attention inside it is an opaque op that reads
+            # the step's metadata from the forward context (vllm/attention/layer.py).
             self._compiled_model = platform.compile_fn()(model)
         self._warmed_up = False
 
@@ -81,7 +90,11 @@ class HPUModelRunner:
 
     @torch.inference_mode()
     def warmup(self) -> None:
-        """Captures the graphs of every bucket, largest first, so no step compiles later."""
+        """Runs every bucket, largest first, so that no step compiles later.
+
+        With a symbolic token count (CPU) the first bucket compiles the one graph that the others
+        reuse; otherwise each bucket captures its own.
+        """
         if not self.graph_stats.enabled or self._warmed_up:
             return
         start = time.perf_counter()
@@ -95,6 +108,8 @@ class HPUModelRunner:
             # Two tensors: the same one twice would be captured as aliased inputs.
             ids = torch.zeros(size, dtype=torch.int64, device=self.device)
             positions = torch.zeros(size, dtype=torch.int64, device=self.device)
+            if self.platform.symbolic_token_count and size == self.graph_stats.buckets[-1]:
+                _mark_token_count_dynamic(ids, positions)
             with forward_context(ForwardContext(metadata, self.cache.kv_caches)):
                 self._compiled_model(ids, positions)
             self.platform.synchronize()
@@ -102,7 +117,7 @@ class HPUModelRunner:
         stats.graphs_compiled_at_warmup = _compiled_graph_count() - before
         stats.warmup_seconds = time.perf_counter() - start
         self._warmed_up = True
-        logger.info("Warm-up captured %d graphs for %d token buckets %s in %.1f s",
+        logger.info("Warm-up compiled %d graphs for %d token buckets %s in %.1f s",
                     stats.graphs_compiled_at_warmup, len(self.graph_stats.buckets), self.graph_stats.buckets,
                     stats.warmup_seconds)
 
