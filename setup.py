@@ -14,6 +14,7 @@ setup(
     description="Chunked-prefill LLM inference for Intel Gaudi (HPU), with a tested CPU path",
     python_requires=">=3.11",
     packages=find_packages(include=["vllm", "vllm.*"]),
+    package_data={"vllm.attention.ops": ["*.c"]},  # compiled at run time (cpu_paged_decode.py)
     install_requires=_requirements(),
     extras_require={
         "test": ["pytest==9.2.0", "hypothesis==6.170.15"],

@@ -1,13 +1,23 @@
 """The vectorized mixed-batch paged attention against the naive per-token reference."""
 
 import random
+import shutil
 
 import pytest
 import torch
 
 from vllm.attention.backends.hpu_attn import (SeqSpan, build_attention_metadata, paged_attention,
                                               write_to_kv_cache)
+from vllm.attention.ops import cpu_paged_decode
 from vllm.attention.ops.reference import reference_paged_attention
+
+
+def _kernel_built() -> bool:
+    """The C decode kernel must build wherever a C compiler is installed (CI machines have one)."""
+    if shutil.which("cc") is None:
+        return False
+    assert cpu_paged_decode.is_available(torch.device("cpu"), torch.float32, 8, 2, 64)
+    return True
 
 
 def _random_step(rng: random.Random, num_decodes: int, num_prefills: int, block_size: int,
@@ -49,9 +59,11 @@ def test_mixed_batch_matches_reference(seed, block_size, heads, sliding_window):
         torch.randn(t, num_kv_heads, head_dim)
     scale = head_dim ** -0.5
     want = None
-    for split in (True, False):  # chunk-causal + context split, and the single-mask path
+    # The chunk-causal + context split, the single-mask path, and decodes on the C kernel.
+    for split, paged in ((True, False), (False, False), (True, True)):
         meta = build_attention_metadata(spans, num_decodes, slots, block_size, num_heads // num_kv_heads,
-                                        sliding_window, num_blocks, torch.device("cpu"), split_prefill=split)
+                                        sliding_window, num_blocks, torch.device("cpu"), split_prefill=split,
+                                        paged_decode=paged and _kernel_built())
         write_to_kv_cache(k, v, key_cache, value_cache, meta.slot_mapping)
         got = paged_attention(q, k, v, key_cache, value_cache, meta, scale)
         if want is None:
@@ -99,3 +111,32 @@ def test_prefill_chunks_of_very_different_lengths_are_attended_in_separate_group
         offset += 32
     meta = build_attention_metadata(spans, 0, [0] * offset, 16, 1, None, 999, torch.device("cpu"))
     assert sorted(g.gather_index.shape for g in meta.groups) == [(1, 464), (16, 32)]
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="the decode kernel needs a C compiler")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("sliding_window", [None, 100])
+def test_paged_decode_kernel_on_model_shapes(dtype, sliding_window):
+    """SmolLM2's heads (9 query, 3 KV, head_dim 64), block 128, contexts that end anywhere in a
+    block and span several 64-key tiles, blocks in scrambled order."""
+    torch.manual_seed(0)
+    num_heads, num_kv_heads, head_dim, block_size, num_blocks = 9, 3, 64, 128, 40
+    assert cpu_paged_decode.is_available(torch.device("cpu"), dtype, num_heads, num_kv_heads, head_dim)
+    key_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim).to(dtype)
+    value_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim).to(dtype)
+    free = torch.randperm(num_blocks).tolist()
+    spans = []
+    for i, ctx in enumerate([0, 1, 63, 64, 127, 128, 300, 777]):
+        table = [free.pop() for _ in range(-(-(ctx + 1) // block_size))]
+        spans.append(SeqSpan(i, 1, ctx, table))
+    meta = build_attention_metadata(spans, len(spans), [0] * len(spans), block_size, 3, sliding_window,
+                                    num_blocks - 1, torch.device("cpu"), dtype, paged_decode=True)
+    assert meta.groups == () and meta.paged_decodes is not None
+    q = torch.randn(len(spans), num_heads, head_dim).to(dtype)
+    out = torch.zeros_like(q)
+    paged = meta.paged_decodes
+    cpu_paged_decode.paged_decode(q, key_cache, value_cache, paged.block_tables, paged.seq_lens,
+                                  head_dim ** -0.5, sliding_window, out)
+    want = reference_paged_attention(q, key_cache, value_cache, spans, head_dim ** -0.5, sliding_window)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: one rounding of the output
+    torch.testing.assert_close(out.float(), want, atol=tol, rtol=tol)

@@ -17,6 +17,7 @@ import torch
 from torch._dynamo.utils import counters as dynamo_counters
 
 from vllm.attention.backends.hpu_attn import AttentionMetadata, SeqSpan, build_attention_metadata
+from vllm.attention.ops import cpu_paged_decode
 from vllm.config import EngineConfig
 from vllm.core.scheduler_output import SchedulerOutput
 from vllm.forward_context import ForwardContext, forward_context
@@ -66,7 +67,11 @@ class HPUModelRunner:
         if platform.device_type == "cpu" and can_pack(config.model.dtype):
             pack_linear_weights(model)
         self.cache = CacheEngine(config.model, config.cache, self.device)
-        self.heads_per_kv = config.model.hf_config.num_attention_heads // config.model.num_kv_heads
+        num_heads = config.model.hf_config.num_attention_heads
+        self.heads_per_kv = num_heads // config.model.num_kv_heads
+        # CPU: decodes read their keys in place through a C kernel, when it builds here.
+        self.paged_decode = cpu_paged_decode.is_available(self.device, config.model.dtype, num_heads,
+                                                          config.model.num_kv_heads, config.model.head_dim)
         self.sliding_window = getattr(model, "sliding_window", None)
         self._default_generator = torch.Generator().manual_seed(config.model.seed)
         self._generators: dict[str, torch.Generator] = {}
@@ -148,7 +153,7 @@ class HPUModelRunner:
         metadata = build_attention_metadata(
             spans, step.num_decodes, slots, block_size, self.heads_per_kv, self.sliding_window,
             self.cache.pad_block, self.device, self.config.model.dtype,
-            split_prefill=self.device.type == "cpu")
+            split_prefill=self.device.type == "cpu", paged_decode=self.paged_decode)
         return ModelInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=self.device),
             positions=torch.tensor(positions, dtype=torch.int64, device=self.device),

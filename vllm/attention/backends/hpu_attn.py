@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from vllm.attention.ops import cpu_paged_decode
+
 
 @dataclass(slots=True)
 class AttentionGroup:
@@ -57,11 +59,21 @@ class AttentionGroup:
 
 
 @dataclass(slots=True)
+class PagedDecodes:
+    """All the step's decodes (tokens 0..S-1), for the CPU kernel that reads the cache in place."""
+
+    block_tables: torch.Tensor  # (S, B) int64; padding -> the pad block
+    seq_lens: torch.Tensor      # (S,) int64: keys of each sequence, its new token included
+    sliding_window: int | None
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     """Per-step attention inputs, shared by all layers."""
 
     slot_mapping: torch.Tensor          # (num_tokens,) int64: cache slot of each token's K/V
     groups: tuple[AttentionGroup, ...]  # decodes, then prefill chunks (empty groups omitted)
+    paged_decodes: PagedDecodes | None = None  # set: the decodes are here, not in `groups`
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,16 +171,25 @@ def build_attention_metadata(spans: list[SeqSpan], num_decodes: int, slot_mappin
                              block_size: int, heads_per_kv: int, sliding_window: int | None,
                              pad_block: int, device: torch.device,
                              dtype: torch.dtype = torch.float32,
-                             split_prefill: bool = True) -> AttentionMetadata:
+                             split_prefill: bool = True,
+                             paged_decode: bool = False) -> AttentionMetadata:
     """Builds the metadata of one step; `spans[:num_decodes]` are the one-token decodes.
 
     `split_prefill` selects the chunk-causal + context split for prefill chunks (CPU kernels);
     otherwise, and always under a sliding window, prefills use one explicit mask.
+    `paged_decode` hands all decodes to the CPU kernel (vllm/attention/ops/cpu_paged_decode.py).
     """
     num_tokens = len(slot_mapping)
     groups = []
     decodes, prefills = spans[:num_decodes], spans[num_decodes:]
     assert all(s.query_len == 1 and s.token_offset == i for i, s in enumerate(decodes))
+    paged = None
+    if paged_decode and decodes:
+        paged = PagedDecodes(
+            _block_tables(decodes, lambda s: s.context_len + 1, block_size, pad_block).to(device),
+            torch.tensor([s.context_len + 1 for s in decodes], dtype=torch.int64, device=device),
+            sliding_window)
+        decodes = []
     bands = _bands(decodes, lambda s: _cdiv(s.context_len + 1, block_size))  # keys, in blocks
     for band in bands:
         groups.append(_masked_group(band, num_tokens, block_size, heads_per_kv, sliding_window,
@@ -182,6 +203,7 @@ def build_attention_metadata(spans: list[SeqSpan], num_decodes: int, slot_mappin
     return AttentionMetadata(
         slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
         groups=tuple(g.to(device, dtype) for g in groups),
+        paged_decodes=paged,
     )
 
 
@@ -282,6 +304,11 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     # One scratch row at the end receives the outputs of padding queries. Zero-filled: tokens
     # that belong to no group (bucket padding) must stay finite, as their K/V reach the cache.
     out = query.new_zeros(num_tokens + 1, num_heads, head_dim)      # (T + 1, H, D)
+    paged = metadata.paged_decodes
+    if paged is not None:
+        s = paged.seq_lens.shape[0]
+        cpu_paged_decode.paged_decode(query[:s].contiguous(), key_cache, value_cache, paged.block_tables,
+                                      paged.seq_lens, scale, paged.sliding_window, out[:s])
     for g in metadata.groups:
         if g.mask is not None:
             o = _masked_attention(g, query, key_cache, value_cache, scale)
