@@ -15,7 +15,8 @@ chunks exist, to their cached keys without a causal mask (all of them precede th
 two partial softmaxes are merged through their log-sum-exp. With a sliding window the prefill
 group uses one explicit mask over the gathered cache instead. Grouped-query attention folds the
 query heads that share a KV head into the query axis wherever no causal structure is needed,
-so K/V are not repeated there.
+so K/V are not repeated there. On CPU the decodes bypass the groups: `PagedDecodes` hands them
+all to a C kernel that reads their keys in place (vllm/attention/ops/cpu_paged_decode.c).
 """
 
 from dataclasses import dataclass

@@ -39,6 +39,21 @@ def _cpu_flags() -> str:
         return ""
 
 
+def _compile(compiler: str, library: Path) -> str | None:
+    """Builds the kernel into `library`; returns the compiler's complaint if it fails."""
+    library.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target, then rename: processes building at once never load a half file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=library.parent)
+    os.close(fd)
+    result = subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", tmp, "-lm"],
+                            capture_output=True, text=True)
+    if result.returncode != 0:
+        os.unlink(tmp)
+        return result.stderr[-2000:] or f"{compiler} exited with status {result.returncode}"
+    os.replace(tmp, library)
+    return None
+
+
 def _build() -> ctypes.CDLL | None:
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
@@ -48,20 +63,15 @@ def _build() -> ctypes.CDLL | None:
     key = hashlib.sha256(source + " ".join([compiler, *_FLAGS, _cpu_flags()]).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("VLLM_CACHE_ROOT", Path.home() / ".cache" / "vllm")) / "kernels"
     library = cache / f"cpu_paged_decode_{key}.so"
-    if not library.exists():
-        cache.mkdir(parents=True, exist_ok=True)
-        # Build beside the target, then rename: processes building at once never load a half file.
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
-        os.close(fd)
-        result = subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", tmp, "-lm"],
-                                capture_output=True, text=True)
-        if result.returncode != 0:
-            os.unlink(tmp)
-            logger.warning("Building %s failed; decode attention gathers the cache blocks instead:\n%s",
-                           _SOURCE.name, result.stderr[-2000:])
-            return None
-        os.replace(tmp, library)
-    lib = ctypes.CDLL(str(library))
+    try:
+        error = None if library.exists() else _compile(compiler, library)
+        lib = None if error else ctypes.CDLL(str(library))
+    except OSError as e:  # cache not writable, library not loadable
+        error = str(e)
+    if error:
+        logger.warning("Building %s failed; decode attention gathers the cache blocks instead:\n%s",
+                       _SOURCE.name, error)
+        return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     for name in _FUNCTIONS.values():
         fn = getattr(lib, name)
