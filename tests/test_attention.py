@@ -158,3 +158,30 @@ def test_kernel_switch_rejects_other_values(monkeypatch):
             cpu_paged_decode.is_available(torch.device("cpu"), torch.float32, 8, 2, 64)
     finally:
         cpu_paged_decode._library.cache_clear()
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="the decode kernel needs a C compiler")
+@pytest.mark.parametrize("contexts", [[1999], [700, 2100], [300]])
+def test_paged_decode_kernel_splits_long_sequences_over_threads(contexts):
+    """Fewer sequences than threads: each one's keys are split into ranges and merged; with 3
+    threads that is 3 ranges for one 2000-token sequence, 2 each for two sequences."""
+    torch.manual_seed(1)
+    num_heads, num_kv_heads, head_dim, block_size, num_blocks = 9, 3, 64, 128, 40
+    key_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim)
+    value_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim)
+    free = torch.randperm(num_blocks).tolist()
+    spans = [SeqSpan(i, 1, ctx, [free.pop() for _ in range(-(-(ctx + 1) // block_size))])
+             for i, ctx in enumerate(contexts)]
+    meta = build_attention_metadata(spans, len(spans), [0] * len(spans), block_size, 3, None,
+                                    num_blocks - 1, torch.device("cpu"), paged_decode=True)
+    q = torch.randn(len(spans), num_heads, head_dim)
+    out = torch.zeros_like(q)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)  # the kernel splits by OpenMP's thread count, which torch sets
+    try:
+        cpu_paged_decode.paged_decode(q, key_cache, value_cache, meta.paged_decodes.block_tables,
+                                      meta.paged_decodes.seq_lens, head_dim ** -0.5, None, out)
+    finally:
+        torch.set_num_threads(threads)
+    want = reference_paged_attention(q, key_cache, value_cache, spans, head_dim ** -0.5)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)

@@ -52,13 +52,13 @@ def keep_freed_memory_in_process() -> bool:
 class CpuPlatform(Platform):
     device_type = "cpu"
     # Measured on the 2-core AMX machine (benchmarks/results/graphs.json): the graphs run decode
-    # and prefill about 1.1x faster than eager, but a cold start compiles for about 35 s. Eager
+    # and prefill 1.1-1.2x faster than eager, but a cold start compiles for 30-40 s. Eager
     # stays the default so that an LLM starts in seconds; servers that run for long should pass
     # enforce_eager=False.
     default_enforce_eager = True
     # Inductor's C++ kernels take the size as an argument, and run as fast as kernels
-    # specialized per bucket; so the model is compiled once (~35 s cold) instead of once per
-    # bucket (6 buckets: ~110 s).
+    # specialized per bucket; so the model is compiled once (31-37 s cold) instead of once per
+    # bucket (6 buckets: 107 s).
     symbolic_token_count = True
 
     def __init__(self) -> None:

@@ -13,8 +13,8 @@ class Platform:
     default_dtype: torch.dtype = torch.float32
     # Whether graph capture is off unless the user asks for it (enforce_eager=False).
     default_enforce_eager: bool = False
-    # True: one compiled graph whose token dimension is symbolic (bounded by the bucket range)
-    # serves every bucket. False: one static graph per bucket, as device graph runtimes need.
+    # True: one compiled graph whose token dimension is symbolic serves every bucket.
+    # False: one static graph per bucket, as device graph runtimes need.
     symbolic_token_count: bool = False
 
     @property
