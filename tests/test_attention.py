@@ -142,24 +142,6 @@ def test_paged_decode_kernel_on_model_shapes(dtype, sliding_window):
     torch.testing.assert_close(out.float(), want, atol=tol, rtol=tol)
 
 
-def test_kernel_build_failure_falls_back(monkeypatch, tmp_path, caplog):
-    monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
-    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path))
-    assert cpu_paged_decode._build() is None
-    assert "decode attention gathers the cache blocks instead" in caplog.text
-    assert not list(tmp_path.rglob("*.so"))
-
-
-def test_kernel_switch_rejects_other_values(monkeypatch):
-    monkeypatch.setenv("VLLM_CPU_PAGED_DECODE", "yes")
-    cpu_paged_decode._library.cache_clear()
-    try:
-        with pytest.raises(ValueError, match="VLLM_CPU_PAGED_DECODE"):
-            cpu_paged_decode.is_available(torch.device("cpu"), torch.float32, 8, 2, 64)
-    finally:
-        cpu_paged_decode._library.cache_clear()
-
-
 @pytest.mark.skipif(shutil.which("cc") is None, reason="the decode kernel needs a C compiler")
 @pytest.mark.parametrize("contexts", [[1999], [700, 2100], [300]])
 def test_paged_decode_kernel_splits_long_sequences_over_threads(contexts):

@@ -1,0 +1,57 @@
+"""The C kernels' build (vllm/platforms/c_build.py) and the bf16 GEMV for decode rows."""
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vllm.model_executor.layers import cpu_gemv
+from vllm.platforms import c_build
+
+needs_cc = pytest.mark.skipif(shutil.which("cc") is None, reason="the C kernels need a C compiler")
+
+
+def test_build_failure_falls_back(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path))
+    assert c_build.load_c_library(cpu_gemv._SOURCE, "the torch path is used") is None
+    assert "the torch path is used" in caplog.text
+    assert not list(tmp_path.rglob("*.so"))
+
+
+def test_switch_turns_kernels_off_and_rejects_other_values(monkeypatch, tmp_path):
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path))
+    monkeypatch.setenv("VLLM_CPU_C_KERNELS", "0")
+    assert c_build.load_c_library(cpu_gemv._SOURCE, "") is None
+    monkeypatch.setenv("VLLM_CPU_C_KERNELS", "yes")
+    with pytest.raises(ValueError, match="VLLM_CPU_C_KERNELS"):
+        c_build.load_c_library(cpu_gemv._SOURCE, "")
+
+
+def _has_avx512_bf16() -> bool:
+    with open("/proc/cpuinfo") as f:
+        return "avx512_bf16" in f.read()
+
+
+@needs_cc
+def test_gemv_is_built_where_the_cpu_has_avx512_bf16():
+    assert cpu_gemv.max_rows() == (4 if _has_avx512_bf16() else 0)
+
+
+@needs_cc
+@pytest.mark.skipif(cpu_gemv.max_rows() == 0, reason="the CPU lacks AVX512-BF16")
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("shape", [(576, 960), (1536, 576), (70, 100)])  # in, out; 70: a tail
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gemv_matches_float32_linear(rows, shape, with_bias):
+    torch.manual_seed(rows)
+    k, n = shape
+    x = torch.randn(rows, k).bfloat16()
+    weight = torch.randn(n, k).bfloat16()
+    bias = torch.randn(n).bfloat16() if with_bias else None
+    got = cpu_gemv.gemv(x, weight, bias)
+    want = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    # float32 sums of exact products, then one rounding to bf16 (8 significant bits)
+    torch.testing.assert_close(got.float(), want, rtol=2 ** -8, atol=1e-3)

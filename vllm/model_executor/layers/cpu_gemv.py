@@ -1,0 +1,49 @@
+"""The C bf16 GEMV for decode rows (cpu_gemv.c), built on first use (vllm/platforms/c_build.py).
+
+Where it cannot be built, the CPU lacks AVX512-BF16, or VLLM_CPU_C_KERNELS=0, linear layers keep
+oneDNN for every row count.
+"""
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+
+from vllm.platforms.c_build import load_c_library
+
+_SOURCE = Path(__file__).with_name("cpu_gemv.c")
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    lib = load_c_library(_SOURCE, "linear layers use oneDNN for decode rows too")
+    if lib is None or lib.gemv_supported() == 0:
+        return None
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.gemv_bf16.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64]
+    lib.gemv_bf16.restype = ctypes.c_int
+    return lib
+
+
+@functools.cache
+def max_rows() -> int:
+    """Largest row count the kernel takes (0: not available); builds it on the first call."""
+    lib = _library()
+    return 0 if lib is None else lib.gemv_supported()
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x: (M, K) bf16 with M <= max_rows(); weight: (N, K) bf16 -> (M, N) bf16."""
+    lib = _library()
+    assert lib is not None and 0 < x.shape[0] <= max_rows()
+    assert x.dtype == weight.dtype == torch.bfloat16 and weight.is_contiguous()
+    assert bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous())
+    x = x.contiguous()
+    (m, k), n = x.shape, weight.shape[0]
+    assert weight.shape[1] == k
+    y = x.new_empty(m, n)
+    status = lib.gemv_bf16(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
+                           y.data_ptr(), m, n, k)
+    assert status == 0
+    return y

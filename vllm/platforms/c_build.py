@@ -1,0 +1,75 @@
+"""Builds the engine's small C kernels for this CPU on first use, and loads them with ctypes.
+
+Each kernel is one self-contained C file (no torch headers, so a build takes about a second),
+compiled with the system compiler into VLLM_CACHE_ROOT (default ~/.cache/vllm), once per
+source, compiler flags and CPU. Without a compiler, if the build fails, or with
+VLLM_CPU_C_KERNELS=0, `load_c_library` returns None and the caller keeps its torch path.
+"""
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+# -fopenmp links libgomp, the OpenMP runtime torch's CPU wheels load: the kernels' threads are
+# torch's threads (same soname, one runtime in the process).
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+
+
+def c_kernels_enabled() -> bool:
+    flag = os.environ.get("VLLM_CPU_C_KERNELS", "1")
+    if flag not in ("0", "1"):
+        raise ValueError(f"VLLM_CPU_C_KERNELS={flag!r} must be 0 or 1")
+    return flag == "1"
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def _compile(compiler: str, source: Path, library: Path) -> str | None:
+    """Builds `source` into `library`; returns the compiler's complaint if it fails."""
+    library.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target, then rename: processes building at once never load a half file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=library.parent)
+    os.close(fd)
+    result = subprocess.run([compiler, *_FLAGS, str(source), "-o", tmp, "-lm"],
+                            capture_output=True, text=True)
+    if result.returncode != 0:
+        os.unlink(tmp)
+        return result.stderr[-2000:] or f"{compiler} exited with status {result.returncode}"
+    os.replace(tmp, library)
+    return None
+
+
+def load_c_library(source: Path, fallback: str) -> ctypes.CDLL | None:
+    """The built library of `source`, or None (logged, naming `fallback`, the path used instead)."""
+    if not c_kernels_enabled():
+        return None
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        logger.warning("No C compiler found for %s: %s", source.name, fallback)
+        return None
+    text = source.read_bytes()
+    key = hashlib.sha256(text + " ".join([compiler, *_FLAGS, _cpu_flags()]).encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("VLLM_CACHE_ROOT", Path.home() / ".cache" / "vllm")) / "kernels"
+    library = cache / f"{source.stem}_{key}.so"
+    try:
+        error = None if library.exists() else _compile(compiler, source, library)
+        lib = None if error else ctypes.CDLL(str(library))
+    except OSError as e:  # cache not writable, library not loadable
+        error = str(e)
+    if error:
+        logger.warning("Building %s failed; %s:\n%s", source.name, fallback, error)
+        return None
+    return lib
