@@ -59,7 +59,8 @@ def main() -> None:
     print(f"Habana fork default grid: {habana['prompt_buckets']} prompt + {habana['decode_buckets']} "
           f"decode = {habana['total']} buckets")
     print(f"this engine: {len(ours)} token buckets {ours} -> {len(ours)} whole-model graphs on HPU "
-          "(one per bucket); on CPU one graph with a symbolic token count serves them all")
+          "(one per bucket); on CPU, with buckets from 2, one graph with a symbolic token count "
+          "serves them all")
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(result, f, indent=2)

@@ -16,6 +16,8 @@ class Platform:
     # True: one compiled graph whose token dimension is symbolic serves every bucket.
     # False: one static graph per bucket, as device graph runtimes need.
     symbolic_token_count: bool = False
+    # Smallest token bucket unless VLLM_TOKEN_BUCKET_MIN says otherwise (vllm/worker/bucketing.py).
+    min_token_bucket: int = 16
 
     @property
     def device(self) -> torch.device:

@@ -7,8 +7,8 @@ one short list. Environment overrides, in the style of the Habana fork:
 
     VLLM_EXPONENTIAL_BUCKETING  "true" (default): min, 2*min, 4*min, ... up to max
                                 "false": linear: min, then multiples of step, up to max
-    VLLM_TOKEN_BUCKET_MIN       smallest bucket (default 16: a GEMM of 1 or 16 rows costs the
-                                same on CPU, it is weight-bandwidth bound)
+    VLLM_TOKEN_BUCKET_MIN       smallest bucket (default: the platform's `min_token_bucket`, 16
+                                on HPU, 2 on CPU)
     VLLM_TOKEN_BUCKET_STEP      linear step (default 128)
     VLLM_TOKEN_BUCKET_MAX       largest bucket (default and upper bound: max_num_batched_tokens)
 """
@@ -45,7 +45,7 @@ def _env_int(name: str, default: int) -> int:
         raise ValueError(f"{name}={value!r} is not an integer") from None
 
 
-def bucket_config_from_env(max_num_batched_tokens: int) -> BucketConfig:
+def bucket_config_from_env(max_num_batched_tokens: int, default_min: int = DEFAULT_MIN) -> BucketConfig:
     flag = os.environ.get("VLLM_EXPONENTIAL_BUCKETING", "true").lower()
     if flag not in ("true", "false", "1", "0"):
         raise ValueError(f"VLLM_EXPONENTIAL_BUCKETING={flag!r} must be true or false")
@@ -53,7 +53,7 @@ def bucket_config_from_env(max_num_batched_tokens: int) -> BucketConfig:
     if max_tokens < max_num_batched_tokens:
         raise ValueError(f"VLLM_TOKEN_BUCKET_MAX={max_tokens} is below max_num_batched_tokens="
                          f"{max_num_batched_tokens}: some steps would fit no bucket")
-    return BucketConfig(min=min(_env_int("VLLM_TOKEN_BUCKET_MIN", DEFAULT_MIN), max_tokens),
+    return BucketConfig(min=min(_env_int("VLLM_TOKEN_BUCKET_MIN", default_min), max_tokens),
                         step=_env_int("VLLM_TOKEN_BUCKET_STEP", DEFAULT_STEP),
                         max=max_tokens, exponential=flag in ("true", "1"))
 

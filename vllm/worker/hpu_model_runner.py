@@ -79,7 +79,7 @@ class HPUModelRunner:
         self.graph_stats = GraphStats(enabled=not config.enforce_eager)
         if self.graph_stats.enabled:
             self.graph_stats.buckets = generate_buckets(
-                bucket_config_from_env(config.scheduler.max_num_batched_tokens))
+                bucket_config_from_env(config.scheduler.max_num_batched_tokens, platform.min_token_bucket))
             from torch._dynamo import config as dynamo_config
 
             # A captured function keeps up to one graph per bucket, and the cache is per function
