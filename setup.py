@@ -14,7 +14,9 @@ setup(
     description="Chunked-prefill LLM inference for Intel Gaudi (HPU), with a tested CPU path",
     python_requires=">=3.11",
     packages=find_packages(include=["vllm", "vllm.*"]),
-    package_data={"vllm.attention.ops": ["*.c"]},  # compiled at run time (cpu_paged_decode.py)
+    # C kernels, compiled at run time (vllm/platforms/c_build.py)
+    package_data={"vllm.attention.ops": ["*.c"], "vllm.model_executor.layers": ["*.c"],
+                  "vllm.platforms": ["*.h"]},
     install_requires=_requirements(),
     extras_require={
         "test": ["pytest==9.2.0", "hypothesis==6.170.15"],

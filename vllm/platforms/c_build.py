@@ -17,9 +17,11 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
+# Headers shared by the kernels (bf16.h) live beside this file.
+_INCLUDE = Path(__file__).parent
 # -fopenmp links libgomp, the OpenMP runtime torch's CPU wheels load: the kernels' threads are
 # torch's threads (same soname, one runtime in the process).
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11", f"-I{_INCLUDE}"]
 
 
 def c_kernels_enabled() -> bool:
@@ -60,7 +62,7 @@ def load_c_library(source: Path, fallback: str) -> ctypes.CDLL | None:
     if compiler is None:
         logger.warning("No C compiler found for %s: %s", source.name, fallback)
         return None
-    text = source.read_bytes()
+    text = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(_INCLUDE.glob("*.h")))
     key = hashlib.sha256(text + " ".join([compiler, *_FLAGS, _cpu_flags()]).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("VLLM_CACHE_ROOT", Path.home() / ".cache" / "vllm")) / "kernels"
     library = cache / f"{source.stem}_{key}.so"
