@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from vllm.model_executor.layers import cpu_gemv
 from vllm.platforms import c_build
+from vllm.platforms.cpu import cpu_flags
 
 needs_cc = pytest.mark.skipif(shutil.which("cc") is None, reason="the C kernels need a C compiler")
 
@@ -29,14 +30,9 @@ def test_switch_turns_kernels_off_and_rejects_other_values(monkeypatch, tmp_path
         c_build.load_c_library(cpu_gemv._SOURCE, "")
 
 
-def _has_avx512_bf16() -> bool:
-    with open("/proc/cpuinfo") as f:
-        return "avx512_bf16" in f.read()
-
-
 @needs_cc
 def test_gemv_is_built_where_the_cpu_has_avx512_bf16():
-    assert cpu_gemv.max_rows() == (4 if _has_avx512_bf16() else 0)
+    assert cpu_gemv.max_rows() == (4 if "avx512_bf16" in cpu_flags() else 0)
 
 
 @needs_cc

@@ -15,6 +15,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from vllm.platforms.cpu import cpu_flags
+
 logger = logging.getLogger(__name__)
 
 # Headers shared by the kernels (bf16.h) live beside this file.
@@ -29,14 +31,6 @@ def c_kernels_enabled() -> bool:
     if flag not in ("0", "1"):
         raise ValueError(f"VLLM_CPU_C_KERNELS={flag!r} must be 0 or 1")
     return flag == "1"
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return ""
 
 
 def _compile(compiler: str, source: Path, library: Path) -> str | None:
@@ -63,7 +57,8 @@ def load_c_library(source: Path, fallback: str) -> ctypes.CDLL | None:
         logger.warning("No C compiler found for %s: %s", source.name, fallback)
         return None
     text = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(_INCLUDE.glob("*.h")))
-    key = hashlib.sha256(text + " ".join([compiler, *_FLAGS, _cpu_flags()]).encode()).hexdigest()[:16]
+    build = " ".join([compiler, *_FLAGS, *sorted(cpu_flags())])
+    key = hashlib.sha256(text + build.encode()).hexdigest()[:16]
     cache = Path(os.environ.get("VLLM_CACHE_ROOT", Path.home() / ".cache" / "vllm")) / "kernels"
     library = cache / f"{source.stem}_{key}.so"
     try:

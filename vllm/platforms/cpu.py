@@ -9,12 +9,19 @@ import torch
 from vllm.platforms.interface import Platform
 
 
-def cpu_has_amx_bf16() -> bool:
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The feature flags of this CPU (Linux /proc/cpuinfo; empty elsewhere)."""
     try:
         with open("/proc/cpuinfo") as f:
-            return "amx_bf16" in f.read()
+            line = next((line for line in f if line.startswith("flags")), "")
     except OSError:
-        return False
+        return frozenset()
+    return frozenset(line.partition(":")[2].split())
+
+
+def cpu_has_amx_bf16() -> bool:
+    return "amx_bf16" in cpu_flags()
 
 
 logger = logging.getLogger(__name__)

@@ -209,6 +209,10 @@ int NAME(const T *query, const T *key_cache, const T *value_cache, const int64_t
     return 0;                                                                                     \
 }
 
+/* The limits of the fixed-size buffers, for the caller to check before it relies on the kernel. */
+int64_t paged_decode_max_heads(void) { return MAX_HEADS; }
+int64_t paged_decode_max_head_dim(void) { return MAX_HEAD_DIM; }
+
 DEFINE_ATTEND(attend_bf16, uint16_t, bf16_to_float)
 DEFINE_ATTEND(attend_f32, float, f32_to_float)
 DEFINE_PAGED_DECODE(paged_decode_bf16, attend_bf16, uint16_t, float_to_bf16)

@@ -15,9 +15,6 @@ from vllm.platforms.c_build import load_c_library
 
 _SOURCE = Path(__file__).with_name("cpu_paged_decode.c")
 _FUNCTIONS = {torch.bfloat16: "paged_decode_bf16", torch.float32: "paged_decode_f32"}
-# The kernel's fixed-size buffers (MAX_HEADS, MAX_HEAD_DIM in the C source).
-_MAX_HEADS = 64
-_MAX_HEAD_DIM = 256
 
 
 @functools.cache
@@ -29,14 +26,18 @@ def _library() -> ctypes.CDLL | None:
             fn = getattr(lib, name)
             fn.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float]
             fn.restype = ctypes.c_int
+        lib.paged_decode_max_heads.restype = lib.paged_decode_max_head_dim.restype = ctypes.c_int64
     return lib
 
 
 def is_available(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
                  head_dim: int) -> bool:
     """Whether this model's decodes can use the kernel (builds it on the first call)."""
-    return (device.type == "cpu" and dtype in _FUNCTIONS and num_heads % num_kv_heads == 0
-            and num_heads <= _MAX_HEADS and head_dim <= _MAX_HEAD_DIM and _library() is not None)
+    if device.type != "cpu" or dtype not in _FUNCTIONS or num_heads % num_kv_heads:
+        return False
+    lib = _library()
+    return (lib is not None and num_heads <= lib.paged_decode_max_heads()
+            and head_dim <= lib.paged_decode_max_head_dim())
 
 
 def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
