@@ -16,6 +16,7 @@ setup(
     packages=find_packages(include=["vllm", "vllm.*"]),
     # C kernels, compiled at run time (vllm/platforms/c_build.py)
     package_data={"vllm.attention.ops": ["*.c"], "vllm.model_executor.layers": ["*.c"],
+                  "vllm.model_executor.models": ["*.c"],
                   "vllm.platforms": ["*.h"]},
     install_requires=_requirements(),
     extras_require={

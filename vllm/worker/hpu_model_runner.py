@@ -73,6 +73,11 @@ class HPUModelRunner:
         self.paged_decode = cpu_paged_decode.is_available(self.device, config.model.dtype, num_heads,
                                                           config.model.num_kv_heads, config.model.head_dim)
         self.sliding_window = getattr(model, "sliding_window", None)
+        # CPU bf16: steps of a few decodes run each layer as one C call, eagerly (nothing for a
+        # graph to remove). Their metadata must carry the decodes for the paged kernel.
+        self.fused_decode = None  # llama_cpu_decode.FusedDecodeLayers
+        if self.paged_decode and hasattr(model, "enable_fused_decode"):
+            self.fused_decode = model.enable_fused_decode()
         self._default_generator = torch.Generator().manual_seed(config.model.seed)
         self._generators: dict[str, torch.Generator] = {}
 
@@ -184,7 +189,11 @@ class HPUModelRunner:
         if step.is_empty:
             return ModelRunnerOutput()
         num_tokens = step.num_batched_tokens
-        bucket = self._padded_size(num_tokens)
+        if self.fused_decode is not None and step.num_decodes == num_tokens <= self.fused_decode.max_tokens:
+            self.graph_stats.fused_decode_steps += 1
+            bucket = None  # one C call per layer, unpadded (LlamaModel.forward)
+        else:
+            bucket = self._padded_size(num_tokens)
         inputs = self.prepare_inputs(step, bucket or num_tokens)
         if bucket is not None:
             self.graph_stats.real_tokens += num_tokens

@@ -40,6 +40,14 @@ def is_available(device: torch.device, dtype: torch.dtype, num_heads: int, num_k
             and head_dim <= lib.paged_decode_max_head_dim())
 
 
+def kernel_address(dtype: torch.dtype) -> int | None:
+    """Address of the C kernel for `dtype`, for C code that calls it; None where unavailable."""
+    lib = _library()
+    if lib is None or dtype not in _FUNCTIONS:
+        return None
+    return ctypes.cast(getattr(lib, _FUNCTIONS[dtype]), ctypes.c_void_p).value
+
+
 def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                  block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                  sliding_window: int | None, out: torch.Tensor) -> None:

@@ -47,3 +47,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> to
                            y.data_ptr(), m, n, k)
     assert status == 0
     return y
+
+
+def kernel_address() -> int | None:
+    """Address of the C function `gemv_bf16`, for C code that calls it; None where unavailable."""
+    lib = _library()
+    return None if lib is None else ctypes.cast(lib.gemv_bf16, ctypes.c_void_p).value

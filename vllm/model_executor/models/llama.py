@@ -13,9 +13,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from vllm.attention.layer import attention
+from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import Linear
 from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding, apply_rotary
+from vllm.model_executor.models.llama_cpu_decode import FusedDecodeLayers
 
 
 def _sliding_window(config) -> int | None:
@@ -99,6 +101,9 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # Set by LlamaForCausalLM.enable_fused_decode: the layers in C for steps of a few decodes
+        # (llama_cpu_decode.py). Never inside a captured graph.
+        self.fused_decode = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: (T,) -> final hidden states (T, hidden).
@@ -107,6 +112,11 @@ class LlamaModel(nn.Module):
         """
         hidden = self.embed_tokens(input_ids)                                   # (T, hidden)
         cos, sin = self.rotary(positions)                                       # (T, 1, D) each
+        if self.fused_decode is not None and not torch.compiler.is_compiling():
+            context = get_forward_context()
+            if self.fused_decode.accepts(context.metadata, input_ids.shape[0]):
+                self.fused_decode(hidden, cos, sin, context.metadata, context.kv_caches)
+                return self.norm(hidden)
         for layer in self.layers:
             hidden = layer(hidden, cos, sin)
         return self.norm(hidden)
@@ -131,6 +141,12 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)                                # (T, hidden)
+
+    def enable_fused_decode(self) -> FusedDecodeLayers | None:
+        """CPU, bf16: from now on steps of a few decodes run each layer as one C call, where the
+        kernels build here. Call once the weights are loaded (and packed); returns the C path."""
+        self.model.fused_decode = FusedDecodeLayers.build(self.model)
+        return self.model.fused_decode
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: (S, hidden) for the tokens that sample -> (S, vocab) float32 logits."""
