@@ -1,4 +1,4 @@
-"""The C kernels' build (vllm/platforms/c_build.py) and the bf16 GEMV for decode rows."""
+"""The C kernels' build (vllm/platforms/c_build.py), the bf16 GEMV and the AMX tile GEMM for decode rows."""
 
 import shutil
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vllm.model_executor.layers import cpu_gemv
+from vllm.model_executor.layers import cpu_gemv, cpu_tile_gemm
 from vllm.platforms import c_build
 from vllm.platforms.cpu import cpu_flags
 
@@ -51,3 +51,36 @@ def test_gemv_matches_float32_linear(rows, shape, with_bias):
     assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
     # float32 sums of exact products, then one rounding to bf16 (8 significant bits)
     torch.testing.assert_close(got.float(), want, rtol=2 ** -8, atol=1e-3)
+
+
+@needs_cc
+def test_tile_gemm_is_built_where_the_cpu_has_amx():
+    has_amx = {"amx_tile", "amx_bf16"} <= cpu_flags()
+    assert cpu_tile_gemm.max_rows() == (16 if has_amx else 0)
+
+
+@needs_cc
+@pytest.mark.skipif(cpu_tile_gemm.max_rows() == 0, reason="the CPU lacks AMX")
+@pytest.mark.parametrize("rows", [1, 5, 8, 13, 16])
+@pytest.mark.parametrize("shape", [(576, 960), (1536, 576), (64, 48), (32, 16)])  # in, out
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_tile_gemm_matches_float32_linear(rows, shape, with_bias):
+    """Output widths that fill all four accumulator tiles of a group and ones that leave some idle."""
+    torch.manual_seed(rows)
+    k, n = shape
+    x = torch.randn(rows, k).bfloat16()
+    weight = torch.randn(n, k).bfloat16()
+    bias = torch.randn(n).bfloat16() if with_bias else None
+    got = cpu_tile_gemm.gemm(x, cpu_tile_gemm.pack(weight), bias)
+    want = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    torch.testing.assert_close(got.float(), want, rtol=2 ** -8, atol=1e-3)
+
+
+@needs_cc
+@pytest.mark.skipif(cpu_tile_gemm.max_rows() == 0, reason="the CPU lacks AMX")
+def test_tile_pack_only_takes_shapes_that_fill_whole_tiles():
+    assert cpu_tile_gemm.pack(torch.randn(48, 64).bfloat16()) is not None
+    assert cpu_tile_gemm.pack(torch.randn(40, 64).bfloat16()) is None   # out % 16
+    assert cpu_tile_gemm.pack(torch.randn(48, 80).bfloat16()) is None   # in % 32
+    assert cpu_tile_gemm.pack(torch.randn(48, 64)) is None              # float32

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif("avx512_bf16" not in cpu_flags(),
 @pytest.fixture(scope="module", params=["llama", "qwen2", "mistral"])
 def bf16_llm(request, tiny_checkpoints) -> LLM:
     return LLM(tiny_checkpoints[request.param], dtype="bfloat16", max_model_len=512, block_size=BLOCK,
-               num_gpu_blocks_override=128, enforce_eager=True)
+               num_gpu_blocks_override=512, enforce_eager=True)
 
 
 def _decode_step(runner, contexts: list[int], rng: random.Random):
@@ -37,10 +37,13 @@ def _decode_step(runner, contexts: list[int], rng: random.Random):
                                     torch.bfloat16, split_prefill=True, paged_decode=True)
 
 
-@pytest.mark.parametrize("contexts", [[0], [37], [5, 200, 16], [130, 1, 64, 300]])
+@pytest.mark.parametrize("contexts", [[0], [37], [5, 200, 16], [130, 1, 64, 300],
+                                      [3, 90, 17, 250, 64, 0, 33],
+                                      [11 * i % 170 for i in range(16)]])
 def test_fused_layers_match_op_by_op(bf16_llm, contexts):
-    """Same hidden states and the same cache writes, for 1-4 decodes at contexts that cross
-    blocks and (Mistral) the sliding window of 96; past keys are random."""
+    """Same hidden states and the same cache writes, for 1-16 decodes (the GEMV up to 4 rows, the
+    tile GEMM above) at contexts that cross blocks and (Mistral) the sliding window of 96; past
+    keys are random."""
     runner = bf16_llm.llm_engine.runner
     model, fused = runner.model.model, runner.fused_decode
     assert fused is not None and fused.max_tokens >= len(contexts)
@@ -74,11 +77,11 @@ def test_fused_layers_match_op_by_op(bf16_llm, contexts):
 
 
 def test_engine_decodes_through_fused_layers(bf16_llm):
-    """Whole generations: steps of up to 4 decodes take the C layers, larger ones the ops, and the
-    tokens are those of the op-by-op path (the tiny models' logits are far from ties)."""
+    """Whole generations of 2 and 9 prompts: their decode steps take the C layers, and the tokens
+    are those of the op-by-op path (the tiny models' logits are far from ties)."""
     runner = bf16_llm.llm_engine.runner
     fused = runner.fused_decode
-    prompts = [{"prompt_token_ids": p} for p in random_prompts([3, 40, 17, 90, 8, 61], seed=5)]
+    prompts = [{"prompt_token_ids": p} for p in random_prompts([3, 40, 17, 90, 8, 61, 5, 70, 30], seed=5)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     outputs = []
     for use_fused in (False, True):

@@ -25,6 +25,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "exp.h"
 
 #define MAX_HEADS 64
 #define MAX_HEAD_DIM 256
@@ -32,27 +33,6 @@
 
 static inline float f32_to_float(float x) { return x; }
 static inline float float_to_f32(float x) { return x; }
-
-/* e^x for x <= 0, vectorizable (libm's expf is not without -ffast-math): 2^n * 2^f with
- * n = round(x / ln 2), |f| <= 1/2 and a degree-6 Taylor series for 2^f (relative error about
- * 1e-7, float32's own). Below -87 it returns ~1e-38 rather than 0. */
-static inline float exp_nonpositive(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    const float t = x * 1.44269504f;
-    const float n = (t + 12582912.0f) - 12582912.0f; /* round to nearest: 1.5 * 2^23 */
-    const float f = (t - n) * 0.693147181f;          /* 2^(t - n) = e^f, |f| <= ln(2) / 2 */
-    float p = 1.0f / 720.0f;
-    p = p * f + 1.0f / 120.0f;
-    p = p * f + 1.0f / 24.0f;
-    p = p * f + 1.0f / 6.0f;
-    p = p * f + 0.5f;
-    p = p * f + 1.0f;
-    p = p * f + 1.0f;
-    const uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
-}
 
 /* Keys [first, last) of one sequence, all its heads. A tile's cache rows (all KV heads side by
  * side) are read once from memory, head after head: tasks per (sequence, KV head) would each

@@ -3,12 +3,13 @@
  *
  * At batch 1 a layer is ~7 MB of weights streamed in ~0.3 ms by the GEMV kernel; run as torch
  * ops, the norms, rotary, residual adds, cache write and attention between the four GEMVs cost
- * as much again in dispatch. Here they are a few microseconds of serial C on T <= 4 rows, and
- * the GEMVs and attention are the kernels of cpu_gemv.c and cpu_paged_decode.c, passed in as
- * function pointers (each kernel keeps one source).
+ * as much again in dispatch. Here they are a few microseconds of serial C on T <= 16 rows, and
+ * the products and attention are the kernels of cpu_gemv.c (up to 4 rows), cpu_tile_gemm.c (up
+ * to 16) and cpu_paged_decode.c, passed in as function pointers (each kernel keeps one source).
  *
  * Every intermediate is rounded to bf16 where the torch layer rounds it (eager bf16 ops), so
- * the two paths differ only in the order of a norm's float32 sum and in the exp of SiLU.
+ * the two paths differ only in the order of a norm's float32 sum and in the exp of SiLU (both
+ * within float32's rounding, so a bf16 result moves by one unit at most, and rarely).
  *
  *   hidden += o_proj(attention(rope(q), rope(k) -> cache, v -> cache))   q, k, v = qkv(norm(hidden))
  *   hidden += down(silu(gate) * up)                                      gate, up = gate_up(norm(hidden))
@@ -19,19 +20,24 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "exp.h"
 
 typedef int (*gemv_fn)(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
                        int64_t m, int64_t n, int64_t k);
+typedef int (*tile_gemm_fn)(const uint16_t *x, const uint16_t *tiles, const uint16_t *bias,
+                            uint16_t *y, int64_t m, int64_t n, int64_t k);
 typedef int (*attend_fn)(const uint16_t *query, const uint16_t *key_cache,
                          const uint16_t *value_cache, const int64_t *block_tables,
                          const int64_t *seq_lens, uint16_t *out, int64_t num_seqs,
                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                          int64_t block_size, int64_t max_blocks, int64_t window, float scale);
 
-/* A layer's weights (contiguous, nn.Linear's (out, in) layout; biases may be NULL) and sizes. */
+/* A layer's weights (contiguous, nn.Linear's (out, in) layout; biases may be NULL), their copies
+ * in the tile layout (NULL: none), and sizes. */
 struct decode_layer {
     const uint16_t *input_norm, *qkv, *qkv_bias, *o, *o_bias;
     const uint16_t *post_norm, *gate_up, *gate_up_bias, *down, *down_bias;
+    const uint16_t *qkv_tiles, *o_tiles, *gate_up_tiles, *down_tiles;
     int64_t hidden, heads, kv_heads, head_dim, intermediate;
     float eps, scale;
 };
@@ -44,9 +50,19 @@ struct decode_step {
     const int64_t *block_tables;  /* (T, max_blocks) */
     const int64_t *seq_lens;      /* (T,): keys per sequence, this token included */
     int64_t max_blocks, block_size, window;
+    int64_t gemv_rows;            /* up to this many rows the GEMV, above it the tile GEMM */
     gemv_fn gemv;
+    tile_gemm_fn tile_gemm;       /* NULL: none */
     attend_fn attend;
 };
+
+/* y (m, n) = x (m, k) @ W^T + bias, on the kernel for m rows. */
+static int project(const struct decode_step *S, const uint16_t *x, const uint16_t *w,
+                   const uint16_t *tiles, const uint16_t *bias, uint16_t *y, int64_t m, int64_t n,
+                   int64_t k) {
+    if (m <= S->gemv_rows) return S->gemv(x, w, bias, y, m, n, k);
+    return tiles != NULL && S->tile_gemm != NULL ? S->tile_gemm(x, tiles, bias, y, m, n, k) : 1;
+}
 
 static inline uint16_t round_bf16(float x) { return float_to_bf16(x); }
 static inline float mul_bf16(uint16_t a, uint16_t b) { return bf16_to_float(a) * bf16_to_float(b); }
@@ -73,6 +89,12 @@ static void rotate(const uint16_t *x, const uint16_t *cos, const uint16_t *sin, 
     }
 }
 
+/* torch: x / (1 + e^-x) in float32; e^-|x| keeps the vectorizable exp's argument <= 0. */
+static inline float silu(float x) {
+    const float e = exp_nonpositive(-fabsf(x));
+    return x >= 0.0f ? x / (1.0f + e) : x * e / (1.0f + e);
+}
+
 static void add_into(uint16_t *hidden, const uint16_t *delta, int64_t count) {
     for (int64_t i = 0; i < count; ++i) hidden[i] = round_bf16(bf16_to_float(hidden[i]) + bf16_to_float(delta[i]));
 }
@@ -90,7 +112,8 @@ int llama_decode_layer(const struct decode_layer *L, const struct decode_step *S
     int status = 0;
 
     rms_norm(hidden, L->input_norm, normed, t, h, L->eps);
-    status |= S->gemv(normed, L->qkv, L->qkv_bias, wide, t, qkv_size, h);      /* (T, q + 2 kv) */
+    status |= project(S, normed, L->qkv, L->qkv_tiles, L->qkv_bias, wide, t, qkv_size, h);      /* (T, q + 2 kv) */
+    #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < t; ++r) {
         const uint16_t *row = wide + r * qkv_size, *cos = S->cos + r * d, *sin = S->sin + r * d;
         for (int64_t head = 0; head < L->heads; ++head)
@@ -103,19 +126,19 @@ int llama_decode_layer(const struct decode_layer *L, const struct decode_step *S
     }
     status |= S->attend(query, key_cache, value_cache, S->block_tables, S->seq_lens, attn, t,
                         L->heads, L->kv_heads, d, S->block_size, S->max_blocks, S->window, L->scale);
-    status |= S->gemv(attn, L->o, L->o_bias, proj, t, h, q_size);               /* (T, hidden) */
+    status |= project(S, attn, L->o, L->o_tiles, L->o_bias, proj, t, h, q_size);               /* (T, hidden) */
     add_into(hidden, proj, t * h);
 
     rms_norm(hidden, L->post_norm, normed, t, h, L->eps);
-    status |= S->gemv(normed, L->gate_up, L->gate_up_bias, wide, t, 2 * inter, h);  /* (T, 2I) */
+    status |= project(S, normed, L->gate_up, L->gate_up_tiles, L->gate_up_bias, wide, t, 2 * inter, h);  /* (T, 2I) */
+    #pragma omp parallel for simd collapse(2) schedule(static)
     for (int64_t r = 0; r < t; ++r) {
         for (int64_t i = 0; i < inter; ++i) {
-            const float g = bf16_to_float(wide[r * 2 * inter + i]);
-            const uint16_t silu = round_bf16(g / (1.0f + expf(-g)));
-            act[r * inter + i] = round_bf16(mul_bf16(silu, wide[r * 2 * inter + inter + i]));
+            const uint16_t gate = round_bf16(silu(bf16_to_float(wide[r * 2 * inter + i])));
+            act[r * inter + i] = round_bf16(mul_bf16(gate, wide[r * 2 * inter + inter + i]));
         }
     }
-    status |= S->gemv(act, L->down, L->down_bias, proj, t, h, inter);           /* (T, hidden) */
+    status |= project(S, act, L->down, L->down_tiles, L->down_bias, proj, t, h, inter);           /* (T, hidden) */
     add_into(hidden, proj, t * h);
     free(buf);
     return status;

@@ -1,0 +1,122 @@
+/*
+ * y = x @ W^T + bias for 5-16 rows of x (batched decodes) on AMX tiles, bf16 in and out.
+ *
+ * Past 4 rows the AVX512-BF16 GEMV (cpu_gemv.c) runs out of dot-product throughput, and oneDNN
+ * reads its own blocked weights at only ~20 GB/s here. One AMX tile product multiplies all the
+ * rows (up to 16) by a 32 x 16 block of W at once, so the weights stream at memory speed. W is
+ * packed once, at load, into the tiles' layout:
+ *
+ *   packed[b][kb] = 16 x 16 pairs: row r, column c = W[16 b + c][32 kb + 2 r], W[16 b + c][32 kb + 2 r + 1]
+ *
+ * so that each block of 16 output columns reads one contiguous run of 1 KB tiles. Each thread
+ * computes groups of four such blocks (four accumulator tiles share one load of x's tile).
+ *
+ * Layouts: x (m, k) contiguous; W (n, k) as nn.Linear stores it; y (m, n); k % 32 == 0,
+ * n % 16 == 0 (tile_gemm_fits). Accumulation in float32, one rounding to bf16 at the end.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#include "bf16.h"
+
+#define MAX_ROWS 16
+#define GROUP 4  /* output blocks of 16 columns per x-tile load */
+
+int tile_gemm_fits(int64_t n, int64_t k) { return n > 0 && k > 0 && n % 16 == 0 && k % 32 == 0; }
+
+/* W (n, k) -> the tile layout above; any CPU can pack, only tile_gemm_bf16 needs AMX. */
+int tile_pack_bf16(const uint16_t *w, uint16_t *packed, int64_t n, int64_t k) {
+    if (!tile_gemm_fits(n, k)) return 1;
+    const int64_t kblocks = k / 32;
+    for (int64_t b = 0; b < n / 16; ++b)
+        for (int64_t kb = 0; kb < kblocks; ++kb) {
+            uint16_t *tile = packed + (b * kblocks + kb) * 512;
+            for (int64_t r = 0; r < 16; ++r)
+                for (int64_t c = 0; c < 16; ++c)
+                    for (int64_t p = 0; p < 2; ++p)
+                        tile[(r * 16 + c) * 2 + p] = w[(16 * b + c) * k + 32 * kb + 2 * r + p];
+        }
+    return 0;
+}
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+struct tile_config {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+/* Asks Linux for the tile state of this process (oneDNN may have done so already). */
+int tile_gemm_supported(void) {
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? MAX_ROWS : 0;
+}
+
+/* Accumulator tiles 0-3, x's tile 4, W's tiles 5-7 (the fourth block reuses 5). */
+#define MULTIPLY(ACC, WT, B)                                                                       \
+    if ((B) < blocks) {                                                                            \
+        _tile_loadd(WT, packed + ((b0 + (B)) * kblocks + kb) * 512, 64);                          \
+        _tile_dpbf16ps(ACC, 4, WT);                                                                \
+    }
+
+int tile_gemm_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y,
+                   int64_t m, int64_t n, int64_t k) {
+    if (m < 1 || m > MAX_ROWS || !tile_gemm_fits(n, k)) return 1;
+    const int64_t kblocks = k / 32, nblocks = n / 16, groups = (nblocks + GROUP - 1) / GROUP;
+    #pragma omp parallel
+    {
+        struct tile_config cfg;
+        memset(&cfg, 0, sizeof cfg);
+        cfg.palette = 1;
+        for (int t = 0; t < 8; ++t) {
+            cfg.colsb[t] = 64;
+            cfg.rows[t] = t < 5 ? (uint8_t)m : 16;  /* m rows of 16 floats or 32 bf16; 16 pair rows */
+        }
+        _tile_loadconfig(&cfg);
+        float out[MAX_ROWS * GROUP * 16];
+        #pragma omp for schedule(static)
+        for (int64_t g = 0; g < groups; ++g) {
+            const int64_t b0 = g * GROUP, blocks = nblocks - b0 < GROUP ? nblocks - b0 : GROUP;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int64_t kb = 0; kb < kblocks; ++kb) {
+                _tile_loadd(4, x + kb * 32, k * 2);
+                MULTIPLY(0, 5, 0)
+                MULTIPLY(1, 6, 1)
+                MULTIPLY(2, 7, 2)
+                MULTIPLY(3, 5, 3)
+            }
+            _tile_stored(0, out, GROUP * 64);
+            _tile_stored(1, out + 16, GROUP * 64);
+            _tile_stored(2, out + 32, GROUP * 64);
+            _tile_stored(3, out + 48, GROUP * 64);
+            for (int64_t r = 0; r < m; ++r)
+                for (int64_t c = 0; c < blocks * 16; ++c) {
+                    const int64_t j = b0 * 16 + c;
+                    y[r * n + j] = float_to_bf16(out[r * GROUP * 16 + c] + (bias ? bf16_to_float(bias[j]) : 0.0f));
+                }
+        }
+        _tile_release();
+    }
+    return 0;
+}
+
+#else  /* no AMX here: the caller keeps oneDNN */
+
+int tile_gemm_supported(void) { return 0; }
+
+int tile_gemm_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y,
+                   int64_t m, int64_t n, int64_t k) {
+    (void)x; (void)packed; (void)bias; (void)y; (void)m; (void)n; (void)k;
+    return 1;
+}
+
+#endif

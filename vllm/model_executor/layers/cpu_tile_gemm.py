@@ -1,0 +1,68 @@
+"""The AMX tile GEMM for 5-16 decode rows (cpu_tile_gemm.c), built on first use (vllm/platforms/c_build.py).
+
+It reads weights packed into the tiles' layout by `pack` (a copy made at load, beside the plain
+and oneDNN ones). Where it cannot be built, the CPU lacks AMX, Linux refuses the tile state, or
+VLLM_CPU_C_KERNELS=0, those rows stay on oneDNN.
+"""
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+
+from vllm.platforms.c_build import load_c_library
+
+_SOURCE = Path(__file__).with_name("cpu_tile_gemm.c")
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    lib = load_c_library(_SOURCE, "5-16 row products stay on oneDNN")
+    if lib is None or lib.tile_gemm_supported() == 0:
+        return None
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.tile_gemm_bf16.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64]
+    lib.tile_pack_bf16.argtypes = [ptr, ptr, i64, i64]
+    lib.tile_gemm_fits.argtypes = [i64, i64]
+    return lib
+
+
+@functools.cache
+def max_rows() -> int:
+    """Largest row count the kernel takes (0: not available); builds it on the first call."""
+    lib = _library()
+    return 0 if lib is None else lib.tile_gemm_supported()
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor | None:
+    """weight: (N, K) bf16 -> its copy in the tile layout, or None if the kernel is unavailable
+    or the shape does not fit (N a multiple of 16, K of 32)."""
+    lib = _library()
+    if lib is None or weight.dtype != torch.bfloat16 or not lib.tile_gemm_fits(*weight.shape):
+        return None
+    weight = weight.detach().contiguous()
+    packed = torch.empty_like(weight)                                  # (N, K) elements, tiled
+    assert lib.tile_pack_bf16(weight.data_ptr(), packed.data_ptr(), *weight.shape) == 0
+    return packed
+
+
+def gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x: (M, K) bf16 with M <= max_rows(); packed: `pack(weight)` of an (N, K) weight -> (M, N)."""
+    lib = _library()
+    assert lib is not None and 0 < x.shape[0] <= max_rows() and x.dtype == torch.bfloat16
+    assert bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous())
+    x = x.contiguous()
+    (m, k), n = x.shape, packed.shape[0]
+    assert packed.shape[1] == k
+    y = x.new_empty(m, n)
+    status = lib.tile_gemm_bf16(x.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(),
+                                y.data_ptr(), m, n, k)
+    assert status == 0
+    return y
+
+
+def kernel_address() -> int | None:
+    """Address of the C function `tile_gemm_bf16`, for C code that calls it; None where unavailable."""
+    lib = _library()
+    return None if lib is None else ctypes.cast(lib.tile_gemm_bf16, ctypes.c_void_p).value

@@ -1,0 +1,29 @@
+/* A vectorizable e^x for the C kernels that vllm/platforms/c_build.py builds (on its include path). */
+#ifndef VLLM_EXP_H
+#define VLLM_EXP_H
+
+#include <stdint.h>
+#include <string.h>
+
+/* e^x for x <= 0, vectorizable (libm's expf is not without -ffast-math): 2^n * 2^f with
+ * n = round(x / ln 2), |f| <= 1/2 and a degree-6 Taylor series for 2^f (relative error about
+ * 1e-7, float32's own). Below -87 it returns ~1e-38 rather than 0. */
+static inline float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float t = x * 1.44269504f;
+    const float n = (t + 12582912.0f) - 12582912.0f; /* round to nearest: 1.5 * 2^23 */
+    const float f = (t - n) * 0.693147181f;          /* 2^(t - n) = e^f, |f| <= ln(2) / 2 */
+    float p = 1.0f / 720.0f;
+    p = p * f + 1.0f / 120.0f;
+    p = p * f + 1.0f / 24.0f;
+    p = p * f + 1.0f / 6.0f;
+    p = p * f + 0.5f;
+    p = p * f + 1.0f;
+    p = p * f + 1.0f;
+    const uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+#endif
