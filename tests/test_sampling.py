@@ -14,6 +14,16 @@ def test_greedy_rows_take_the_argmax():
     assert sample(logits, [SamplingParams(temperature=0)] * 2, gens) == [1, 0]
 
 
+def test_greedy_ties_go_to_the_first_index():
+    """As transformers' argmax: a vocabulary-wide row of ties, and ties far apart."""
+    logits = torch.randn(3, 49152)
+    logits[0] = 1.0
+    logits[1, [7, 30000, 49151]] = 100.0
+    logits[2, [49150, 49151]] = 100.0
+    gens = [torch.Generator().manual_seed(0)] * 3
+    assert sample(logits, [SamplingParams(temperature=0)] * 3, gens) == [0, 7, 49150]
+
+
 @pytest.mark.parametrize("top_k,top_p", [(3, 1.0), (0, 0.5), (5, 0.8), (1, 1.0)])
 def test_samples_stay_inside_top_k_and_top_p(top_k, top_p):
     torch.manual_seed(0)

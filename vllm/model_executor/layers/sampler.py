@@ -34,7 +34,9 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     so a seeded request's tokens do not depend on the other rows.
     """
     assert logits.shape[0] == len(params) == len(generators)
-    tokens = logits.argmax(dim=-1)                                          # (S,)
+    # max(dim) returns the first maximal index, as argmax does (both documented), and runs ~3x
+    # faster on CPU (16 x 49152 float32: 179 against 548 us).
+    tokens = logits.max(dim=-1).indices                                     # (S,)
     # Rows with top-k/top-p filters draw in rank order, the others in vocabulary order; each
     # kind is sampled on its own so a row's draw never depends on which rows share the batch.
     # min_p keeps a row in vocabulary order: it removes tokens without needing their ranks.
