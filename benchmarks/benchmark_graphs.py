@@ -2,7 +2,9 @@
 
 For each mode (eager, graphs) it builds an engine with the given config and measures:
   * warm-up: graphs captured and seconds (graph mode), compiles after warm-up (must be 0);
-  * decode: tokens/s of --decode-batch sequences decoding together (after their prefill);
+  * decode: tokens/s of --decode-batch sequences decoding together (after their prefill). On a
+    CPU with the C kernels, steps of up to 16 decodes run each layer as one C call in both modes
+    (no graph), so the graphs show from batch 64 on;
   * prefill: tokens/s of one --prefill-len prompt, chunked at the step budget;
   * padding overhead of the bucketed steps.
 
@@ -72,7 +74,8 @@ def measure(args: argparse.Namespace, enforce_eager: bool) -> dict:
     stats = engine.graph_stats
     result.update(buckets=stats.buckets, graphs_compiled_at_warmup=stats.graphs_compiled_at_warmup,
                   warmup_seconds=stats.warmup_seconds, compiles_after_warmup=stats.compiles_after_warmup,
-                  unwarmed_steps=stats.unwarmed_steps, padding_overhead=stats.padding_overhead)
+                  unwarmed_steps=stats.unwarmed_steps, fused_decode_steps=stats.fused_decode_steps,
+                  padding_overhead=stats.padding_overhead)
     return result
 
 
@@ -101,7 +104,7 @@ def main() -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--block-size", type=int, default=128)
-    p.add_argument("--decode-batch", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--decode-batch", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--decode-prompt-len", type=int, default=64)
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--prefill-len", type=int, default=2000)
