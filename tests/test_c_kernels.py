@@ -56,16 +56,17 @@ def test_gemv_matches_float32_linear(rows, shape, with_bias):
 @needs_cc
 def test_tile_gemm_is_built_where_the_cpu_has_amx():
     has_amx = {"amx_tile", "amx_bf16"} <= cpu_flags()
-    assert cpu_tile_gemm.max_rows() == (16 if has_amx else 0)
+    assert cpu_tile_gemm.max_rows() == (32 if has_amx else 0)
 
 
 @needs_cc
 @pytest.mark.skipif(cpu_tile_gemm.max_rows() == 0, reason="the CPU lacks AMX")
-@pytest.mark.parametrize("rows", [1, 5, 8, 13, 16])
+@pytest.mark.parametrize("rows", [1, 5, 8, 13, 16, 17, 24, 32])
 @pytest.mark.parametrize("shape", [(576, 960), (1536, 576), (64, 48), (32, 16)])  # in, out
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_tile_gemm_matches_float32_linear(rows, shape, with_bias):
-    """Output widths that fill all four accumulator tiles of a group and ones that leave some idle."""
+    """Output widths that fill all accumulator tiles of a group and ones that leave some idle; one
+    tile of x (up to 16 rows) and two."""
     torch.manual_seed(rows)
     k, n = shape
     x = torch.randn(rows, k).bfloat16()

@@ -39,9 +39,9 @@ def _decode_step(runner, contexts: list[int], rng: random.Random):
 
 @pytest.mark.parametrize("contexts", [[0], [37], [5, 200, 16], [130, 1, 64, 300],
                                       [3, 90, 17, 250, 64, 0, 33],
-                                      [11 * i % 170 for i in range(16)]])
+                                      [11 * i % 170 for i in range(16)], [7 * i % 150 for i in range(32)]])
 def test_fused_layers_match_op_by_op(bf16_llm, contexts):
-    """Same hidden states and the same cache writes, for 1-16 decodes (the GEMV up to 4 rows, the
+    """Same hidden states and the same cache writes, for 1-32 decodes (the GEMV up to 4 rows, the
     tile GEMM above) at contexts that cross blocks and (Mistral) the sliding window of 96; past
     keys are random."""
     runner = bf16_llm.llm_engine.runner

@@ -1,15 +1,16 @@
 /*
- * y = x @ W^T + bias for 5-16 rows of x (batched decodes) on AMX tiles, bf16 in and out.
+ * y = x @ W^T + bias for 5-32 rows of x (batched decodes) on AMX tiles, bf16 in and out.
  *
  * Past 4 rows the AVX512-BF16 GEMV (cpu_gemv.c) runs out of dot-product throughput, and oneDNN
  * reads its own blocked weights at only ~20 GB/s here. One AMX tile product multiplies all the
- * rows (up to 16) by a 32 x 16 block of W at once, so the weights stream at memory speed. W is
+ * rows (16 at a time) by a 32 x 16 block of W at once, so the weights stream at memory speed. W is
  * packed once, at load, into the tiles' layout:
  *
  *   packed[b][kb] = 16 x 16 pairs: row r, column c = W[16 b + c][32 kb + 2 r], W[16 b + c][32 kb + 2 r + 1]
  *
  * so that each block of 16 output columns reads one contiguous run of 1 KB tiles. Each thread
- * computes groups of four such blocks (four accumulator tiles share one load of x's tile).
+ * computes groups of such blocks in its four accumulator tiles: four blocks for up to 16 rows
+ * (sharing each load of x's tile), two blocks for 17-32 rows (each W tile used by x's two).
  *
  * Layouts: x (m, k) contiguous; W (n, k) as nn.Linear stores it; y (m, n); k % 32 == 0,
  * n % 16 == 0 (tile_gemm_fits). Accumulation in float32, one rounding to bf16 at the end.
@@ -19,7 +20,7 @@
 
 #include "bf16.h"
 
-#define MAX_ROWS 16
+#define MAX_ROWS 32
 #define GROUP 4  /* output blocks of 16 columns per x-tile load */
 
 int tile_gemm_fits(int64_t n, int64_t k) { return n > 0 && k > 0 && n % 16 == 0 && k % 32 == 0; }
@@ -58,28 +59,42 @@ int tile_gemm_supported(void) {
     return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? MAX_ROWS : 0;
 }
 
-/* Accumulator tiles 0-3, x's tile 4, W's tiles 5-7 (the fourth block reuses 5). */
-#define MULTIPLY(ACC, WT, B)                                                                       \
-    if ((B) < blocks) {                                                                            \
-        _tile_loadd(WT, packed + ((b0 + (B)) * kblocks + kb) * 512, 64);                          \
-        _tile_dpbf16ps(ACC, 4, WT);                                                                \
+/* One thread's tiles: `rows` of the accumulators and of x's tiles, 16 pair rows for W's. */
+static void configure_tiles(int64_t first_rows, int64_t second_rows) {
+    struct tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64;  /* 16 floats, 32 bf16 or 16 bf16 pairs */
+    if (second_rows == 0) {  /* accumulators 0-3 and x's tile 4: all rows; W's tiles 5-7 */
+        for (int t = 0; t < 8; ++t) cfg.rows[t] = t < 5 ? (uint8_t)first_rows : 16;
+    } else {  /* accumulators 0-1 and x's tile 4: rows 0-15; 2-3 and 5: the rest; W's 6-7 */
+        const uint8_t rows[8] = {16, 16, (uint8_t)second_rows, (uint8_t)second_rows, 16,
+                                 (uint8_t)second_rows, 16, 16};
+        memcpy(cfg.rows, rows, sizeof rows);
     }
+    _tile_loadconfig(&cfg);
+}
 
-int tile_gemm_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y,
-                   int64_t m, int64_t n, int64_t k) {
-    if (m < 1 || m > MAX_ROWS || !tile_gemm_fits(n, k)) return 1;
+/* y[:, 16 b0 : 16 (b0 + blocks)] of `out` (float32, GROUP * 16 columns a row), plus bias. */
+static void store_group(const float *out, const uint16_t *bias, uint16_t *y, int64_t m, int64_t n,
+                        int64_t b0, int64_t blocks) {
+    for (int64_t r = 0; r < m; ++r)
+        for (int64_t c = 0; c < blocks * 16; ++c) {
+            const int64_t j = b0 * 16 + c;
+            y[r * n + j] = float_to_bf16(out[r * GROUP * 16 + c] + (bias ? bf16_to_float(bias[j]) : 0.0f));
+        }
+}
+
+#define W_TILE(B) (packed + ((b0 + (B)) * kblocks + kb) * 512)
+
+/* Up to 16 rows: four blocks of 16 columns share each load of x's tile. */
+static void gemm_16(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y,
+                    int64_t m, int64_t n, int64_t k) {
     const int64_t kblocks = k / 32, nblocks = n / 16, groups = (nblocks + GROUP - 1) / GROUP;
     #pragma omp parallel
     {
-        struct tile_config cfg;
-        memset(&cfg, 0, sizeof cfg);
-        cfg.palette = 1;
-        for (int t = 0; t < 8; ++t) {
-            cfg.colsb[t] = 64;
-            cfg.rows[t] = t < 5 ? (uint8_t)m : 16;  /* m rows of 16 floats or 32 bf16; 16 pair rows */
-        }
-        _tile_loadconfig(&cfg);
-        float out[MAX_ROWS * GROUP * 16];
+        configure_tiles(m, 0);
+        float out[16 * GROUP * 16];
         #pragma omp for schedule(static)
         for (int64_t g = 0; g < groups; ++g) {
             const int64_t b0 = g * GROUP, blocks = nblocks - b0 < GROUP ? nblocks - b0 : GROUP;
@@ -89,23 +104,66 @@ int tile_gemm_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *bi
             _tile_zero(3);
             for (int64_t kb = 0; kb < kblocks; ++kb) {
                 _tile_loadd(4, x + kb * 32, k * 2);
-                MULTIPLY(0, 5, 0)
-                MULTIPLY(1, 6, 1)
-                MULTIPLY(2, 7, 2)
-                MULTIPLY(3, 5, 3)
+                _tile_loadd(5, W_TILE(0), 64);
+                _tile_dpbf16ps(0, 4, 5);
+                if (blocks > 1) { _tile_loadd(6, W_TILE(1), 64); _tile_dpbf16ps(1, 4, 6); }
+                if (blocks > 2) { _tile_loadd(7, W_TILE(2), 64); _tile_dpbf16ps(2, 4, 7); }
+                if (blocks > 3) { _tile_loadd(5, W_TILE(3), 64); _tile_dpbf16ps(3, 4, 5); }
             }
             _tile_stored(0, out, GROUP * 64);
             _tile_stored(1, out + 16, GROUP * 64);
             _tile_stored(2, out + 32, GROUP * 64);
             _tile_stored(3, out + 48, GROUP * 64);
-            for (int64_t r = 0; r < m; ++r)
-                for (int64_t c = 0; c < blocks * 16; ++c) {
-                    const int64_t j = b0 * 16 + c;
-                    y[r * n + j] = float_to_bf16(out[r * GROUP * 16 + c] + (bias ? bf16_to_float(bias[j]) : 0.0f));
-                }
+            store_group(out, bias, y, m, n, b0, blocks);
         }
         _tile_release();
     }
+}
+
+/* 17-32 rows: two tiles of x, each W tile used by both; two blocks of 16 columns at a time. */
+static void gemm_32(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y,
+                    int64_t m, int64_t n, int64_t k) {
+    const int64_t kblocks = k / 32, nblocks = n / 16, groups = (nblocks + 1) / 2;
+    #pragma omp parallel
+    {
+        configure_tiles(16, m - 16);
+        float out[MAX_ROWS * GROUP * 16];  /* rows 0-15, then 16-31 */
+        #pragma omp for schedule(static)
+        for (int64_t g = 0; g < groups; ++g) {
+            const int64_t b0 = g * 2, blocks = nblocks - b0 < 2 ? nblocks - b0 : 2;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int64_t kb = 0; kb < kblocks; ++kb) {
+                _tile_loadd(4, x + kb * 32, k * 2);
+                _tile_loadd(5, x + 16 * k + kb * 32, k * 2);
+                _tile_loadd(6, W_TILE(0), 64);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(2, 5, 6);
+                if (blocks > 1) {
+                    _tile_loadd(7, W_TILE(1), 64);
+                    _tile_dpbf16ps(1, 4, 7);
+                    _tile_dpbf16ps(3, 5, 7);
+                }
+            }
+            _tile_stored(0, out, GROUP * 64);
+            _tile_stored(1, out + 16, GROUP * 64);
+            _tile_stored(2, out + 16 * GROUP * 16, GROUP * 64);
+            _tile_stored(3, out + 16 * GROUP * 16 + 16, GROUP * 64);
+            store_group(out, bias, y, m, n, b0, blocks);
+        }
+        _tile_release();
+    }
+}
+
+int tile_gemm_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y,
+                   int64_t m, int64_t n, int64_t k) {
+    if (m < 1 || m > MAX_ROWS || !tile_gemm_fits(n, k)) return 1;
+    if (m <= 16)
+        gemm_16(x, packed, bias, y, m, n, k);
+    else
+        gemm_32(x, packed, bias, y, m, n, k);
     return 0;
 }
 

@@ -1,4 +1,4 @@
-"""The AMX tile GEMM for 5-16 decode rows (cpu_tile_gemm.c), built on first use (vllm/platforms/c_build.py).
+"""The AMX tile GEMM for 5-32 decode rows (cpu_tile_gemm.c), built on first use (vllm/platforms/c_build.py).
 
 It reads weights packed into the tiles' layout by `pack` (a copy made at load, beside the plain
 and oneDNN ones). Where it cannot be built, the CPU lacks AMX, Linux refuses the tile state, or
@@ -18,7 +18,7 @@ _SOURCE = Path(__file__).with_name("cpu_tile_gemm.c")
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    lib = load_c_library(_SOURCE, "5-16 row products stay on oneDNN")
+    lib = load_c_library(_SOURCE, "5-32 row products stay on oneDNN")
     if lib is None or lib.tile_gemm_supported() == 0:
         return None
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64

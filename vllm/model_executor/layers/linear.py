@@ -8,7 +8,7 @@ inputs still gain (SmolLM2's 120 layer GEMMs, bf16, 2-core AMX machine: 1.5 vs 1
 
 Up to `cpu_gemv.max_rows()` rows (batch-1 to batch-4 decodes, few sampled rows in the lm_head),
 a C GEMV reads the plain weight about 1.4x faster still (cpu_gemv.c). From there up to
-`cpu_tile_gemm.max_rows()` rows (batch-16 decodes), an AMX kernel reads a third copy of the
+`cpu_tile_gemm.max_rows()` rows (batch-32 decodes), an AMX kernel reads a third copy of the
 weight, packed in its tiles' layout, ~1.35x faster than oneDNN (cpu_tile_gemm.c).
 
 Inside a captured graph the blocked weight (an opaque MKLDNN tensor) cannot be traced, so

@@ -3,9 +3,9 @@
  *
  * At batch 1 a layer is ~7 MB of weights streamed in ~0.3 ms by the GEMV kernel; run as torch
  * ops, the norms, rotary, residual adds, cache write and attention between the four GEMVs cost
- * as much again in dispatch. Here they are a few microseconds of serial C on T <= 16 rows, and
+ * as much again in dispatch. Here they are a few microseconds of C on T <= 32 rows, and
  * the products and attention are the kernels of cpu_gemv.c (up to 4 rows), cpu_tile_gemm.c (up
- * to 16) and cpu_paged_decode.c, passed in as function pointers (each kernel keeps one source).
+ * to 32) and cpu_paged_decode.c, passed in as function pointers (each kernel keeps one source).
  *
  * Every intermediate is rounded to bf16 where the torch layer rounds it (eager bf16 ops), so
  * the two paths differ only in the order of a norm's float32 sum and in the exp of SiLU (both

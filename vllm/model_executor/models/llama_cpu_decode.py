@@ -3,7 +3,7 @@
 A batch-1 decode step on CPU is bound by reading the weights (~10 ms for SmolLM2 at ~25 GB/s),
 but run op by op its layers spend ~5 ms more between the GEMVs: norms, rotary, residual adds,
 the cache write and attention, each a dispatch. `FusedDecodeLayers` runs each layer as one C
-call instead, when a step holds only decodes, at most 16 of them (4 without the AMX kernel).
+call instead, when a step holds only decodes, at most 32 of them (4 without the AMX kernel).
 It uses the same GEMV, tile GEMM and attention kernels as the op-by-op path and rounds to bf16
 where it does.
 
