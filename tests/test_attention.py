@@ -116,11 +116,17 @@ def test_prefill_chunks_of_very_different_lengths_are_attended_in_separate_group
 @pytest.mark.skipif(shutil.which("cc") is None, reason="the decode kernel needs a C compiler")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("sliding_window", [None, 100])
-def test_paged_decode_kernel_on_model_shapes(dtype, sliding_window):
-    """SmolLM2's heads (9 query, 3 KV, head_dim 64), block 128, contexts that end anywhere in a
-    block and span several 64-key tiles, blocks in scrambled order."""
+@pytest.mark.parametrize("heads", [(9, 3, 64), (4, 4, 64), (8, 4, 64), (16, 4, 64), (16, 2, 64),
+                                   (8, 8, 128), (8, 4, 128), (12, 3, 128)],
+                         ids=lambda h: "q{}-kv{}-d{}".format(*h))
+def test_paged_decode_kernel_on_model_shapes(dtype, sliding_window, heads):
+    """SmolLM2's heads (9 query, 3 KV, head_dim 64) and other groupings and head sizes (bf16 has
+    fast copies for 1-4 query heads per KV head at 64, 1-2 at 128, the general loop for the
+    rest), block 128, contexts that end anywhere in a block and span several 64-key tiles,
+    blocks in scrambled order."""
     torch.manual_seed(0)
-    num_heads, num_kv_heads, head_dim, block_size, num_blocks = 9, 3, 64, 128, 40
+    num_heads, num_kv_heads, head_dim = heads
+    block_size, num_blocks = 128, 40
     assert cpu_paged_decode.is_available(torch.device("cpu"), dtype, num_heads, num_kv_heads, head_dim)
     key_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim).to(dtype)
     value_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim).to(dtype)
@@ -129,8 +135,9 @@ def test_paged_decode_kernel_on_model_shapes(dtype, sliding_window):
     for i, ctx in enumerate([0, 1, 63, 64, 127, 128, 300, 777]):
         table = [free.pop() for _ in range(-(-(ctx + 1) // block_size))]
         spans.append(SeqSpan(i, 1, ctx, table))
-    meta = build_attention_metadata(spans, len(spans), [0] * len(spans), block_size, 3, sliding_window,
-                                    num_blocks - 1, torch.device("cpu"), dtype, paged_decode=True)
+    meta = build_attention_metadata(spans, len(spans), [0] * len(spans), block_size,
+                                    num_heads // num_kv_heads, sliding_window, num_blocks - 1,
+                                    torch.device("cpu"), dtype, paged_decode=True)
     assert meta.groups == () and meta.paged_decodes is not None
     q = torch.randn(len(spans), num_heads, head_dim).to(dtype)
     out = torch.zeros_like(q)

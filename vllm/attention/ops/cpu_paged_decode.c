@@ -13,6 +13,9 @@
  * split over several tasks and the parts merged. Scores, softmax and the weighted sum of
  * values stay in float32. On SmolLM2's decodes (2-core AMX machine, 4 sequences of 2000 tokens, all 30
  * layers, cache not in CPU caches) it takes 18 ms where gathering the blocks for SDPA took 25.
+ * bf16 caches with 1-4 query heads per KV head (head_dim 64) or 1-2 (head_dim 128) take a copy
+ * on AVX512-BF16 dot products with the value sums in registers: 16 sequences of 280 keys, all
+ * layers, 7.1 ms against 9.7 (3.4 against 6.4 with the cache in CPU caches).
  *
  * Layouts (all contiguous): query and out (num_seqs, num_heads, head_dim); caches
  * (num_blocks, block_size, num_kv_heads, head_dim); block_tables (num_seqs, max_blocks) and
@@ -33,6 +36,54 @@
 
 static inline float f32_to_float(float x) { return x; }
 static inline float float_to_f32(float x) { return x; }
+
+/* Cache slots of keys t0 .. t0 + n - 1 of a sequence, from its block table. */
+static inline void tile_slots(const int64_t *table, int64_t t0, int64_t n, int64_t block_size,
+                              int64_t *slots) {
+    int64_t block = t0 / block_size, offset = t0 % block_size; /* of key t0 + i */
+    for (int64_t i = 0; i < n; ++i) {
+        slots[i] = table[block] * block_size + offset;
+        if (++offset == block_size) {
+            offset = 0;
+            ++block;
+        }
+    }
+}
+
+/* Asks for the cache rows of keys t0 .. t0 + TILE - 1 (below last): computing the current tile
+ * hides their memory latency. */
+static inline void prefetch_tile(const int64_t *table, int64_t t0, int64_t last, int64_t block_size,
+                                 const char *key_cache, const char *value_cache, int64_t row_bytes) {
+    for (int64_t i = 0, t = t0; i < TILE && t < last; ++i, ++t) {
+        const int64_t slot = table[t / block_size] * block_size + t % block_size;
+        for (int64_t b = 0; b < row_bytes; b += 64) {
+            __builtin_prefetch(key_cache + slot * row_bytes + b);
+            __builtin_prefetch(value_cache + slot * row_bytes + b);
+        }
+    }
+}
+
+/* Online softmax over one tile: scores become weights relative to each head's new maximum,
+ * and the running totals and value sums are rescaled to it. */
+static inline void softmax_tile(float scores[][TILE], int64_t n, int64_t num_heads,
+                                float *running_max, float *total, float acc[][MAX_HEAD_DIM],
+                                int64_t head_dim) {
+    for (int64_t h = 0; h < num_heads; ++h) {
+        float new_max = running_max[h];
+        _Pragma("omp simd reduction(max:new_max)")
+        for (int64_t i = 0; i < n; ++i) new_max = scores[h][i] > new_max ? scores[h][i] : new_max;
+        const float rescale = exp_nonpositive(running_max[h] - new_max);
+        float sum = 0.0f;
+        _Pragma("omp simd reduction(+:sum)")
+        for (int64_t i = 0; i < n; ++i) {
+            scores[h][i] = exp_nonpositive(scores[h][i] - new_max);
+            sum += scores[h][i];
+        }
+        total[h] = total[h] * rescale + sum;
+        for (int64_t d = 0; d < head_dim; ++d) acc[h][d] *= rescale;
+        running_max[h] = new_max;
+    }
+}
 
 /* Keys [first, last) of one sequence, all its heads. A tile's cache rows (all KV heads side by
  * side) are read once from memory, head after head: tasks per (sequence, KV head) would each
@@ -58,24 +109,14 @@ static inline __attribute__((always_inline)) void NAME(                         
     }                                                                                             \
     for (int64_t t0 = first; t0 < last; t0 += TILE) {                                             \
         const int64_t n = last - t0 < TILE ? last - t0 : TILE;                                    \
-        int64_t block = t0 / block_size, offset = t0 % block_size; /* of key t0 + i */           \
+        int64_t slots[TILE];                                                                      \
+        tile_slots(table, t0, n, block_size, slots);                                              \
         for (int64_t i = 0; i < n; ++i) {                                                         \
-            const int64_t slot = table[block] * block_size + offset;                              \
-            key_rows[i] = key_cache + slot * row_stride;                                          \
-            value_rows[i] = value_cache + slot * row_stride;                                      \
-            if (++offset == block_size) {                                                         \
-                offset = 0;                                                                       \
-                ++block;                                                                          \
-            }                                                                                     \
+            key_rows[i] = key_cache + slots[i] * row_stride;                                      \
+            value_rows[i] = value_cache + slots[i] * row_stride;                                  \
         }                                                                                         \
-        /* Ask for the next tile's rows now: computing this tile hides their memory latency. */  \
-        for (int64_t i = 0, t = t0 + TILE; i < TILE && t < last; ++i, ++t) {                      \
-            const int64_t slot = table[t / block_size] * block_size + t % block_size;             \
-            for (int64_t b = 0; b < row_stride * (int64_t)sizeof(T); b += 64) {                   \
-                __builtin_prefetch((const char *)(key_cache + slot * row_stride) + b);            \
-                __builtin_prefetch((const char *)(value_cache + slot * row_stride) + b);          \
-            }                                                                                     \
-        }                                                                                         \
+        prefetch_tile(table, t0 + TILE, last, block_size, (const char *)key_cache,                \
+                      (const char *)value_cache, row_stride * (int64_t)sizeof(T));                \
         for (int64_t g = 0; g < num_kv_heads; ++g) {                                              \
             for (int64_t i = 0; i < n; ++i) { /* a key converted once, scored for its heads */    \
                 const T *k = key_rows[i] + g * head_dim;                                          \
@@ -89,22 +130,7 @@ static inline __attribute__((always_inline)) void NAME(                         
                 }                                                                                 \
             }                                                                                     \
         }                                                                                         \
-        for (int64_t h = 0; h < num_heads; ++h) {                                                 \
-            float new_max = running_max[h];                                                       \
-            _Pragma("omp simd reduction(max:new_max)")                                            \
-            for (int64_t i = 0; i < n; ++i)                                                       \
-                new_max = scores[h][i] > new_max ? scores[h][i] : new_max;                        \
-            const float rescale = exp_nonpositive(running_max[h] - new_max);                      \
-            float sum = 0.0f;                                                                     \
-            _Pragma("omp simd reduction(+:sum)")                                                  \
-            for (int64_t i = 0; i < n; ++i) {                                                     \
-                scores[h][i] = exp_nonpositive(scores[h][i] - new_max);                           \
-                sum += scores[h][i];                                                              \
-            }                                                                                     \
-            total[h] = total[h] * rescale + sum;                                                  \
-            for (int64_t d = 0; d < head_dim; ++d) acc[h][d] *= rescale;                          \
-            running_max[h] = new_max;                                                             \
-        }                                                                                         \
+        softmax_tile(scores, n, num_heads, running_max, total, acc, head_dim);                     \
         for (int64_t g = 0; g < num_kv_heads; ++g) {                                              \
             for (int64_t i = 0; i < n; ++i) { /* a value converted once, summed for its heads */  \
                 const T *v = value_rows[i] + g * head_dim;                                        \
@@ -124,6 +150,136 @@ static inline __attribute__((always_inline)) void NAME(                         
         ph[head_dim] = running_max[h];                                                            \
         ph[head_dim + 1] = total[h];                                                              \
     }                                                                                             \
+}
+
+DEFINE_ATTEND(attend_bf16, uint16_t, bf16_to_float)
+DEFINE_ATTEND(attend_f32, float, f32_to_float)
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include <immintrin.h>
+
+/* Lane i of the result = the sum of the 16 lanes of v[i] (a transpose by halves, 45 ops for
+ * 16 sums where reducing each vector alone takes about 8 each). */
+static inline __m512 sum16(const __m512 v[16]) {
+    __m512 w[8], x[4], y[2];
+    for (int j = 0; j < 8; ++j)  /* per 128-bit lane: two vectors' partial sums, interleaved */
+        w[j] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * j], v[2 * j + 1]),
+                             _mm512_unpackhi_ps(v[2 * j], v[2 * j + 1]));
+    for (int j = 0; j < 4; ++j) {  /* per 128-bit lane: four vectors' sums over that lane */
+        const __m512d c = _mm512_castps_pd(w[2 * j]), d = _mm512_castps_pd(w[2 * j + 1]);
+        x[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(c, d)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(c, d)));
+    }
+    for (int j = 0; j < 2; ++j)  /* then across the four 128-bit lanes, in two halvings */
+        y[j] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * j], x[2 * j + 1], 0x88),
+                             _mm512_shuffle_f32x4(x[2 * j], x[2 * j + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x88), _mm512_shuffle_f32x4(y[0], y[1], 0xDD));
+}
+
+static inline __m512 load_bf16x16(const uint16_t *p) {  /* 16 bf16 -> float32, exactly */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)p)), 16));
+}
+
+/* attend_bf16 for G query heads per KV head and head_dim HD, on AVX512-BF16: a query-key
+ * score is two or four bf16 dot-product instructions (exact products, float32 sums) and 16
+ * scores are reduced together; the G heads' value sums stay in registers while a tile's values
+ * are added, each value row converted once for all G heads. */
+#define DEFINE_ATTEND_FAST(G, HD)                                                                  \
+static void attend_bf16_g##G##_d##HD(                                                              \
+        const uint16_t *query, const uint16_t *key_cache, const uint16_t *value_cache,            \
+        const int64_t *table, int64_t first, int64_t last, float *partial, int64_t num_heads,     \
+        int64_t num_kv_heads, int64_t block_size, float scale) {                                  \
+    enum { QC = HD / 32, AC = HD / 16 };                                                          \
+    float acc[MAX_HEADS][MAX_HEAD_DIM], scores[MAX_HEADS][TILE], running_max[MAX_HEADS];          \
+    float total[MAX_HEADS];                                                                       \
+    __m512bh q[MAX_HEADS][QC];                                                                    \
+    const uint16_t *key_rows[TILE], *value_rows[TILE];                                            \
+    const int64_t row_stride = num_kv_heads * HD;                                                 \
+    for (int64_t h = 0; h < num_heads; ++h) {                                                     \
+        for (int c = 0; c < QC; ++c)                                                              \
+            q[h][c] = (__m512bh)_mm512_loadu_si512((const void *)(query + h * HD + 32 * c));      \
+        for (int64_t d = 0; d < HD; ++d) acc[h][d] = 0.0f;                                        \
+        running_max[h] = -INFINITY;                                                               \
+        total[h] = 0.0f;                                                                          \
+    }                                                                                             \
+    for (int64_t t0 = first; t0 < last; t0 += TILE) {                                             \
+        const int64_t n = last - t0 < TILE ? last - t0 : TILE;                                    \
+        int64_t slots[TILE];                                                                      \
+        tile_slots(table, t0, n, block_size, slots);                                              \
+        for (int64_t i = 0; i < n; ++i) {                                                         \
+            key_rows[i] = key_cache + slots[i] * row_stride;                                      \
+            value_rows[i] = value_cache + slots[i] * row_stride;                                  \
+        }                                                                                         \
+        prefetch_tile(table, t0 + TILE, last, block_size, (const char *)key_cache,                \
+                      (const char *)value_cache, row_stride * 2);                                 \
+        for (int64_t h = 0; h < num_heads; ++h) {                                                 \
+            const int64_t g = h / G;                                                              \
+            for (int64_t i0 = 0; i0 < n; i0 += 16) {                                              \
+                __m512 part[16];                                                                  \
+                for (int j = 0; j < 16; ++j) {                                                    \
+                    part[j] = _mm512_setzero_ps();                                                \
+                    if (i0 + j >= n) continue;                                                    \
+                    const uint16_t *k = key_rows[i0 + j] + g * HD;                                \
+                    for (int c = 0; c < QC; ++c)                                                  \
+                        part[j] = _mm512_dpbf16_ps(part[j], q[h][c],                              \
+                                                   (__m512bh)_mm512_loadu_si512((const void *)(k + 32 * c))); \
+                }                                                                                 \
+                _mm512_storeu_ps(&scores[h][i0], _mm512_mul_ps(sum16(part), _mm512_set1_ps(scale))); \
+            }                                                                                     \
+        }                                                                                         \
+        softmax_tile(scores, n, num_heads, running_max, total, acc, HD);                          \
+        for (int64_t g = 0; g < num_kv_heads; ++g) {                                              \
+            __m512 sums[G][AC];                                                                   \
+            for (int hh = 0; hh < G; ++hh)                                                        \
+                for (int c = 0; c < AC; ++c) sums[hh][c] = _mm512_loadu_ps(&acc[g * G + hh][16 * c]); \
+            for (int64_t i = 0; i < n; ++i) {                                                     \
+                __m512 v[AC];                                                                     \
+                for (int c = 0; c < AC; ++c) v[c] = load_bf16x16(value_rows[i] + g * HD + 16 * c); \
+                for (int hh = 0; hh < G; ++hh) {                                                  \
+                    const __m512 p = _mm512_set1_ps(scores[g * G + hh][i]);                       \
+                    for (int c = 0; c < AC; ++c) sums[hh][c] = _mm512_fmadd_ps(p, v[c], sums[hh][c]); \
+                }                                                                                 \
+            }                                                                                     \
+            for (int hh = 0; hh < G; ++hh)                                                        \
+                for (int c = 0; c < AC; ++c) _mm512_storeu_ps(&acc[g * G + hh][16 * c], sums[hh][c]); \
+        }                                                                                         \
+    }                                                                                             \
+    for (int64_t h = 0; h < num_heads; ++h) {                                                     \
+        float *ph = partial + h * (HD + 2);                                                       \
+        for (int64_t d = 0; d < HD; ++d) ph[d] = acc[h][d];                                       \
+        ph[HD] = running_max[h];                                                                  \
+        ph[HD + 1] = total[h];                                                                    \
+    }                                                                                             \
+}
+
+/* G * AC accumulators in registers: up to 16 of the 32 vector registers. */
+DEFINE_ATTEND_FAST(1, 64)
+DEFINE_ATTEND_FAST(2, 64)
+DEFINE_ATTEND_FAST(3, 64)
+DEFINE_ATTEND_FAST(4, 64)
+DEFINE_ATTEND_FAST(1, 128)
+DEFINE_ATTEND_FAST(2, 128)
+#define HAVE_ATTEND_FAST 1
+#endif
+
+/* attend_bf16 on the fast copy for this group and head size where there is one. */
+static inline void attend_bf16_any(const uint16_t *query, const uint16_t *key_cache,
+                                   const uint16_t *value_cache, const int64_t *table, int64_t first,
+                                   int64_t last, float *partial, int64_t num_heads, int64_t group,
+                                   int64_t head_dim, int64_t num_kv_heads, int64_t block_size,
+                                   float scale) {
+#ifdef HAVE_ATTEND_FAST
+#define FAST(G, HD)                                                                                \
+    if (group == G && head_dim == HD) {                                                           \
+        attend_bf16_g##G##_d##HD(query, key_cache, value_cache, table, first, last, partial,      \
+                                 num_heads, num_kv_heads, block_size, scale);                     \
+        return;                                                                                   \
+    }
+    FAST(1, 64) FAST(2, 64) FAST(3, 64) FAST(4, 64) FAST(1, 128) FAST(2, 128)
+#undef FAST
+#endif
+    attend_bf16(query, key_cache, value_cache, table, first, last, partial, num_heads, group,
+                head_dim, num_kv_heads, block_size, scale);
 }
 
 /* Fewer sequences than threads (batch-1 decode of a long context): each sequence's keys are
@@ -193,7 +349,5 @@ int NAME(const T *query, const T *key_cache, const T *value_cache, const int64_t
 int64_t paged_decode_max_heads(void) { return MAX_HEADS; }
 int64_t paged_decode_max_head_dim(void) { return MAX_HEAD_DIM; }
 
-DEFINE_ATTEND(attend_bf16, uint16_t, bf16_to_float)
-DEFINE_ATTEND(attend_f32, float, f32_to_float)
-DEFINE_PAGED_DECODE(paged_decode_bf16, attend_bf16, uint16_t, float_to_bf16)
+DEFINE_PAGED_DECODE(paged_decode_bf16, attend_bf16_any, uint16_t, float_to_bf16)
 DEFINE_PAGED_DECODE(paged_decode_f32, attend_f32, float, float_to_f32)
