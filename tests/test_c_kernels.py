@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vllm.model_executor.layers import cpu_gemv, cpu_tile_gemm
+from vllm.model_executor.layers import cpu_gemv, cpu_layer_ops, cpu_tile_gemm
 from vllm.platforms import c_build
 from vllm.platforms.cpu import cpu_flags
 
@@ -85,3 +85,30 @@ def test_tile_pack_only_takes_shapes_that_fill_whole_tiles():
     assert cpu_tile_gemm.pack(torch.randn(40, 64).bfloat16()) is None   # out % 16
     assert cpu_tile_gemm.pack(torch.randn(48, 80).bfloat16()) is None   # in % 32
     assert cpu_tile_gemm.pack(torch.randn(48, 64)) is None              # float32
+
+
+@needs_cc
+@pytest.mark.parametrize("rows", [1, 7, 256])
+def test_rms_norm_rounds_as_torch_does(rows):
+    """bf16 at the same two points as the torch norm; only the float32 sum's order differs, so
+    an element may move by one bf16 unit, rarely."""
+    torch.manual_seed(rows)
+    x = (torch.randn(rows, 576) * 3).bfloat16()
+    weight = torch.randn(576).bfloat16()
+    h = x.float()
+    want = weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)).to(torch.bfloat16)
+    got = cpu_layer_ops.rms_norm(x, weight, 1e-5)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=0)
+    assert (got != want).float().mean() < 0.01
+
+
+@needs_cc
+@pytest.mark.parametrize("rows", [1, 5, 300])
+def test_rotary_equals_torch_bit_for_bit(rows):
+    """q and k as views inside qkv rows (strided), the layout the attention layer hands over."""
+    torch.manual_seed(rows)
+    qkv = torch.randn(rows, 9 * 64 + 2 * 3 * 64).bfloat16()
+    qk = qkv[:, :12 * 64].view(rows, 12, 64)                                  # (T, H + KVH, D)
+    cos, sin = torch.randn(rows, 1, 64).bfloat16(), torch.randn(rows, 1, 64).bfloat16()
+    want = qk * cos + torch.roll(qk, 32, dims=-1) * sin
+    assert torch.equal(cpu_layer_ops.rotary(qk, cos, sin), want)

@@ -15,9 +15,9 @@ static inline float bf16_to_float(uint16_t x) {
 static inline uint16_t float_to_bf16(float f) {  /* round to nearest even, as torch does */
     uint32_t bits;
     memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);  /* NaN */
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
+    const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+    /* A select, not a branch, so loops over it vectorize; NaN stays a (quiet) NaN. */
+    return (uint16_t)((bits & 0x7fffffffu) > 0x7f800000u ? (bits >> 16) | 0x40u : rounded);
 }
 
 #endif

@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 _INCLUDE = Path(__file__).parent
 # -fopenmp links libgomp, the OpenMP runtime torch's CPU wheels load: the kernels' threads are
 # torch's threads (same soname, one runtime in the process).
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11", f"-I{_INCLUDE}"]
+_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-shared", "-fPIC", "-std=c11", f"-I{_INCLUDE}"]
 
 
 def c_kernels_enabled() -> bool:

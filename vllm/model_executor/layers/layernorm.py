@@ -1,6 +1,8 @@
 import torch
 from torch import nn
 
+from vllm.model_executor.layers import cpu_layer_ops
+
 
 class RMSNorm(nn.Module):
     """RMS norm with its statistics in float32, cast back before the weight (as Llama does)."""
@@ -11,6 +13,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, hidden) -> (T, hidden)
+        if cpu_layer_ops.usable(x) and self.weight.dtype == x.dtype:
+            return cpu_layer_ops.rms_norm(x, self.weight, self.eps)  # same roundings, one pass
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)

@@ -3,6 +3,8 @@
 import torch
 from torch import nn
 
+from vllm.model_executor.layers import cpu_layer_ops
+
 
 def _inverse_frequencies(config, head_dim: int) -> tuple[torch.Tensor, float]:
     """(head_dim // 2,) float32 inverse frequencies and the cos/sin scale, from the HF config."""
@@ -49,5 +51,7 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """x: (T, heads, D), queries and keys side by side; cos/signed_sin: (T, 1, D)."""
+    if cpu_layer_ops.usable(x) and cos.dtype == x.dtype:
+        return cpu_layer_ops.rotary(x, cos, signed_sin)  # same roundings, one pass
     rotated_half = torch.roll(x, x.shape[-1] // 2, dims=-1)               # (x2, x1): signs in the table
     return x * cos + rotated_half * signed_sin

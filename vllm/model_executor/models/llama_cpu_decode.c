@@ -20,7 +20,7 @@
 #include <string.h>
 
 #include "bf16.h"
-#include "exp.h"
+#include "layer_ops.h"
 
 typedef int (*gemv_fn)(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
                        int64_t m, int64_t n, int64_t k);
@@ -64,41 +64,6 @@ static int project(const struct decode_step *S, const uint16_t *x, const uint16_
     return tiles != NULL && S->tile_gemm != NULL ? S->tile_gemm(x, tiles, bias, y, m, n, k) : 1;
 }
 
-static inline uint16_t round_bf16(float x) { return float_to_bf16(x); }
-static inline float mul_bf16(uint16_t a, uint16_t b) { return bf16_to_float(a) * bf16_to_float(b); }
-
-/* torch: w * (x.float() * rsqrt(mean(x^2) + eps)).to(bf16), rounded after each of the two products. */
-static void rms_norm(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t rows, int64_t n,
-                     float eps) {
-    for (int64_t r = 0; r < rows; ++r) {
-        const uint16_t *xr = x + r * n;
-        float sum = 0.0f;
-        for (int64_t i = 0; i < n; ++i) sum += bf16_to_float(xr[i]) * bf16_to_float(xr[i]);
-        const float inv = 1.0f / sqrtf(sum / (float)n + eps);
-        for (int64_t i = 0; i < n; ++i)
-            y[r * n + i] = round_bf16(bf16_to_float(w[i]) * bf16_to_float(round_bf16(bf16_to_float(xr[i]) * inv)));
-    }
-}
-
-/* torch: x * cos + roll(x, D/2) * signed_sin, each product and the sum rounded to bf16. */
-static void rotate(const uint16_t *x, const uint16_t *cos, const uint16_t *sin, uint16_t *y, int64_t d) {
-    for (int64_t i = 0; i < d; ++i) {
-        const float a = bf16_to_float(round_bf16(mul_bf16(x[i], cos[i])));
-        const float b = bf16_to_float(round_bf16(mul_bf16(x[(i + d / 2) % d], sin[i])));
-        y[i] = round_bf16(a + b);
-    }
-}
-
-/* torch: x / (1 + e^-x) in float32; e^-|x| keeps the vectorizable exp's argument <= 0. */
-static inline float silu(float x) {
-    const float e = exp_nonpositive(-fabsf(x));
-    return x >= 0.0f ? x / (1.0f + e) : x * e / (1.0f + e);
-}
-
-static void add_into(uint16_t *hidden, const uint16_t *delta, int64_t count) {
-    for (int64_t i = 0; i < count; ++i) hidden[i] = round_bf16(bf16_to_float(hidden[i]) + bf16_to_float(delta[i]));
-}
-
 /* hidden: (T, hidden) bf16, updated in place; caches: (num_blocks, block_size, KVH, D). */
 int llama_decode_layer(const struct decode_layer *L, const struct decode_step *S, uint16_t *hidden,
                        uint16_t *key_cache, uint16_t *value_cache) {
@@ -111,7 +76,8 @@ int llama_decode_layer(const struct decode_layer *L, const struct decode_step *S
     uint16_t *act = wide + t * widest, *query = act + t * inter, *attn = query + t * q_size;
     int status = 0;
 
-    rms_norm(hidden, L->input_norm, normed, t, h, L->eps);
+    #pragma omp parallel for schedule(static) if (t >= 8)
+    for (int64_t r = 0; r < t; ++r) rms_norm_row(hidden + r * h, L->input_norm, normed + r * h, h, L->eps);
     status |= project(S, normed, L->qkv, L->qkv_tiles, L->qkv_bias, wide, t, qkv_size, h);      /* (T, q + 2 kv) */
     #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < t; ++r) {
@@ -129,15 +95,11 @@ int llama_decode_layer(const struct decode_layer *L, const struct decode_step *S
     status |= project(S, attn, L->o, L->o_tiles, L->o_bias, proj, t, h, q_size);               /* (T, hidden) */
     add_into(hidden, proj, t * h);
 
-    rms_norm(hidden, L->post_norm, normed, t, h, L->eps);
+    #pragma omp parallel for schedule(static) if (t >= 8)
+    for (int64_t r = 0; r < t; ++r) rms_norm_row(hidden + r * h, L->post_norm, normed + r * h, h, L->eps);
     status |= project(S, normed, L->gate_up, L->gate_up_tiles, L->gate_up_bias, wide, t, 2 * inter, h);  /* (T, 2I) */
-    #pragma omp parallel for simd collapse(2) schedule(static)
-    for (int64_t r = 0; r < t; ++r) {
-        for (int64_t i = 0; i < inter; ++i) {
-            const uint16_t gate = round_bf16(silu(bf16_to_float(wide[r * 2 * inter + i])));
-            act[r * inter + i] = round_bf16(mul_bf16(gate, wide[r * 2 * inter + inter + i]));
-        }
-    }
+    #pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < t; ++r) silu_mul_row(wide + r * 2 * inter, act + r * inter, inter);
     status |= project(S, act, L->down, L->down_tiles, L->down_bias, proj, t, h, inter);           /* (T, hidden) */
     add_into(hidden, proj, t * h);
     free(buf);

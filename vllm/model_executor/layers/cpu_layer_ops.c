@@ -1,0 +1,31 @@
+/*
+ * Two element-wise steps of a Llama layer for many bf16 rows (prefill chunks), one pass each,
+ * rows split over the threads: RMS norm and the rotary embedding.
+ *
+ * In eager torch they are 7 and 4 ops, each a pass over the rows with its own dispatch. On
+ * (256, 576) rows these take 33 and 55 us against torch's 78 and 83; a 256-token chunk step
+ * of SmolLM2 spends ~7 ms less outside its products and attention. (SiLU-and-multiply in C,
+ * 165 us against 147, is left to torch.) Rounding follows torch's eager bf16 ops
+ * (vllm/platforms/layer_ops.h, shared with the fused decode layer).
+ *
+ * Layouts: rows of x and y contiguous; rotary's x rows `x_stride` elements apart (q and k
+ * inside a qkv row), its heads contiguous, its output (rows, heads, d) contiguous.
+ */
+#include <stdint.h>
+
+#include "layer_ops.h"
+
+int rms_norm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t rows, int64_t n, float eps) {
+    #pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) rms_norm_row(x + r * n, w, y + r * n, n, eps);
+    return 0;
+}
+
+int rotary_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *cos, const uint16_t *sin,
+                uint16_t *y, int64_t rows, int64_t heads, int64_t d) {
+    #pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t h = 0; h < heads; ++h)
+            rotate(x + r * x_stride + h * d, cos + r * d, sin + r * d, y + (r * heads + h) * d, d);
+    return 0;
+}

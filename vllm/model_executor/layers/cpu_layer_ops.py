@@ -1,0 +1,54 @@
+"""Two element-wise steps of a Llama layer in C for bf16 rows on CPU (cpu_layer_ops.c): RMS norm
+and the rotary embedding, one pass each instead of 7 and 4 torch ops.
+
+Used by the eager path only (`usable`): inside a captured graph the compiler fuses the torch
+ops itself. Where the library cannot be built, or with VLLM_CPU_C_KERNELS=0, the torch ops run.
+"""
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+
+from vllm.platforms.c_build import load_c_library
+
+_SOURCE = Path(__file__).with_name("cpu_layer_ops.c")
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    lib = load_c_library(_SOURCE, "norms and rotary run as torch ops")
+    if lib is not None:
+        ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+        lib.rms_norm_bf16.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float]
+        lib.rotary_bf16.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64]
+    return lib
+
+
+def usable(x: torch.Tensor) -> bool:
+    """Whether `x`'s element-wise steps run here: bf16 on CPU, outside a captured graph."""
+    return (x.dtype == torch.bfloat16 and x.device.type == "cpu" and not torch.compiler.is_compiling()
+            and _library() is not None)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: (T, n) bf16, weight: (n,) bf16 -> (T, n)."""
+    assert weight.dtype == torch.bfloat16 and weight.is_contiguous() and x.shape[-1] == weight.shape[0]
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    _library().rms_norm_bf16(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.numel() // x.shape[-1],
+                             x.shape[-1], eps)
+    return y
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x: (T, heads, D) bf16 with contiguous heads (rows may be strided, as q and k inside qkv);
+    cos, signed_sin: (T, 1, D) -> rotated (T, heads, D), contiguous."""
+    t, heads, d = x.shape
+    assert x.stride(2) == 1 and x.stride(1) == d and cos.is_contiguous() and signed_sin.is_contiguous()
+    assert cos.dtype == signed_sin.dtype == torch.bfloat16 and cos.shape == (t, 1, d)
+    y = x.new_empty(t, heads, d)
+    _library().rotary_bf16(x.data_ptr(), x.stride(0), cos.data_ptr(), signed_sin.data_ptr(), y.data_ptr(),
+                           t, heads, d)
+    return y

@@ -1,0 +1,58 @@
+/* The element-wise steps of a Llama decoder layer on bf16 rows, rounded where torch's eager
+ * bf16 ops round, for the C kernels that vllm/platforms/c_build.py builds (on its include path). */
+#ifndef VLLM_LAYER_OPS_H
+#define VLLM_LAYER_OPS_H
+
+#include <math.h>
+#include <stdint.h>
+
+#include "bf16.h"
+#include "exp.h"
+
+static inline uint16_t round_bf16(float x) { return float_to_bf16(x); }
+static inline float mul_bf16(uint16_t a, uint16_t b) { return bf16_to_float(a) * bf16_to_float(b); }
+
+/* torch: w * (x.float() * rsqrt(mean(x^2) + eps)).to(bf16), rounded after each of the two products. */
+static inline void rms_norm_row(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t n, float eps) {
+    float sum = 0.0f;
+    _Pragma("omp simd reduction(+:sum)")
+    for (int64_t i = 0; i < n; ++i) sum += bf16_to_float(x[i]) * bf16_to_float(x[i]);
+    const float inv = 1.0f / sqrtf(sum / (float)n + eps);
+    _Pragma("omp simd")
+    for (int64_t i = 0; i < n; ++i)
+        y[i] = round_bf16(bf16_to_float(w[i]) * bf16_to_float(round_bf16(bf16_to_float(x[i]) * inv)));
+}
+
+/* One head: torch's x * cos + roll(x, D/2) * signed_sin, each product and the sum rounded to bf16. */
+static inline void rotate(const uint16_t *x, const uint16_t *cos, const uint16_t *sin, uint16_t *y, int64_t d) {
+    const int64_t half = d / 2;
+    _Pragma("omp simd")
+    for (int64_t i = 0; i < d; ++i) {
+        const uint16_t partner = i < half ? x[i + half] : x[i - half];
+        const float a = bf16_to_float(round_bf16(mul_bf16(x[i], cos[i])));
+        const float b = bf16_to_float(round_bf16(mul_bf16(partner, sin[i])));
+        y[i] = round_bf16(a + b);
+    }
+}
+
+/* torch: x / (1 + e^-x) in float32; e^-|x| keeps the vectorizable exp's argument <= 0, and
+ * for x < 0, x / (1 + e^-x) = x e^x / (1 + e^x). One division for both signs. */
+static inline float silu(float x) {
+    const float e = exp_nonpositive(-fabsf(x));
+    const float r = 1.0f / (1.0f + e);
+    return x * (x >= 0.0f ? r : e * r);
+}
+
+static inline void add_into(uint16_t *hidden, const uint16_t *delta, int64_t count) {
+    _Pragma("omp simd")
+    for (int64_t i = 0; i < count; ++i) hidden[i] = round_bf16(bf16_to_float(hidden[i]) + bf16_to_float(delta[i]));
+}
+
+/* torch: silu(gate) * up, each rounded to bf16; gate_up (rows, 2 n) holds gate then up. */
+static inline void silu_mul_row(const uint16_t *gate_up, uint16_t *out, int64_t n) {
+    _Pragma("omp simd")
+    for (int64_t i = 0; i < n; ++i)
+        out[i] = round_bf16(mul_bf16(round_bf16(silu(bf16_to_float(gate_up[i]))), gate_up[n + i]));
+}
+
+#endif
