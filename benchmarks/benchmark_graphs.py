@@ -3,7 +3,7 @@
 For each mode (eager, graphs) it builds an engine with the given config and measures:
   * warm-up: graphs captured and seconds (graph mode), compiles after warm-up (must be 0);
   * decode: tokens/s of --decode-batch sequences decoding together (after their prefill). On a
-    CPU with the C kernels, steps of up to 16 decodes run each layer as one C call in both modes
+    CPU with the C kernels, steps of up to 32 decodes run each layer as one C call in both modes
     (no graph), so the graphs show from batch 64 on;
   * prefill: tokens/s of one --prefill-len prompt, chunked at the step budget;
   * padding overhead of the bucketed steps.
