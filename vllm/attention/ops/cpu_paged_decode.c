@@ -85,6 +85,17 @@ static inline void softmax_tile(float scores[][TILE], int64_t n, int64_t num_hea
     }
 }
 
+/* A range's result for the merge: per head its unnormalized value sum, max and total weight. */
+static inline void store_partial(float *partial, float acc[][MAX_HEAD_DIM], const float *running_max,
+                                 const float *total, int64_t num_heads, int64_t head_dim) {
+    for (int64_t h = 0; h < num_heads; ++h) {
+        float *ph = partial + h * (head_dim + 2);
+        for (int64_t d = 0; d < head_dim; ++d) ph[d] = acc[h][d];
+        ph[head_dim] = running_max[h];
+        ph[head_dim + 1] = total[h];
+    }
+}
+
 /* Keys [first, last) of one sequence, all its heads. A tile's cache rows (all KV heads side by
  * side) are read once from memory, head after head: tasks per (sequence, KV head) would each
  * use a third of every cache line the prefetcher brings in. Writes each head's unnormalized
@@ -144,12 +155,7 @@ static inline __attribute__((always_inline)) void NAME(                         
             }                                                                                     \
         }                                                                                         \
     }                                                                                             \
-    for (int64_t h = 0; h < num_heads; ++h) {                                                     \
-        float *ph = partial + h * (head_dim + 2);                                                 \
-        for (int64_t d = 0; d < head_dim; ++d) ph[d] = acc[h][d];                                 \
-        ph[head_dim] = running_max[h];                                                            \
-        ph[head_dim + 1] = total[h];                                                              \
-    }                                                                                             \
+    store_partial(partial, acc, running_max, total, num_heads, head_dim);                         \
 }
 
 DEFINE_ATTEND(attend_bf16, uint16_t, bf16_to_float)
@@ -244,12 +250,7 @@ static void attend_bf16_g##G##_d##HD(                                           
                 for (int c = 0; c < AC; ++c) _mm512_storeu_ps(&acc[g * G + hh][16 * c], sums[hh][c]); \
         }                                                                                         \
     }                                                                                             \
-    for (int64_t h = 0; h < num_heads; ++h) {                                                     \
-        float *ph = partial + h * (HD + 2);                                                       \
-        for (int64_t d = 0; d < HD; ++d) ph[d] = acc[h][d];                                       \
-        ph[HD] = running_max[h];                                                                  \
-        ph[HD + 1] = total[h];                                                                    \
-    }                                                                                             \
+    store_partial(partial, acc, running_max, total, num_heads, HD);                               \
 }
 
 /* G * AC accumulators in registers: up to 16 of the 32 vector registers. */

@@ -87,6 +87,13 @@ static void store_group(const float *out, const uint16_t *bias, uint16_t *y, int
 
 #define W_TILE(B) (packed + ((b0 + (B)) * kblocks + kb) * 512)
 
+static inline void zero_accumulators(void) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+}
+
 /* Up to 16 rows: four blocks of 16 columns share each load of x's tile. */
 static void gemm_16(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y,
                     int64_t m, int64_t n, int64_t k) {
@@ -98,10 +105,7 @@ static void gemm_16(const uint16_t *x, const uint16_t *packed, const uint16_t *b
         #pragma omp for schedule(static)
         for (int64_t g = 0; g < groups; ++g) {
             const int64_t b0 = g * GROUP, blocks = nblocks - b0 < GROUP ? nblocks - b0 : GROUP;
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
-            _tile_zero(3);
+            zero_accumulators();
             for (int64_t kb = 0; kb < kblocks; ++kb) {
                 _tile_loadd(4, x + kb * 32, k * 2);
                 _tile_loadd(5, W_TILE(0), 64);
@@ -131,10 +135,7 @@ static void gemm_32(const uint16_t *x, const uint16_t *packed, const uint16_t *b
         #pragma omp for schedule(static)
         for (int64_t g = 0; g < groups; ++g) {
             const int64_t b0 = g * 2, blocks = nblocks - b0 < 2 ? nblocks - b0 : 2;
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
-            _tile_zero(3);
+            zero_accumulators();
             for (int64_t kb = 0; kb < kblocks; ++kb) {
                 _tile_loadd(4, x + kb * 32, k * 2);
                 _tile_loadd(5, x + 16 * k + kb * 32, k * 2);
