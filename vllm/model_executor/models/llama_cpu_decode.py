@@ -7,8 +7,9 @@ call instead, when a step holds only decodes, at most 32 of them (4 without the 
 It uses the same GEMV, tile GEMM and attention kernels as the op-by-op path and rounds to bf16
 where it does.
 
-Built by the CPU model runner for bf16 models when both kernels are available; with
-VLLM_CPU_C_KERNELS=0 or without a compiler the op-by-op path runs every step.
+Built through `LlamaForCausalLM.enable_fused_decode`, which the CPU model runner calls for bf16
+models when the kernels are available; with VLLM_CPU_C_KERNELS=0 or without a compiler the
+op-by-op path runs every step.
 """
 
 import ctypes
@@ -27,6 +28,7 @@ _ptr, _i64 = ctypes.c_void_p, ctypes.c_int64
 
 
 class _Layer(ctypes.Structure):
+    """struct decode_layer of llama_cpu_decode.c, field for field."""
     _fields_ = [(name, _ptr) for name in ("input_norm", "qkv", "qkv_bias", "o", "o_bias", "post_norm",
                                           "gate_up", "gate_up_bias", "down", "down_bias",
                                           "qkv_tiles", "o_tiles", "gate_up_tiles", "down_tiles")] + \
@@ -35,6 +37,7 @@ class _Layer(ctypes.Structure):
 
 
 class _Step(ctypes.Structure):
+    """struct decode_step of llama_cpu_decode.c, field for field."""
     _fields_ = [("tokens", _i64), ("cos", _ptr), ("sin", _ptr), ("slots", _ptr), ("block_tables", _ptr),
                 ("seq_lens", _ptr), ("max_blocks", _i64), ("block_size", _i64), ("window", _i64),
                 ("gemv_rows", _i64), ("gemv", _ptr), ("tile_gemm", _ptr), ("attend", _ptr)]
