@@ -14,7 +14,6 @@
  *   hidden += o_proj(attention(rope(q), rope(k) -> cache, v -> cache))   q, k, v = qkv(norm(hidden))
  *   hidden += down(silu(gate) * up)                                      gate, up = gate_up(norm(hidden))
  */
-#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
