@@ -8,8 +8,9 @@ import torch
 
 from vllm.attention.backends.hpu_attn import (SeqSpan, build_attention_metadata, paged_attention,
                                               write_to_kv_cache)
-from vllm.attention.ops import cpu_paged_decode
+from vllm.attention.ops import cpu_paged_decode, cpu_paged_prefill
 from vllm.attention.ops.reference import reference_paged_attention
+from vllm.platforms.cpu import cpu_flags
 
 
 def _kernel_built() -> bool:
@@ -174,3 +175,50 @@ def test_paged_decode_kernel_splits_long_sequences_over_threads(contexts):
         torch.set_num_threads(threads)
     want = reference_paged_attention(q, key_cache, value_cache, spans, head_dim ** -0.5)
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+
+
+def _prefill_kernel_built() -> bool:
+    """The AMX prefill kernel must build wherever a C compiler and AMX are present."""
+    if shutil.which("cc") is None or "amx_bf16" not in cpu_flags():
+        return False
+    assert cpu_paged_prefill.is_available(torch.device("cpu"), torch.bfloat16, 9, 3, 64, 128)
+    return True
+
+
+@pytest.mark.skipif(not _prefill_kernel_built(), reason="the prefill kernel needs a C compiler and AMX")
+@pytest.mark.parametrize("block_size", [16, 128])
+@pytest.mark.parametrize("sliding_window", [None, 40])
+@pytest.mark.parametrize("heads", [(9, 3), (4, 4), (8, 1), (16, 2)], ids=lambda h: "q{}-kv{}".format(*h))
+def test_paged_prefill_kernel_matches_reference(block_size, sliding_window, heads):
+    """A mixed step on both C kernels: two decodes, then chunks with and without context, of
+    1-300 queries (partial 16-query blocks, steps of 32 keys cut by the diagonal and by the
+    window), blocks in scrambled order, and bucket padding. Every cache slot that holds no key
+    is NaN: the kernel must never let one into a result."""
+    torch.manual_seed(2)
+    num_heads, num_kv_heads = heads
+    head_dim, num_blocks = 64, 80
+    num_decodes = 2
+    steps = [(70, 1), (3, 1), (0, 1), (0, 37), (100, 1), (250, 300), (5, 16), (0, 16), (128, 33), (31, 17)]
+    free = torch.randperm(num_blocks - 1).tolist()  # the last block is the pad block
+    key_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), float("nan"), dtype=torch.bfloat16)
+    value_cache = key_cache.clone()
+    spans, offset = [], 0
+    for context, queries in steps:
+        table = [free.pop() for _ in range(-(-(context + queries) // block_size))]
+        slots = [table[p // block_size] * block_size + p % block_size for p in range(context + queries)]
+        for cache in (key_cache, value_cache):
+            cache.view(-1, num_kv_heads, head_dim)[slots] = torch.randn(len(slots), num_kv_heads,
+                                                                         head_dim).bfloat16()
+        spans.append(SeqSpan(offset, queries, context, table))
+        offset += queries
+    padding = 3
+    q = torch.randn(offset + padding, num_heads, head_dim).bfloat16()
+    meta = build_attention_metadata(spans, num_decodes, [0] * (offset + padding), block_size,
+                                    num_heads // num_kv_heads, sliding_window, num_blocks - 1,
+                                    torch.device("cpu"), torch.bfloat16, paged_decode=True, paged_prefill=True)
+    assert meta.groups == () and meta.paged_prefills is not None and meta.paged_decodes is not None
+    kv = torch.empty(0, num_kv_heads, head_dim, dtype=torch.bfloat16)  # read from the cache only
+    got = paged_attention(q, kv, kv, key_cache, value_cache, meta, head_dim ** -0.5)
+    want = reference_paged_attention(q, key_cache, value_cache, spans, head_dim ** -0.5, sliding_window)
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)  # bf16 weights and output
+    assert got[offset:].eq(0).all()  # bucket padding

@@ -17,7 +17,7 @@ import torch
 from torch._dynamo.utils import counters as dynamo_counters
 
 from vllm.attention.backends.hpu_attn import AttentionMetadata, SeqSpan, build_attention_metadata
-from vllm.attention.ops import cpu_paged_decode
+from vllm.attention.ops import cpu_paged_decode, cpu_paged_prefill
 from vllm.config import EngineConfig
 from vllm.core.scheduler_output import SchedulerOutput
 from vllm.forward_context import ForwardContext, forward_context
@@ -69,9 +69,13 @@ class HPUModelRunner:
         self.cache = CacheEngine(config.model, config.cache, self.device)
         num_heads = config.model.hf_config.num_attention_heads
         self.heads_per_kv = num_heads // config.model.num_kv_heads
-        # CPU: decodes read their keys in place through a C kernel, when it builds here.
+        # CPU: decodes and prefill chunks read their keys in place through C kernels, when they
+        # build here (the prefill one needs AMX, bf16 and head_dim 64).
         self.paged_decode = cpu_paged_decode.is_available(self.device, config.model.dtype, num_heads,
                                                           config.model.num_kv_heads, config.model.head_dim)
+        self.paged_prefill = cpu_paged_prefill.is_available(
+            self.device, config.model.dtype, num_heads, config.model.num_kv_heads, config.model.head_dim,
+            config.cache.block_size)
         self.sliding_window = getattr(model, "sliding_window", None)
         # CPU bf16: steps of a few decodes run each layer as one C call, eagerly (nothing for a
         # graph to remove). Their metadata must carry the decodes for the paged kernel.
@@ -158,7 +162,8 @@ class HPUModelRunner:
         metadata = build_attention_metadata(
             spans, step.num_decodes, slots, block_size, self.heads_per_kv, self.sliding_window,
             self.cache.pad_block, self.device, self.config.model.dtype,
-            split_prefill=self.device.type == "cpu", paged_decode=self.paged_decode)
+            split_prefill=self.device.type == "cpu", paged_decode=self.paged_decode,
+            paged_prefill=self.paged_prefill)
         return ModelInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=self.device),
             positions=torch.tensor(positions, dtype=torch.int64, device=self.device),

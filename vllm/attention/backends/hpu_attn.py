@@ -15,8 +15,10 @@ chunks exist, to their cached keys without a causal mask (all of them precede th
 two partial softmaxes are merged through their log-sum-exp. With a sliding window the prefill
 group uses one explicit mask over the gathered cache instead. Grouped-query attention folds the
 query heads that share a KV head into the query axis wherever no causal structure is needed,
-so K/V are not repeated there. On CPU the decodes bypass the groups: `PagedDecodes` hands them
-all to a C kernel that reads their keys in place (vllm/attention/ops/cpu_paged_decode.c).
+so K/V are not repeated there. On CPU the C kernels bypass the groups and read the cache in
+place: `PagedDecodes` hands all decodes to vllm/attention/ops/cpu_paged_decode.c, and
+`PagedPrefills` all prefill chunks (context and own keys in one pass, no merge) to
+vllm/attention/ops/cpu_paged_prefill.c.
 """
 
 from dataclasses import dataclass
@@ -24,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from vllm.attention.ops import cpu_paged_decode
+from vllm.attention.ops import cpu_paged_decode, cpu_paged_prefill
 
 
 @dataclass(slots=True)
@@ -69,12 +71,24 @@ class PagedDecodes:
 
 
 @dataclass(slots=True)
+class PagedPrefills:
+    """All the step's prefill chunks, for the CPU kernel that reads the cache in place."""
+
+    block_tables: torch.Tensor   # (S, B) int64; padding -> the pad block
+    token_offsets: torch.Tensor  # (S,) int64: first flat token of each chunk
+    query_lens: torch.Tensor     # (S,) int64
+    context_lens: torch.Tensor   # (S,) int64: keys cached before the chunk
+    sliding_window: int | None
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     """Per-step attention inputs, shared by all layers."""
 
     slot_mapping: torch.Tensor          # (num_tokens,) int64: cache slot of each token's K/V
     groups: tuple[AttentionGroup, ...]  # decodes, then prefill chunks (empty groups omitted)
-    paged_decodes: PagedDecodes | None = None  # set: the decodes are here, not in `groups`
+    paged_decodes: PagedDecodes | None = None    # set: the decodes are here, not in `groups`
+    paged_prefills: PagedPrefills | None = None  # set: the prefill chunks are here, not in `groups`
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,12 +187,14 @@ def build_attention_metadata(spans: list[SeqSpan], num_decodes: int, slot_mappin
                              pad_block: int, device: torch.device,
                              dtype: torch.dtype = torch.float32,
                              split_prefill: bool = True,
-                             paged_decode: bool = False) -> AttentionMetadata:
+                             paged_decode: bool = False,
+                             paged_prefill: bool = False) -> AttentionMetadata:
     """Builds the metadata of one step; `spans[:num_decodes]` are the one-token decodes.
 
     `split_prefill` selects the chunk-causal + context split for prefill chunks (CPU kernels);
     otherwise, and always under a sliding window, prefills use one explicit mask.
-    `paged_decode` hands all decodes to the CPU kernel (vllm/attention/ops/cpu_paged_decode.py).
+    `paged_decode` hands all decodes to the CPU kernel (vllm/attention/ops/cpu_paged_decode.py),
+    `paged_prefill` all prefill chunks to vllm/attention/ops/cpu_paged_prefill.py.
     """
     num_tokens = len(slot_mapping)
     groups = []
@@ -191,6 +207,15 @@ def build_attention_metadata(spans: list[SeqSpan], num_decodes: int, slot_mappin
             torch.tensor([s.context_len + 1 for s in decodes], dtype=torch.int64, device=device),
             sliding_window)
         decodes = []
+    paged_prefills = None
+    if paged_prefill and prefills:
+        def column(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=device)
+        paged_prefills = PagedPrefills(
+            _block_tables(prefills, lambda s: s.context_len + s.query_len, block_size, pad_block).to(device),
+            column([s.token_offset for s in prefills]), column([s.query_len for s in prefills]),
+            column([s.context_len for s in prefills]), sliding_window)
+        prefills = []
     bands = _bands(decodes, lambda s: _cdiv(s.context_len + 1, block_size))  # keys, in blocks
     for band in bands:
         groups.append(_masked_group(band, num_tokens, block_size, heads_per_kv, sliding_window,
@@ -205,6 +230,7 @@ def build_attention_metadata(spans: list[SeqSpan], num_decodes: int, slot_mappin
         slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
         groups=tuple(g.to(device, dtype) for g in groups),
         paged_decodes=paged,
+        paged_prefills=paged_prefills,
     )
 
 
@@ -310,6 +336,11 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         s = paged.seq_lens.shape[0]
         cpu_paged_decode.paged_decode(query[:s].contiguous(), key_cache, value_cache, paged.block_tables,
                                       paged.seq_lens, scale, paged.sliding_window, out[:s])
+    prefills = metadata.paged_prefills
+    if prefills is not None:
+        cpu_paged_prefill.paged_prefill(query.contiguous(), key_cache, value_cache, prefills.block_tables,
+                                        prefills.token_offsets, prefills.query_lens, prefills.context_lens,
+                                        scale, prefills.sliding_window, out[:num_tokens])
     for g in metadata.groups:
         if g.mask is not None:
             o = _masked_attention(g, query, key_cache, value_cache, scale)

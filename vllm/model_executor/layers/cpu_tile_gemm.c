@@ -18,6 +18,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "amx.h"
 #include "bf16.h"
 
 #define MAX_ROWS 32
@@ -40,24 +41,9 @@ int tile_pack_bf16(const uint16_t *w, uint16_t *packed, int64_t n, int64_t k) {
     return 0;
 }
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+#ifdef VLLM_HAVE_AMX
 
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
-struct tile_config {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
-
-/* Asks Linux for the tile state of this process (oneDNN may have done so already). */
-int tile_gemm_supported(void) {
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? MAX_ROWS : 0;
-}
+int tile_gemm_supported(void) { return amx_request_tiles() ? MAX_ROWS : 0; }
 
 /* One thread's tiles: `rows` of the accumulators and of x's tiles, 16 pair rows for W's. */
 static void configure_tiles(int64_t first_rows, int64_t second_rows) {

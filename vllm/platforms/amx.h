@@ -1,0 +1,34 @@
+/* AMX tile set-up shared by the C kernels that vllm/platforms/c_build.py builds (on its include path). */
+#ifndef VLLM_AMX_H
+#define VLLM_AMX_H
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#define VLLM_HAVE_AMX 1
+
+#include <immintrin.h>
+#include <stdint.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+/* The 64-byte operand of _tile_loadconfig (palette 1): bytes per row and rows of each tile. */
+struct tile_config {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+/* Asks Linux for this process's tile state (oneDNN may have done so already); 1 if granted. */
+static inline int amx_request_tiles(void) {
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+}
+
+/* GCC's _tile_loadd is an asm statement without a "memory" clobber: stores to a buffer the
+ * kernel then loads into a tile may be sunk past the load, or dropped as dead. Call this between
+ * writing such a buffer and loading it. */
+static inline void amx_publish_stores(void) { __asm__ volatile("" ::: "memory"); }
+
+#endif
+#endif
