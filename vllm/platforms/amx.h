@@ -8,7 +8,9 @@
 #include <immintrin.h>
 #include <stdint.h>
 #include <sys/syscall.h>
-#include <unistd.h>
+
+/* unistd.h declares syscall only under _DEFAULT_SOURCE, which -std=c11 leaves off. */
+extern long syscall(long number, ...);
 
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18

@@ -63,19 +63,17 @@ static inline int64_t slot_of(const int64_t *table, int64_t key, int64_t block_s
     return table[key / block_size] * block_size + key % block_size;
 }
 
-/* 2^x, float32 accuracy to ~2e-6 (the weights are rounded to bf16 after): 2^n by scalef and a
- * degree-5 Taylor series for 2^f, |f| <= 1/2. */
-static inline __m512 exp2_ps(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-127.0f));
+/* 2^x in the lanes of `keep`, 0 in the others (whatever x holds there, even NaN): 2^n by
+ * scalef and, for 2^f with |f| <= 1/2, a cubic fitted to its relative error (at most 8e-5,
+ * far below the bf16 rounding the weights get next). */
+static inline __m512 exp2_masked(__mmask16 keep, __m512 x) {
     const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 f = _mm512_sub_ps(x, n);
-    __m512 p = _mm512_set1_ps(1.3333558e-3f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
+    __m512 p = _mm512_set1_ps(5.5088684e-2f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4260405e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9327623e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.9992895e-1f));
+    return _mm512_maskz_scalef_ps(keep, p, n);
 }
 
 /* V^T of keys [32 step, 32 step + 32) of one sequence, all KV heads: per head four tiles of
@@ -122,6 +120,79 @@ static inline void rescale_output(__m512 alpha) {
         _tile_dpbf16ps(DST, 6, 7);                \
     } while (0)
 
+/* Scores S^T of keys [k0, k0 + 32) (those up to `last`) into tiles 4 and 5. */
+static inline void score_step(const struct prefill *a, const int64_t *table, int64_t kvh, int64_t k0,
+                              int64_t last, uint32_t qt[2][16][QUERIES]) {
+    const int64_t row_bytes = a->num_kv_heads * HEAD_DIM * 2;
+    const uint16_t *keys = a->key_cache + (slot_of(table, k0, a->block_size) * a->num_kv_heads + kvh) * HEAD_DIM;
+    SCORE_TILE(4, keys, row_bytes, qt);
+    if (k0 + 16 <= last) {
+        keys = a->key_cache + (slot_of(table, k0 + 16, a->block_size) * a->num_kv_heads + kvh) * HEAD_DIM;
+        SCORE_TILE(5, keys, row_bytes, qt);
+    }
+}
+
+static inline void store_scores(float s[KEYS][QUERIES], int64_t k0, int64_t last) {
+    _tile_stored(4, s[0], 64);
+    if (k0 + 16 <= last) _tile_stored(5, s[16], 64);
+}
+
+/* Per query (lane): the running maximum of its scores (raw, before the scale) and the total of
+ * its weights 2^((score - max) * scale * log2 e). */
+struct softmax_state {
+    __m512 max, total, log2e_scale;
+};
+
+/* Weights of keys [k0, k0 + 32) from their scores s, as the P^T tile pt (pairs of keys x
+ * queries, bf16); raises the maximum (rescaling O^T and the totals) when a score exceeds it by
+ * more than 2^MAX_GROWTH in weight. Keys past `last`, and keys a query must not see, get 0. */
+static inline void softmax_step(struct softmax_state *st, float s[KEYS][QUERIES], uint32_t pt[KEYS / 2][QUERIES],
+                                int64_t k0, int64_t first, int64_t last, int64_t window) {
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    /* Interleaves two rows of 16 bf16 (a key pair) into the 16 x 2 layout of a P^T tile row. */
+    const __m512i pair_order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                                23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    /* Which queries see key k0 + j: all, unless this step reaches the diagonal or the window's edge. */
+    const int64_t rows = last - k0 + 1 < KEYS ? last - k0 + 1 : KEYS;
+    const int partial = k0 + KEYS - 1 > first || (window > 0 && k0 <= last - window);
+    __mmask16 seen[KEYS];
+    /* Four maxima and two totals: chains of dependent additions would bound the loops. */
+    __m512 maxima[4] = {_mm512_set1_ps(-INFINITY), _mm512_set1_ps(-INFINITY), _mm512_set1_ps(-INFINITY),
+                        _mm512_set1_ps(-INFINITY)};
+    for (int64_t j = 0; j < KEYS; ++j) {
+        seen[j] = j < rows ? 0xffff : 0;
+        if (partial && j < rows) {  /* query q sees key k iff k <= first + q (> first + q - window) */
+            const int64_t rel = k0 + j - first;
+            seen[j] = _mm512_cmp_epi32_mask(lane, _mm512_set1_epi32((int)rel), _MM_CMPINT_NLT);
+            if (window > 0)
+                seen[j] &= _mm512_cmp_epi32_mask(lane, _mm512_set1_epi32((int)(rel + window)), _MM_CMPINT_LT);
+        }
+        maxima[j % 4] = _mm512_mask_max_ps(maxima[j % 4], seen[j], maxima[j % 4], _mm512_load_ps(s[j]));
+    }
+    const __m512 step_max = _mm512_max_ps(_mm512_max_ps(maxima[0], maxima[1]), _mm512_max_ps(maxima[2], maxima[3]));
+    const __m512 c = st->log2e_scale;
+    if (_mm512_cmp_ps_mask(_mm512_mul_ps(step_max, c),
+                           _mm512_fmadd_ps(st->max, c, _mm512_set1_ps(MAX_GROWTH)), _CMP_GT_OQ)) {
+        const __m512 new_max = _mm512_max_ps(st->max, step_max);
+        /* Queries that have seen no key yet keep zero sums: their factor is irrelevant. */
+        const __mmask16 finite = _mm512_cmp_ps_mask(st->max, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+        const __m512 alpha = exp2_masked(finite, _mm512_mul_ps(_mm512_sub_ps(st->max, new_max), c));
+        st->total = _mm512_mul_ps(st->total, alpha);
+        rescale_output(alpha);
+        st->max = new_max;
+    }
+    const __m512 scaled_max = _mm512_mul_ps(st->max, c);
+    __m512 totals[2] = {st->total, _mm512_setzero_ps()};
+    for (int64_t j = 0; j < KEYS; j += 2) {
+        const __m512 p0 = exp2_masked(seen[j], _mm512_fmsub_ps(_mm512_load_ps(s[j]), c, scaled_max));
+        const __m512 p1 = exp2_masked(seen[j + 1], _mm512_fmsub_ps(_mm512_load_ps(s[j + 1]), c, scaled_max));
+        totals[j / 2 % 2] = _mm512_add_ps(totals[j / 2 % 2], _mm512_add_ps(p0, p1));
+        const __m512i pair = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);  /* p0 in lanes 0-15 */
+        _mm512_store_si512(pt[j / 2], _mm512_permutexvar_epi16(pair_order, pair));
+    }
+    st->total = _mm512_add_ps(totals[0], totals[1]);
+}
+
 /* Queries first_query .. + 15 of head `head` of one sequence; vt: the sequence's packed V^T. */
 static void attend_task(const struct prefill *a, const struct task *t, const uint16_t *vt) {
     const int64_t seq = t->seq, head = t->head, q0 = t->first_query;
@@ -129,8 +200,7 @@ static void attend_task(const struct prefill *a, const struct task *t, const uin
     const int64_t context = a->context_lens[seq], query_len = a->query_lens[seq];
     const int64_t nq = query_len - q0 < QUERIES ? query_len - q0 : QUERIES;
     const int64_t first = context + q0, last = first + nq - 1; /* positions of the queries */
-    const int64_t *table = a->block_tables + seq * a->max_blocks;
-    const int64_t row_bytes = kvh_count * HEAD_DIM * 2, window = a->window;
+    const int64_t *table = a->block_tables + seq * a->max_blocks, window = a->window;
 
     /* Q^T in pairs of dims: qt[c][p][q] = dims 32 c + 2 p, + 1 of query q (padding queries: 0). */
     uint32_t qt[2][16][QUERIES] __attribute__((aligned(64)));
@@ -146,61 +216,25 @@ static void attend_task(const struct prefill *a, const struct task *t, const uin
     /* Keys [begin, last]: every key some query sees (begin: a multiple of KEYS). */
     int64_t begin = 0;
     if (window > 0 && first - window + 1 > 0) begin = (first - window + 1) / KEYS * KEYS;
-    const __m512 log2e_scale = _mm512_set1_ps(a->scale * 1.44269504f);
-    const __m512 minus_inf = _mm512_set1_ps(-INFINITY);
-    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    /* Interleaves two rows of 16 bf16 (a key pair) into the 16 x 2 layout of a P^T tile row. */
-    const __m512i pair_order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
-                                                23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    __m512 max = minus_inf, total = _mm512_setzero_ps();
-    float s[KEYS][QUERIES] __attribute__((aligned(64)));
+    struct softmax_state st = {.max = _mm512_set1_ps(-INFINITY), .total = _mm512_setzero_ps(),
+                               .log2e_scale = _mm512_set1_ps(a->scale * 1.44269504f)};
+    float s[2][KEYS][QUERIES] __attribute__((aligned(64)));  /* this step's scores, the next's */
     uint32_t pt[KEYS / 2][QUERIES] __attribute__((aligned(64)));
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
-    for (int64_t k0 = begin; k0 <= last; k0 += KEYS) {
-        const uint16_t *keys = a->key_cache + (slot_of(table, k0, a->block_size) * kvh_count + kvh) * HEAD_DIM;
-        SCORE_TILE(4, keys, row_bytes, qt);
-        _tile_stored(4, s[0], 64);
-        if (k0 + 16 <= last) {
-            keys = a->key_cache + (slot_of(table, k0 + 16, a->block_size) * kvh_count + kvh) * HEAD_DIM;
-            SCORE_TILE(5, keys, row_bytes, qt);
-            _tile_stored(5, s[16], 64);
+    score_step(a, table, kvh, begin, last, qt);
+    store_scores(s[0], begin, last);
+    for (int64_t k0 = begin, cur = 0; k0 <= last; k0 += KEYS, cur ^= 1) {
+        /* The next step's tile products run on the AMX unit while this step's softmax runs on
+         * the vector units. */
+        const int64_t next = k0 + KEYS;
+        if (next <= last) {
+            score_step(a, table, kvh, next, last, qt);
+            store_scores(s[cur ^ 1], next, last);
         }
-        /* Which queries see key k0 + j: all, unless this step reaches the diagonal or the window's edge. */
-        const int64_t rows = last - k0 + 1 < KEYS ? last - k0 + 1 : KEYS;
-        const int partial = k0 + KEYS - 1 > first || (window > 0 && k0 <= last - window);
-        __mmask16 seen[KEYS];
-        __m512 step_max = minus_inf;
-        for (int64_t j = 0; j < KEYS; ++j) {
-            seen[j] = j < rows ? 0xffff : 0;
-            if (partial && j < rows) {  /* query q sees key k iff k <= first + q (> first + q - window) */
-                const int64_t rel = k0 + j - first;
-                seen[j] = _mm512_cmp_epi32_mask(lane, _mm512_set1_epi32((int)rel), _MM_CMPINT_NLT);
-                if (window > 0)
-                    seen[j] &= _mm512_cmp_epi32_mask(lane, _mm512_set1_epi32((int)(rel + window)), _MM_CMPINT_LT);
-            }
-            const __m512 x = _mm512_mul_ps(_mm512_load_ps(s[j]), log2e_scale);
-            _mm512_store_ps(s[j], x);
-            step_max = _mm512_mask_max_ps(step_max, seen[j], step_max, x);
-        }
-        if (_mm512_cmp_ps_mask(step_max, _mm512_add_ps(max, _mm512_set1_ps(MAX_GROWTH)), _CMP_GT_OQ)) {
-            const __m512 new_max = _mm512_max_ps(max, step_max);
-            /* Queries that have seen no key yet keep zero sums: their factor is irrelevant. */
-            const __mmask16 finite = _mm512_cmp_ps_mask(max, minus_inf, _CMP_NEQ_OQ);
-            const __m512 alpha = _mm512_maskz_mov_ps(finite, exp2_ps(_mm512_sub_ps(max, new_max)));
-            total = _mm512_mul_ps(total, alpha);
-            rescale_output(alpha);
-            max = new_max;
-        }
-        for (int64_t j = 0; j < KEYS; j += 2) {
-            const __m512 p0 = _mm512_maskz_mov_ps(seen[j], exp2_ps(_mm512_sub_ps(_mm512_load_ps(s[j]), max)));
-            const __m512 p1 = _mm512_maskz_mov_ps(seen[j + 1], exp2_ps(_mm512_sub_ps(_mm512_load_ps(s[j + 1]), max)));
-            total = _mm512_add_ps(total, _mm512_add_ps(p0, p1));
-            const __m512i pair = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);  /* p0 in lanes 0-15 */
-            _mm512_store_si512(pt[j / 2], _mm512_permutexvar_epi16(pair_order, pair));
-        }
+        softmax_step(&st, s[cur], pt, k0, first, last, window);
         const uint16_t *v = vt + (k0 / KEYS * kvh_count + kvh) * VT_STEP;
         amx_publish_stores();
         _tile_loadd(7, pt, 64);
@@ -213,6 +247,7 @@ static void attend_task(const struct prefill *a, const struct task *t, const uin
         _tile_loadd(6, v + 1536, 64);
         _tile_dpbf16ps(3, 6, 7);
     }
+    const __m512 total = st.total;
 
     /* out[query q] = column q of O^T / total[q]. */
     float o[HEAD_DIM][QUERIES] __attribute__((aligned(64)));
@@ -222,7 +257,8 @@ static void attend_task(const struct prefill *a, const struct task *t, const uin
     _tile_stored(2, o[32], 64);
     _tile_stored(3, o[48], 64);
     _mm512_store_ps(inverse, _mm512_div_ps(_mm512_set1_ps(1.0f), total));
-    const __m512i column = _mm512_mullo_epi32(lane, _mm512_set1_epi32(QUERIES));
+    const __m512i column = _mm512_set_epi32(240, 224, 208, 192, 176, 160, 144, 128, 112, 96, 80, 64, 48, 32,
+                                            16, 0);  /* o[d0 + i][q] for i = 0..15 */
     for (int64_t q = 0; q < nq; ++q) {
         uint16_t *row = a->out + ((a->token_offsets[seq] + q0 + q) * a->num_heads + head) * HEAD_DIM;
         const __m512 inv = _mm512_set1_ps(inverse[q]);
@@ -249,7 +285,8 @@ int paged_prefill_bf16(const uint16_t *query, const uint16_t *key_cache, const u
                        const int64_t *query_lens, const int64_t *context_lens, uint16_t *out,
                        int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                        int64_t block_size, int64_t max_blocks, int64_t window, float scale) {
-    if (head_dim != HEAD_DIM || block_size % 16 || num_kv_heads < 1 || num_heads % num_kv_heads)
+    if (head_dim != HEAD_DIM || block_size % 16 || num_kv_heads < 1 || num_heads % num_kv_heads ||
+        !(scale > 0.0f))  /* the running maximum is kept before the scale */
         return 1;
     const struct prefill a = {query, key_cache, value_cache, block_tables, token_offsets, query_lens,
                               context_lens, out, num_heads, num_kv_heads, block_size, max_blocks,
