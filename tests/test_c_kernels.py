@@ -103,6 +103,21 @@ def test_rms_norm_rounds_as_torch_does(rows):
 
 
 @needs_cc
+@pytest.mark.parametrize("rows,width", [(1, 1536), (5, 72), (264, 1536), (3, 7)])
+def test_silu_mul_rounds_as_torch_does(rows, width):
+    """bf16 at the same two points as torch; e^x's last float32 bit may differ, so silu(gate)
+    may move by one bf16 unit, rarely, and the product's own rounding can stretch that to just
+    over one unit of the result. Widths off 16 take the scalar tail."""
+    torch.manual_seed(rows)
+    gate_up = (torch.randn(rows, 2 * width) * 4).bfloat16()
+    gate, up = gate_up.split(width, dim=-1)
+    want = F.silu(gate) * up
+    got = cpu_layer_ops.silu_mul(gate_up)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -6, atol=0)
+    assert (got != want).float().mean() < 0.01
+
+
+@needs_cc
 @pytest.mark.parametrize("rows", [1, 5, 300])
 def test_rotary_equals_torch_bit_for_bit(rows):
     """q and k as views inside qkv rows (strided), the layout the attention layer hands over."""

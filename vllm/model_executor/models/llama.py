@@ -14,6 +14,7 @@ from torch import nn
 
 from vllm.attention.layer import attention
 from vllm.forward_context import get_forward_context
+from vllm.model_executor.layers import cpu_layer_ops
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import Linear
 from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding, apply_rotary
@@ -76,7 +77,10 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # (T, I) each
+        gate_up = self.gate_up_proj(x)                                          # (T, 2 I)
+        if cpu_layer_ops.usable(gate_up):
+            return self.down_proj(cpu_layer_ops.silu_mul(gate_up))              # (T, hidden)
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)               # (T, I) each
         return self.down_proj(F.silu(gate) * up)                               # (T, hidden)
 
 
