@@ -27,6 +27,7 @@ def _library() -> ctypes.CDLL | None:
             fn.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float]
             fn.restype = ctypes.c_int
         lib.paged_decode_max_heads.restype = lib.paged_decode_max_head_dim.restype = ctypes.c_int64
+        lib.paged_decode_enable_amx()  # bf16 on AMX where the CPU and Linux allow it
     return lib
 
 

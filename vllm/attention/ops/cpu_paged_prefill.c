@@ -37,6 +37,7 @@
 #include "amx.h"
 #include "bf16.h"
 #include "lazy_softmax.h"
+#include "paged_cache.h"
 
 #define HEAD_DIM 64
 #define QUERIES 16                 /* per task: the columns of a tile */
@@ -60,10 +61,6 @@ struct prefill {
 struct task {
     int64_t seq, head, first_query;
 };
-
-static inline int64_t slot_of(const int64_t *table, int64_t key, int64_t block_size) {
-    return table[key / block_size] * block_size + key % block_size;
-}
 
 /* V^T of keys [32 step, 32 step + 32) of one sequence, all KV heads: per head four tiles of
  * 16 dims x 32 keys; keys past num_keys are zero (their weights are zero, their cache rows
