@@ -56,7 +56,9 @@ def load_c_library(source: Path, fallback: str) -> ctypes.CDLL | None:
     if compiler is None:
         logger.warning("No C compiler found for %s: %s", source.name, fallback)
         return None
-    text = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(_INCLUDE.glob("*.h")))
+    # Shared headers, and headers beside the source (a kernel split into parts), key the build.
+    headers = sorted({*_INCLUDE.glob("*.h"), *source.parent.glob("*.h")})
+    text = source.read_bytes() + b"".join(h.read_bytes() for h in headers)
     build = " ".join([compiler, *_FLAGS, *sorted(cpu_flags())])
     key = hashlib.sha256(text + build.encode()).hexdigest()[:16]
     cache = Path(os.environ.get("VLLM_CACHE_ROOT", Path.home() / ".cache" / "vllm")) / "kernels"

@@ -1,0 +1,174 @@
+/* Part of cpu_paged_decode.c: attend_bf16's copy on AMX tiles (HAVE_ATTEND_AMX where the CPU
+ * has them), and paged_decode_enable_amx. */
+#ifndef VLLM_CPU_PAGED_DECODE_AMX_H
+#define VLLM_CPU_PAGED_DECODE_AMX_H
+
+#if defined(VLLM_HAVE_AMX) && defined(VLLM_HAVE_LAZY_SOFTMAX)
+#define AMX_MAX_HEADS 16   /* the lanes of a score tile */
+#define AMX_MAX_GROUP 4    /* query heads per KV head: 4 x 4 value sums in registers */
+#define AMX_KEYS 32        /* keys per softmax step: two score tiles */
+#define PREFETCH_KEYS 64  /* how far ahead the cache rows are asked for */
+
+static int amx_ready; /* set by paged_decode_enable_amx() */
+
+/* Asks for the tile state; the bf16 kernel takes the AMX copy from then on (where it fits). */
+int paged_decode_enable_amx(void) { return amx_ready = amx_request_tiles(); }
+
+/* attend_bf16 on AMX for head_dim 64, all heads at once. The scores of 16 keys for every
+ * head are one tile, S^T = K . Q^T, whose K-side operand is the cache rows themselves (all KV
+ * heads side by side, 32 dims per product) and whose Q side is block-diagonal (head h has
+ * zeros outside its KV head's dims):
+ *
+ *   S^T (16 keys x heads) = sum over 32-dim chunks c: K[:, c] (16 keys x 32) . Q^T[c] (pairs x heads)
+ *
+ * The softmax runs down the keys with the heads in the lanes (lazy_softmax.h), and the values
+ * are summed with bf16 dot products over pairs of keys: a pair's two value rows interleaved
+ * (two unpacks) times the pair's two weights, so the sums of a group's heads stay in registers
+ * and no value is converted to float32. The unpacks interleave within 128-bit lanes, so the
+ * sums hold the dims in that order (`unpacked_dim`) until they are written out. */
+static inline int64_t unpacked_dim(int64_t v, int64_t lane) {
+    /* vector v of a head's four: 0, 1 = unpacklo, unpackhi of dims 0-31; 2, 3 of dims 32-63 */
+    return 32 * (v / 2) + 8 * (lane / 4) + 4 * (v % 2) + lane % 4;
+}
+
+static void configure_score_tiles(void) {
+    struct tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; ++t) { /* 0, 1: scores; 2, 3, 5, 6: keys; 4, 7: queries */
+        cfg.colsb[t] = 64;
+        cfg.rows[t] = 16;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* Scores of keys [k0, k0 + 32) below `last` for every head, into tiles 0 (keys k0 ..) and 1
+ * (k0 + 16 ..). The two tiles' chains of products alternate, and so do the operand tiles of
+ * even and odd chunks, so that each product waits on fewer others. */
+static inline void score_step_amx(const uint16_t *key_cache, const int64_t *table, int64_t k0, int64_t last,
+                                  int64_t block_size, int64_t row, uint32_t qt[][16][16], int64_t chunks) {
+    const uint16_t *k_lo = key_cache + slot_of(table, k0, block_size) * row;
+    const uint16_t *k_hi = k0 + 16 < last ? key_cache + slot_of(table, k0 + 16, block_size) * row : NULL;
+    const int64_t row_bytes = 2 * row;
+    _tile_zero(0);
+    _tile_zero(1);
+    for (int64_t c = 0; c < chunks; c += 2) {
+        _tile_loadd(4, qt[c], 64);
+        _tile_loadd(2, k_lo + 32 * c, row_bytes);
+        _tile_dpbf16ps(0, 2, 4);
+        if (k_hi) {
+            _tile_loadd(3, k_hi + 32 * c, row_bytes);
+            _tile_dpbf16ps(1, 3, 4);
+        }
+        _tile_loadd(7, qt[c + 1], 64);
+        _tile_loadd(5, k_lo + 32 * (c + 1), row_bytes);
+        _tile_dpbf16ps(0, 5, 7);
+        if (k_hi) {
+            _tile_loadd(6, k_hi + 32 * (c + 1), row_bytes);
+            _tile_dpbf16ps(1, 6, 7);
+        }
+    }
+}
+
+static inline void store_scores_amx(int64_t k0, int64_t last, float s[AMX_KEYS][16]) {
+    _tile_stored(0, s[0], 64);
+    if (k0 + 16 < last) _tile_stored(1, s[16], 64);
+}
+
+static void attend_bf16_amx(const uint16_t *query, const uint16_t *key_cache, const uint16_t *value_cache,
+                            const int64_t *table, int64_t first, int64_t last, float *partial,
+                            int64_t num_heads, int64_t num_kv_heads, int64_t block_size, float scale) {
+    const int64_t group = num_heads / num_kv_heads, chunks = 2 * num_kv_heads, row = num_kv_heads * 64;
+    uint32_t qt[2 * AMX_MAX_HEADS][16][16] __attribute__((aligned(64)));  /* [chunk][dim pair][head] */
+    memset(qt, 0, (size_t)chunks * sizeof qt[0]);
+    for (int64_t h = 0; h < num_heads; ++h) {
+        const uint32_t *q = (const uint32_t *)(query + h * 64);
+        for (int64_t p = 0; p < 32; ++p) qt[2 * (h / group) + p / 16][p % 16][h] = q[p];
+    }
+    amx_publish_stores();
+    float acc[AMX_MAX_HEADS][64] __attribute__((aligned(64)));  /* value sums, dims in unpacked order */
+    memset(acc, 0, sizeof acc);
+    float s[2][AMX_KEYS][16] __attribute__((aligned(64)));  /* this step's scores, the next's */
+    uint32_t pairs[AMX_KEYS / 2][16] __attribute__((aligned(64)));
+    struct lazy_softmax st = lazy_softmax_start(scale);
+    const __mmask16 heads = (__mmask16)((1u << num_heads) - 1);
+    configure_score_tiles();
+    const int64_t begin = first / 16 * 16;
+    score_step_amx(key_cache, table, begin, last, block_size, row, qt, chunks);
+    store_scores_amx(begin, last, s[0]);
+    for (int64_t k0 = begin, cur = 0; k0 < last; k0 += AMX_KEYS, cur ^= 1) {
+        /* The next step's score tiles run on the AMX unit while this step's softmax and value
+         * sums run on the vector units; they are stored after. */
+        const int64_t next = k0 + AMX_KEYS;
+        if (next < last) score_step_amx(key_cache, table, next, last, block_size, row, qt, chunks);
+        for (int64_t k = k0 + PREFETCH_KEYS; k < k0 + PREFETCH_KEYS + AMX_KEYS && k < last; k += 16) {
+            const char *kp = (const char *)(key_cache + slot_of(table, k, block_size) * row);
+            const char *vp = (const char *)(value_cache + slot_of(table, k, block_size) * row);
+            const int64_t end = (last - k < 16 ? last - k : 16) * row * 2;
+            for (int64_t b = 0; b < end; b += 64) {
+                _mm_prefetch(kp + b, _MM_HINT_T1);
+                _mm_prefetch(vp + b, _MM_HINT_T1);
+            }
+        }
+        __mmask16 keep[AMX_KEYS];
+        for (int64_t j = 0; j < AMX_KEYS; ++j) keep[j] = k0 + j >= first && k0 + j < last ? heads : 0;
+        __m512 alpha;
+        if (lazy_softmax_raise(&st, masked_max((const float (*)[16])s[cur], keep, AMX_KEYS), &alpha)) {
+            float factor[16] __attribute__((aligned(64)));
+            _mm512_store_ps(factor, alpha);
+            for (int64_t h = 0; h < num_heads; ++h)
+                for (int v = 0; v < 4; ++v)
+                    _mm512_store_ps(&acc[h][16 * v], _mm512_mul_ps(_mm512_load_ps(&acc[h][16 * v]),
+                                                                   _mm512_set1_ps(factor[h])));
+        }
+        lazy_softmax_weights(&st, (const float (*)[16])s[cur], keep, AMX_KEYS, pairs);
+        for (int64_t g = 0; g < num_kv_heads; ++g) {
+            __m512 sums[AMX_MAX_GROUP][4];
+            for (int64_t hh = 0; hh < group; ++hh)
+                for (int v = 0; v < 4; ++v) sums[hh][v] = _mm512_load_ps(&acc[g * group + hh][16 * v]);
+            for (int64_t j = 0; j < AMX_KEYS / 2; ++j) {
+                if (!keep[2 * j] && !keep[2 * j + 1]) continue;
+                /* Rows of keys outside [first, last) may hold anything: they are read as zeros. */
+                __m512i a[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()}, b[2] = {a[0], a[1]};
+                if (keep[2 * j]) {
+                    const uint16_t *v = value_cache + slot_of(table, k0 + 2 * j, block_size) * row + g * 64;
+                    a[0] = _mm512_loadu_si512(v);
+                    a[1] = _mm512_loadu_si512(v + 32);
+                }
+                if (keep[2 * j + 1]) {
+                    const uint16_t *v = value_cache + slot_of(table, k0 + 2 * j + 1, block_size) * row + g * 64;
+                    b[0] = _mm512_loadu_si512(v);
+                    b[1] = _mm512_loadu_si512(v + 32);
+                }
+                const __m512bh vp[4] = {(__m512bh)_mm512_unpacklo_epi16(a[0], b[0]),
+                                        (__m512bh)_mm512_unpackhi_epi16(a[0], b[0]),
+                                        (__m512bh)_mm512_unpacklo_epi16(a[1], b[1]),
+                                        (__m512bh)_mm512_unpackhi_epi16(a[1], b[1])};
+                for (int64_t hh = 0; hh < group; ++hh) {
+                    const __m512bh w = (__m512bh)_mm512_set1_epi32((int)pairs[j][g * group + hh]);
+                    for (int v = 0; v < 4; ++v) sums[hh][v] = _mm512_dpbf16_ps(sums[hh][v], vp[v], w);
+                }
+            }
+            for (int64_t hh = 0; hh < group; ++hh)
+                for (int v = 0; v < 4; ++v) _mm512_store_ps(&acc[g * group + hh][16 * v], sums[hh][v]);
+        }
+        if (next < last) store_scores_amx(next, last, s[cur ^ 1]);
+    }
+    _tile_release();
+    float max[16] __attribute__((aligned(64))), total[16] __attribute__((aligned(64)));
+    _mm512_store_ps(max, st.max);
+    _mm512_store_ps(total, st.total);
+    for (int64_t h = 0; h < num_heads; ++h) {
+        float *ph = partial + h * (64 + 2);
+        for (int64_t v = 0; v < 4; ++v)
+            for (int64_t lane = 0; lane < 16; ++lane) ph[unpacked_dim(v, lane)] = acc[h][16 * v + lane];
+        ph[64] = max[h] * scale; /* the merge weighs ranges by e^(max - top) on scaled scores */
+        ph[65] = total[h];
+    }
+}
+#define HAVE_ATTEND_AMX 1
+#else
+int paged_decode_enable_amx(void) { return 0; }
+#endif
+
+#endif

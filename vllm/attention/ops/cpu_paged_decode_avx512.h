@@ -1,0 +1,108 @@
+/* Part of cpu_paged_decode.c: attend_bf16's copies on AVX512-BF16 dot products, one per group
+ * size and head_dim (HAVE_ATTEND_FAST where the CPU has them). */
+#ifndef VLLM_CPU_PAGED_DECODE_AVX512_H
+#define VLLM_CPU_PAGED_DECODE_AVX512_H
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include <immintrin.h>
+
+/* Lane i of the result = the sum of the 16 lanes of v[i] (a transpose by halves, 45 ops for
+ * 16 sums where reducing each vector alone takes about 8 each). */
+static inline __m512 sum16(const __m512 v[16]) {
+    __m512 w[8], x[4], y[2];
+    for (int j = 0; j < 8; ++j)  /* per 128-bit lane: two vectors' partial sums, interleaved */
+        w[j] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * j], v[2 * j + 1]),
+                             _mm512_unpackhi_ps(v[2 * j], v[2 * j + 1]));
+    for (int j = 0; j < 4; ++j) {  /* per 128-bit lane: four vectors' sums over that lane */
+        const __m512d c = _mm512_castps_pd(w[2 * j]), d = _mm512_castps_pd(w[2 * j + 1]);
+        x[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(c, d)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(c, d)));
+    }
+    for (int j = 0; j < 2; ++j)  /* then across the four 128-bit lanes, in two halvings */
+        y[j] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * j], x[2 * j + 1], 0x88),
+                             _mm512_shuffle_f32x4(x[2 * j], x[2 * j + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x88), _mm512_shuffle_f32x4(y[0], y[1], 0xDD));
+}
+
+static inline __m512 load_bf16x16(const uint16_t *p) {  /* 16 bf16 -> float32, exactly */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)p)), 16));
+}
+
+/* attend_bf16 for G query heads per KV head and head_dim HD, on AVX512-BF16: a query-key
+ * score is two or four bf16 dot-product instructions (exact products, float32 sums) and 16
+ * scores are reduced together; the G heads' value sums stay in registers while a tile's values
+ * are added, each value row converted once for all G heads. */
+#define DEFINE_ATTEND_FAST(G, HD)                                                                  \
+static void attend_bf16_g##G##_d##HD(                                                              \
+        const uint16_t *query, const uint16_t *key_cache, const uint16_t *value_cache,            \
+        const int64_t *table, int64_t first, int64_t last, float *partial, int64_t num_heads,     \
+        int64_t num_kv_heads, int64_t block_size, float scale) {                                  \
+    enum { QC = HD / 32, AC = HD / 16 };                                                          \
+    float acc[MAX_HEADS][MAX_HEAD_DIM], scores[MAX_HEADS][TILE], running_max[MAX_HEADS];          \
+    float total[MAX_HEADS];                                                                       \
+    __m512bh q[MAX_HEADS][QC];                                                                    \
+    const uint16_t *key_rows[TILE], *value_rows[TILE];                                            \
+    const int64_t row_stride = num_kv_heads * HD;                                                 \
+    for (int64_t h = 0; h < num_heads; ++h) {                                                     \
+        for (int c = 0; c < QC; ++c)                                                              \
+            q[h][c] = (__m512bh)_mm512_loadu_si512((const void *)(query + h * HD + 32 * c));      \
+        for (int64_t d = 0; d < HD; ++d) acc[h][d] = 0.0f;                                        \
+        running_max[h] = -INFINITY;                                                               \
+        total[h] = 0.0f;                                                                          \
+    }                                                                                             \
+    for (int64_t t0 = first; t0 < last; t0 += TILE) {                                             \
+        const int64_t n = last - t0 < TILE ? last - t0 : TILE;                                    \
+        int64_t slots[TILE];                                                                      \
+        tile_slots(table, t0, n, block_size, slots);                                              \
+        for (int64_t i = 0; i < n; ++i) {                                                         \
+            key_rows[i] = key_cache + slots[i] * row_stride;                                      \
+            value_rows[i] = value_cache + slots[i] * row_stride;                                  \
+        }                                                                                         \
+        prefetch_tile(table, t0 + TILE, last, block_size, (const char *)key_cache,                \
+                      (const char *)value_cache, row_stride * 2);                                 \
+        for (int64_t h = 0; h < num_heads; ++h) {                                                 \
+            const int64_t g = h / G;                                                              \
+            for (int64_t i0 = 0; i0 < n; i0 += 16) {                                              \
+                __m512 part[16];                                                                  \
+                for (int j = 0; j < 16; ++j) {                                                    \
+                    part[j] = _mm512_setzero_ps();                                                \
+                    if (i0 + j >= n) continue;                                                    \
+                    const uint16_t *k = key_rows[i0 + j] + g * HD;                                \
+                    for (int c = 0; c < QC; ++c)                                                  \
+                        part[j] = _mm512_dpbf16_ps(part[j], q[h][c],                              \
+                                                   (__m512bh)_mm512_loadu_si512((const void *)(k + 32 * c))); \
+                }                                                                                 \
+                _mm512_storeu_ps(&scores[h][i0], _mm512_mul_ps(sum16(part), _mm512_set1_ps(scale))); \
+            }                                                                                     \
+        }                                                                                         \
+        softmax_tile(scores, n, num_heads, running_max, total, acc, HD);                          \
+        for (int64_t g = 0; g < num_kv_heads; ++g) {                                              \
+            __m512 sums[G][AC];                                                                   \
+            for (int hh = 0; hh < G; ++hh)                                                        \
+                for (int c = 0; c < AC; ++c) sums[hh][c] = _mm512_loadu_ps(&acc[g * G + hh][16 * c]); \
+            for (int64_t i = 0; i < n; ++i) {                                                     \
+                __m512 v[AC];                                                                     \
+                for (int c = 0; c < AC; ++c) v[c] = load_bf16x16(value_rows[i] + g * HD + 16 * c); \
+                for (int hh = 0; hh < G; ++hh) {                                                  \
+                    const __m512 p = _mm512_set1_ps(scores[g * G + hh][i]);                       \
+                    for (int c = 0; c < AC; ++c) sums[hh][c] = _mm512_fmadd_ps(p, v[c], sums[hh][c]); \
+                }                                                                                 \
+            }                                                                                     \
+            for (int hh = 0; hh < G; ++hh)                                                        \
+                for (int c = 0; c < AC; ++c) _mm512_storeu_ps(&acc[g * G + hh][16 * c], sums[hh][c]); \
+        }                                                                                         \
+    }                                                                                             \
+    store_partial(partial, acc, running_max, total, num_heads, HD);                               \
+}
+
+/* G * AC accumulators in registers: up to 16 of the 32 vector registers. */
+DEFINE_ATTEND_FAST(1, 64)
+DEFINE_ATTEND_FAST(2, 64)
+DEFINE_ATTEND_FAST(3, 64)
+DEFINE_ATTEND_FAST(4, 64)
+DEFINE_ATTEND_FAST(1, 128)
+DEFINE_ATTEND_FAST(2, 128)
+#define HAVE_ATTEND_FAST 1
+#endif
+
+#endif
