@@ -221,7 +221,9 @@ def test_paged_prefill_kernel_matches_reference(block_size, sliding_window, head
         spans.append(SeqSpan(offset, queries, context, table))
         offset += queries
     padding = 3
-    q = torch.randn(offset + padding, num_heads, head_dim).bfloat16()
+    # The queries as the attention layer hands them over: q inside the rotated q|k rows (strided).
+    qk = torch.randn(offset + padding, num_heads + num_kv_heads, head_dim).bfloat16()
+    q = qk[:, :num_heads]
     meta = build_attention_metadata(spans, num_decodes, [0] * (offset + padding), block_size,
                                     num_heads // num_kv_heads, sliding_window, num_blocks - 1,
                                     torch.device("cpu"), torch.bfloat16, paged_decode=True, paged_prefill=True)

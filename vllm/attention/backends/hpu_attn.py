@@ -338,7 +338,7 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                       paged.seq_lens, scale, paged.sliding_window, out[:s])
     prefills = metadata.paged_prefills
     if prefills is not None:
-        cpu_paged_prefill.paged_prefill(query.contiguous(), key_cache, value_cache, prefills.block_tables,
+        cpu_paged_prefill.paged_prefill(query, key_cache, value_cache, prefills.block_tables,
                                         prefills.token_offsets, prefills.query_lens, prefills.context_lens,
                                         scale, prefills.sliding_window, out[:num_tokens])
     for g in metadata.groups:

@@ -22,7 +22,8 @@
  * SmolLM2's shapes (9 heads, 3 KV heads), 512 queries after 1536 cached keys: 2.1 ms against
  * 4.4 for gathering the context and two flash-attention calls merged (1.0 against 0.5 TFLOP/s).
  *
- * Layouts: query and out (num_tokens, num_heads, 64); caches (num_blocks, block_size,
+ * Layouts: query (num_tokens, num_heads, 64) with rows query_stride elements apart (q inside a
+ * rotated q|k row), out (num_tokens, num_heads, 64) contiguous; caches (num_blocks, block_size,
  * num_kv_heads, 64) with block_size % 16 == 0, so that 16 keys from a multiple of 16 lie in
  * one block; block_tables (num_seqs, max_blocks), token_offsets, query_lens and context_lens
  * (num_seqs) int64. Only the rows of the sequences' queries are written. With window > 0 a query
@@ -54,7 +55,7 @@ struct prefill {
     const uint16_t *query, *key_cache, *value_cache;
     const int64_t *block_tables, *token_offsets, *query_lens, *context_lens;
     uint16_t *out;
-    int64_t num_heads, num_kv_heads, block_size, max_blocks, window;
+    int64_t query_stride, num_heads, num_kv_heads, block_size, max_blocks, window;
     float scale;
 };
 
@@ -160,8 +161,8 @@ static void attend_task(const struct prefill *a, const struct task *t, const uin
     uint32_t qt[2][16][QUERIES] __attribute__((aligned(64)));
     memset(qt, 0, sizeof qt);
     for (int64_t q = 0; q < nq; ++q) {
-        const uint32_t *row = (const uint32_t *)(a->query + ((a->token_offsets[seq] + q0 + q) * a->num_heads
-                                                             + head) * HEAD_DIM);
+        const uint32_t *row = (const uint32_t *)(a->query + (a->token_offsets[seq] + q0 + q) * a->query_stride
+                                                 + head * HEAD_DIM);
         for (int c = 0; c < 2; ++c)
             for (int p = 0; p < 16; ++p) qt[c][p][q] = row[16 * c + p];
     }
@@ -236,13 +237,14 @@ static void configure_tiles(void) {
 int paged_prefill_bf16(const uint16_t *query, const uint16_t *key_cache, const uint16_t *value_cache,
                        const int64_t *block_tables, const int64_t *token_offsets,
                        const int64_t *query_lens, const int64_t *context_lens, uint16_t *out,
-                       int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                       int64_t query_stride, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                       int64_t head_dim,
                        int64_t block_size, int64_t max_blocks, int64_t window, float scale) {
     if (head_dim != HEAD_DIM || block_size % 16 || num_kv_heads < 1 || num_heads % num_kv_heads ||
         !(scale > 0.0f))  /* the running maximum is kept before the scale */
         return 1;
     const struct prefill a = {query, key_cache, value_cache, block_tables, token_offsets, query_lens,
-                              context_lens, out, num_heads, num_kv_heads, block_size, max_blocks,
+                              context_lens, out, query_stride, num_heads, num_kv_heads, block_size, max_blocks,
                               window, scale};
     /* Steps of KEYS keys per sequence (V^T is packed per step), and tasks, longest first. */
     int64_t *first_step = malloc((size_t)(num_seqs + 1) * sizeof *first_step);
@@ -291,10 +293,11 @@ int paged_prefill_supported(void) { return 0; }
 int paged_prefill_bf16(const uint16_t *query, const uint16_t *key_cache, const uint16_t *value_cache,
                        const int64_t *block_tables, const int64_t *token_offsets,
                        const int64_t *query_lens, const int64_t *context_lens, uint16_t *out,
-                       int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                       int64_t query_stride, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                       int64_t head_dim,
                        int64_t block_size, int64_t max_blocks, int64_t window, float scale) {
     (void)query; (void)key_cache; (void)value_cache; (void)block_tables; (void)token_offsets;
-    (void)query_lens; (void)context_lens; (void)out; (void)num_seqs; (void)num_heads;
+    (void)query_lens; (void)context_lens; (void)out; (void)query_stride; (void)num_seqs; (void)num_heads;
     (void)num_kv_heads; (void)head_dim; (void)block_size; (void)max_blocks; (void)window; (void)scale;
     return 1;
 }

@@ -23,7 +23,7 @@ def _library() -> ctypes.CDLL | None:
     if lib is None or not lib.paged_prefill_supported():
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.paged_prefill_bf16.argtypes = [ptr] * 8 + [i64] * 7 + [ctypes.c_float]
+    lib.paged_prefill_bf16.argtypes = [ptr] * 8 + [i64] * 8 + [ctypes.c_float]
     lib.paged_prefill_bf16.restype = ctypes.c_int
     return lib
 
@@ -43,7 +43,8 @@ def paged_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
                   out: torch.Tensor) -> None:
     """Writes the causal attention of each prefill chunk's queries into their rows of `out`.
 
-    query, out: (T, H, D); caches: (num_blocks, block_size, KVH, D), the chunks' own keys and
+    query, out: (T, H, D), query's heads contiguous (its rows may be strided: q inside the rotated
+    q|k rows), out contiguous; caches: (num_blocks, block_size, KVH, D), the chunks' own keys and
     values already written; block_tables: (S, B) int64; token_offsets, query_lens and
     context_lens: (S,) int64, where each chunk's queries start in the step, how many there are,
     and how many of its sequence's keys were cached before it.
@@ -51,7 +52,8 @@ def paged_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     lib = _library()
     assert lib is not None, "call is_available() first"
     tensors = (query, key_cache, value_cache, block_tables, token_offsets, query_lens, context_lens, out)
-    assert all(t.is_contiguous() and t.device.type == "cpu" for t in tensors)
+    assert all(t.is_contiguous() and t.device.type == "cpu" for t in tensors[1:])
+    assert query.device.type == "cpu" and query.stride(2) == 1 and query.stride(1) == query.shape[2]
     assert query.dtype == key_cache.dtype == value_cache.dtype == out.dtype == torch.bfloat16
     assert all(t.dtype == torch.int64 for t in tensors[3:7])
     assert query.shape == out.shape
@@ -59,6 +61,7 @@ def paged_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     assert token_offsets.shape == query_lens.shape == context_lens.shape == (num_seqs,)
     num_heads, head_dim = query.shape[1:]
     block_size, num_kv_heads = key_cache.shape[1:3]
-    status = lib.paged_prefill_bf16(*(t.data_ptr() for t in tensors), num_seqs, num_heads, num_kv_heads,
-                                    head_dim, block_size, block_tables.shape[1], sliding_window or 0, scale)
+    status = lib.paged_prefill_bf16(*(t.data_ptr() for t in tensors), query.stride(0), num_seqs, num_heads,
+                                    num_kv_heads, head_dim, block_size, block_tables.shape[1],
+                                    sliding_window or 0, scale)
     assert status == 0, f"paged_prefill_bf16 failed with status {status} (1: shape, 2: out of memory)"
