@@ -47,10 +47,7 @@
 
 int paged_prefill_head_dim(void) { return HEAD_DIM; }
 
-#if defined(VLLM_HAVE_AMX) && defined(VLLM_HAVE_LAZY_SOFTMAX)
-
-int paged_prefill_supported(void) { return amx_request_tiles(); }
-
+/* One call's arguments, as paged_prefill_bf16 takes them. */
 struct prefill {
     const uint16_t *query, *key_cache, *value_cache;
     const int64_t *block_tables, *token_offsets, *query_lens, *context_lens;
@@ -58,6 +55,11 @@ struct prefill {
     int64_t query_stride, num_heads, num_kv_heads, block_size, max_blocks, window;
     float scale;
 };
+
+#if defined(VLLM_HAVE_AMX) && defined(VLLM_HAVE_LAZY_SOFTMAX)
+
+int paged_prefill_supported(void) { return amx_request_tiles(); }
+
 
 struct task {
     int64_t seq, head, first_query;
@@ -234,20 +236,12 @@ static void configure_tiles(void) {
     _tile_loadconfig(&cfg);
 }
 
-int paged_prefill_bf16(const uint16_t *query, const uint16_t *key_cache, const uint16_t *value_cache,
-                       const int64_t *block_tables, const int64_t *token_offsets,
-                       const int64_t *query_lens, const int64_t *context_lens, uint16_t *out,
-                       int64_t query_stride, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
-                       int64_t head_dim,
-                       int64_t block_size, int64_t max_blocks, int64_t window, float scale) {
-    if (head_dim != HEAD_DIM || block_size % 16 || num_kv_heads < 1 || num_heads % num_kv_heads ||
-        !(scale > 0.0f))  /* the running maximum is kept before the scale */
-        return 1;
-    const struct prefill a = {query, key_cache, value_cache, block_tables, token_offsets, query_lens,
-                              context_lens, out, query_stride, num_heads, num_kv_heads, block_size, max_blocks,
-                              window, scale};
-    /* Steps of KEYS keys per sequence (V^T is packed per step), and tasks, longest first. */
+/* Every chunk of the call: V^T packed per step of KEYS keys, then tasks, longest first. */
+static int attend_prefills(const struct prefill *a, int64_t num_seqs) {
+    const int64_t *query_lens = a->query_lens, *context_lens = a->context_lens;
+    const int64_t num_heads = a->num_heads, num_kv_heads = a->num_kv_heads;
     int64_t *first_step = malloc((size_t)(num_seqs + 1) * sizeof *first_step);
+    if (!first_step) return 2;
     int64_t num_tasks = 0;
     first_step[0] = 0;
     for (int64_t s = 0; s < num_seqs; ++s) {
@@ -273,13 +267,13 @@ int paged_prefill_bf16(const uint16_t *query, const uint16_t *key_cache, const u
         #pragma omp for schedule(static)
         for (int64_t i = 0; i < num_steps; ++i) {
             const int64_t s = step_seq[i];
-            pack_values(&a, s, i - first_step[s], context_lens[s] + query_lens[s],
+            pack_values(a, s, i - first_step[s], context_lens[s] + query_lens[s],
                         vt + i * num_kv_heads * VT_STEP);
         }
         configure_tiles();
         #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < num_tasks; ++i)
-            attend_task(&a, &tasks[i], vt + first_step[tasks[i].seq] * num_kv_heads * VT_STEP);
+            attend_task(a, &tasks[i], vt + first_step[tasks[i].seq] * num_kv_heads * VT_STEP);
         _tile_release();
     }
     free(first_step), free(step_seq), free(tasks), free(vt);
@@ -290,16 +284,24 @@ int paged_prefill_bf16(const uint16_t *query, const uint16_t *key_cache, const u
 
 int paged_prefill_supported(void) { return 0; }
 
+#endif
+
 int paged_prefill_bf16(const uint16_t *query, const uint16_t *key_cache, const uint16_t *value_cache,
                        const int64_t *block_tables, const int64_t *token_offsets,
                        const int64_t *query_lens, const int64_t *context_lens, uint16_t *out,
                        int64_t query_stride, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
-                       int64_t head_dim,
-                       int64_t block_size, int64_t max_blocks, int64_t window, float scale) {
-    (void)query; (void)key_cache; (void)value_cache; (void)block_tables; (void)token_offsets;
-    (void)query_lens; (void)context_lens; (void)out; (void)query_stride; (void)num_seqs; (void)num_heads;
-    (void)num_kv_heads; (void)head_dim; (void)block_size; (void)max_blocks; (void)window; (void)scale;
+                       int64_t head_dim, int64_t block_size, int64_t max_blocks, int64_t window, float scale) {
+    if (head_dim != HEAD_DIM || block_size % 16 || num_kv_heads < 1 || num_heads % num_kv_heads ||
+        !(scale > 0.0f))  /* the running maximum is kept before the scale */
+        return 1;
+    const struct prefill a = {query, key_cache, value_cache, block_tables, token_offsets, query_lens,
+                              context_lens, out, query_stride, num_heads, num_kv_heads, block_size,
+                              max_blocks, window, scale};
+#if defined(VLLM_HAVE_AMX) && defined(VLLM_HAVE_LAZY_SOFTMAX)
+    return attend_prefills(&a, num_seqs);
+#else
+    (void)a;
+    (void)num_seqs;
     return 1;
-}
-
 #endif
+}
