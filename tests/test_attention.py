@@ -114,13 +114,24 @@ def test_prefill_chunks_of_very_different_lengths_are_attended_in_separate_group
     assert sorted(g.gather_index.shape for g in meta.groups) == [(1, 464), (16, 32)]
 
 
+@pytest.fixture(params=["amx", "avx512"])
+def decode_copies(request):
+    """bf16 decodes on the AMX copy where the CPU has AMX, and on the AVX512 copies that CPUs
+    without it take."""
+    if request.param == "amx" and not cpu_paged_decode.use_amx(True):
+        pytest.skip("no AMX here")
+    cpu_paged_decode.use_amx(request.param == "amx")
+    yield request.param
+    cpu_paged_decode.use_amx(True)
+
+
 @pytest.mark.skipif(shutil.which("cc") is None, reason="the decode kernel needs a C compiler")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("sliding_window", [None, 100])
 @pytest.mark.parametrize("heads", [(9, 3, 64), (4, 4, 64), (8, 4, 64), (16, 4, 64), (16, 2, 64),
                                    (8, 8, 128), (8, 4, 128), (12, 3, 128)],
                          ids=lambda h: "q{}-kv{}-d{}".format(*h))
-def test_paged_decode_kernel_on_model_shapes(dtype, sliding_window, heads):
+def test_paged_decode_kernel_on_model_shapes(dtype, sliding_window, heads, decode_copies):
     """SmolLM2's heads (9 query, 3 KV, head_dim 64) and other groupings and head sizes (bf16 has
     fast copies for 1-4 query heads per KV head at 64, 1-2 at 128, the general loop for the
     rest), block 128, contexts that end anywhere in a block and span several 64-key tiles,
@@ -160,7 +171,7 @@ def test_paged_decode_kernel_on_model_shapes(dtype, sliding_window, heads):
 @pytest.mark.skipif(shutil.which("cc") is None, reason="the decode kernel needs a C compiler")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("contexts", [[1999], [700, 2100], [300]])
-def test_paged_decode_kernel_splits_long_sequences_over_threads(contexts, dtype):
+def test_paged_decode_kernel_splits_long_sequences_over_threads(contexts, dtype, decode_copies):
     """Fewer sequences than threads: each one's keys are split into ranges and merged; with 3
     threads that is 3 ranges for one 2000-token sequence, 2 each for two sequences."""
     torch.manual_seed(1)

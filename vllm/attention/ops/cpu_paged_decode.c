@@ -70,6 +70,22 @@ static inline void prefetch_tile(const int64_t *table, int64_t t0, int64_t last,
     }
 }
 
+/* The cache rows of keys t0 .. t0 + n - 1 of a sequence, n = min(TILE, last - t0), in both caches
+ * (row_bytes apart: all KV heads side by side), and a prefetch of the next tile's; returns n. */
+static inline int64_t tile_rows(const int64_t *table, int64_t t0, int64_t last, int64_t block_size,
+                                const char *key_cache, const char *value_cache, int64_t row_bytes,
+                                const char **key_rows, const char **value_rows) {
+    const int64_t n = last - t0 < TILE ? last - t0 : TILE;
+    int64_t slots[TILE];
+    tile_slots(table, t0, n, block_size, slots);
+    for (int64_t i = 0; i < n; ++i) {
+        key_rows[i] = key_cache + slots[i] * row_bytes;
+        value_rows[i] = value_cache + slots[i] * row_bytes;
+    }
+    prefetch_tile(table, t0 + TILE, last, block_size, key_cache, value_cache, row_bytes);
+    return n;
+}
+
 /* Online softmax over one tile: scores become weights relative to each head's new maximum,
  * and the running totals and value sums are rescaled to it. */
 static inline void softmax_tile(float scores[][TILE], int64_t n, int64_t num_heads,
@@ -115,7 +131,7 @@ static inline __attribute__((always_inline)) void NAME(                         
         int64_t head_dim, int64_t num_kv_heads, int64_t block_size, float scale) {                \
     float q[MAX_HEADS][MAX_HEAD_DIM], acc[MAX_HEADS][MAX_HEAD_DIM], row[MAX_HEAD_DIM];            \
     float scores[MAX_HEADS][TILE], running_max[MAX_HEADS], total[MAX_HEADS];                      \
-    const T *key_rows[TILE], *value_rows[TILE];                                                   \
+    const char *key_rows[TILE], *value_rows[TILE];                                                \
     const int64_t row_stride = num_kv_heads * head_dim; /* one cache row: all KV heads */         \
     for (int64_t h = 0; h < num_heads; ++h) {                                                     \
         for (int64_t d = 0; d < head_dim; ++d) {                                                  \
@@ -126,18 +142,12 @@ static inline __attribute__((always_inline)) void NAME(                         
         total[h] = 0.0f;                                                                          \
     }                                                                                             \
     for (int64_t t0 = first; t0 < last; t0 += TILE) {                                             \
-        const int64_t n = last - t0 < TILE ? last - t0 : TILE;                                    \
-        int64_t slots[TILE];                                                                      \
-        tile_slots(table, t0, n, block_size, slots);                                              \
-        for (int64_t i = 0; i < n; ++i) {                                                         \
-            key_rows[i] = key_cache + slots[i] * row_stride;                                      \
-            value_rows[i] = value_cache + slots[i] * row_stride;                                  \
-        }                                                                                         \
-        prefetch_tile(table, t0 + TILE, last, block_size, (const char *)key_cache,                \
-                      (const char *)value_cache, row_stride * (int64_t)sizeof(T));                \
+        const int64_t n = tile_rows(table, t0, last, block_size, (const char *)key_cache,         \
+                                    (const char *)value_cache, row_stride * (int64_t)sizeof(T),   \
+                                    key_rows, value_rows);                                        \
         for (int64_t g = 0; g < num_kv_heads; ++g) {                                              \
             for (int64_t i = 0; i < n; ++i) { /* a key converted once, scored for its heads */    \
-                const T *k = key_rows[i] + g * head_dim;                                          \
+                const T *k = (const T *)key_rows[i] + g * head_dim;                               \
                 _Pragma("omp simd")                                                               \
                 for (int64_t d = 0; d < head_dim; ++d) row[d] = LOAD(k[d]);                       \
                 for (int64_t h = g * group; h < (g + 1) * group; ++h) {                           \
@@ -151,7 +161,7 @@ static inline __attribute__((always_inline)) void NAME(                         
         softmax_tile(scores, n, num_heads, running_max, total, acc, head_dim);                     \
         for (int64_t g = 0; g < num_kv_heads; ++g) {                                              \
             for (int64_t i = 0; i < n; ++i) { /* a value converted once, summed for its heads */  \
-                const T *v = value_rows[i] + g * head_dim;                                        \
+                const T *v = (const T *)value_rows[i] + g * head_dim;                             \
                 _Pragma("omp simd")                                                               \
                 for (int64_t d = 0; d < head_dim; ++d) row[d] = LOAD(v[d]);                       \
                 for (int64_t h = g * group; h < (g + 1) * group; ++h) {                           \

@@ -27,7 +27,8 @@ def _library() -> ctypes.CDLL | None:
             fn.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float]
             fn.restype = ctypes.c_int
         lib.paged_decode_max_heads.restype = lib.paged_decode_max_head_dim.restype = ctypes.c_int64
-        lib.paged_decode_enable_amx()  # bf16 on AMX where the CPU and Linux allow it
+        lib.paged_decode_use_amx.argtypes = [ctypes.c_int]
+        lib.paged_decode_use_amx(1)  # bf16 on AMX where the CPU and Linux allow it
     return lib
 
 
@@ -39,6 +40,14 @@ def is_available(device: torch.device, dtype: torch.dtype, num_heads: int, num_k
     lib = _library()
     return (lib is not None and num_heads <= lib.paged_decode_max_heads()
             and head_dim <= lib.paged_decode_max_head_dim())
+
+
+def use_amx(enabled: bool) -> bool:
+    """Lets bf16 decodes take the AMX copy (the default where it runs) or not, the AVX512 copies
+    that CPUs without AMX use (for tests and comparisons); returns whether AMX is now in use."""
+    lib = _library()
+    assert lib is not None, "call is_available() first"
+    return bool(lib.paged_decode_use_amx(int(enabled)))
 
 
 def kernel_address(dtype: torch.dtype) -> int | None:

@@ -1,5 +1,5 @@
 /* Part of cpu_paged_decode.c: attend_bf16's copy on AMX tiles (HAVE_ATTEND_AMX where the CPU
- * has them), and paged_decode_enable_amx. */
+ * has them), and paged_decode_use_amx. */
 #ifndef VLLM_CPU_PAGED_DECODE_AMX_H
 #define VLLM_CPU_PAGED_DECODE_AMX_H
 
@@ -9,10 +9,11 @@
 #define AMX_KEYS 32        /* keys per softmax step: two score tiles */
 #define PREFETCH_KEYS 64  /* how far ahead the cache rows are asked for */
 
-static int amx_ready; /* set by paged_decode_enable_amx() */
+static int amx_ready; /* set by paged_decode_use_amx() */
 
-/* Asks for the tile state; the bf16 kernel takes the AMX copy from then on (where it fits). */
-int paged_decode_enable_amx(void) { return amx_ready = amx_request_tiles(); }
+/* With `enable`, asks for the tile state, and the bf16 kernel takes the AMX copy from then on
+ * (where it fits); without, it keeps the AVX512 copies. Returns whether AMX is in use. */
+int paged_decode_use_amx(int enable) { return amx_ready = enable && amx_request_tiles(); }
 
 /* attend_bf16 on AMX for head_dim 64, all heads at once. The scores of 16 keys for every
  * head are one tile, S^T = K . Q^T, whose K-side operand is the cache rows themselves (all KV
@@ -168,7 +169,7 @@ static void attend_bf16_amx(const uint16_t *query, const uint16_t *key_cache, co
 }
 #define HAVE_ATTEND_AMX 1
 #else
-int paged_decode_enable_amx(void) { return 0; }
+int paged_decode_use_amx(int enable) { (void)enable; return 0; }
 #endif
 
 #endif

@@ -41,7 +41,7 @@ static void attend_bf16_g##G##_d##HD(                                           
     float acc[MAX_HEADS][MAX_HEAD_DIM], scores[MAX_HEADS][TILE], running_max[MAX_HEADS];          \
     float total[MAX_HEADS];                                                                       \
     __m512bh q[MAX_HEADS][QC];                                                                    \
-    const uint16_t *key_rows[TILE], *value_rows[TILE];                                            \
+    const char *key_rows[TILE], *value_rows[TILE];                                                \
     const int64_t row_stride = num_kv_heads * HD;                                                 \
     for (int64_t h = 0; h < num_heads; ++h) {                                                     \
         for (int c = 0; c < QC; ++c)                                                              \
@@ -51,15 +51,8 @@ static void attend_bf16_g##G##_d##HD(                                           
         total[h] = 0.0f;                                                                          \
     }                                                                                             \
     for (int64_t t0 = first; t0 < last; t0 += TILE) {                                             \
-        const int64_t n = last - t0 < TILE ? last - t0 : TILE;                                    \
-        int64_t slots[TILE];                                                                      \
-        tile_slots(table, t0, n, block_size, slots);                                              \
-        for (int64_t i = 0; i < n; ++i) {                                                         \
-            key_rows[i] = key_cache + slots[i] * row_stride;                                      \
-            value_rows[i] = value_cache + slots[i] * row_stride;                                  \
-        }                                                                                         \
-        prefetch_tile(table, t0 + TILE, last, block_size, (const char *)key_cache,                \
-                      (const char *)value_cache, row_stride * 2);                                 \
+        const int64_t n = tile_rows(table, t0, last, block_size, (const char *)key_cache,         \
+                                    (const char *)value_cache, row_stride * 2, key_rows, value_rows); \
         for (int64_t h = 0; h < num_heads; ++h) {                                                 \
             const int64_t g = h / G;                                                              \
             for (int64_t i0 = 0; i0 < n; i0 += 16) {                                              \
@@ -67,7 +60,7 @@ static void attend_bf16_g##G##_d##HD(                                           
                 for (int j = 0; j < 16; ++j) {                                                    \
                     part[j] = _mm512_setzero_ps();                                                \
                     if (i0 + j >= n) continue;                                                    \
-                    const uint16_t *k = key_rows[i0 + j] + g * HD;                                \
+                    const uint16_t *k = (const uint16_t *)key_rows[i0 + j] + g * HD;              \
                     for (int c = 0; c < QC; ++c)                                                  \
                         part[j] = _mm512_dpbf16_ps(part[j], q[h][c],                              \
                                                    (__m512bh)_mm512_loadu_si512((const void *)(k + 32 * c))); \
@@ -82,7 +75,8 @@ static void attend_bf16_g##G##_d##HD(                                           
                 for (int c = 0; c < AC; ++c) sums[hh][c] = _mm512_loadu_ps(&acc[g * G + hh][16 * c]); \
             for (int64_t i = 0; i < n; ++i) {                                                     \
                 __m512 v[AC];                                                                     \
-                for (int c = 0; c < AC; ++c) v[c] = load_bf16x16(value_rows[i] + g * HD + 16 * c); \
+                for (int c = 0; c < AC; ++c)                                                      \
+                    v[c] = load_bf16x16((const uint16_t *)value_rows[i] + g * HD + 16 * c);       \
                 for (int hh = 0; hh < G; ++hh) {                                                  \
                     const __m512 p = _mm512_set1_ps(scores[g * G + hh][i]);                       \
                     for (int c = 0; c < AC; ++c) sums[hh][c] = _mm512_fmadd_ps(p, v[c], sums[hh][c]); \
