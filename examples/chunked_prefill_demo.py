@@ -36,6 +36,12 @@ def long_prompt(tokenizer, num_tokens: int, topic: str) -> str:
     return tokenizer.decode(ids) + "\n\nSummary:"
 
 
+def warm_up(llm: LLM, long: str) -> None:
+    """One untimed generation with a long and a short prompt, so that neither timed run pays the
+    first calls' costs (kernel loading, oneDNN's code generation per shape)."""
+    llm.generate([long, "Hi"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+
+
 def run(llm: LLM, requests: list[tuple[int, str, str]], max_tokens: int) -> dict:
     """Adds each (arrival_step, name, prompt) request at its step and times every token."""
     engine = llm.llm_engine
@@ -163,12 +169,14 @@ def main() -> None:
         (8, "large_2", long_prompt(tok, args.long_tokens * 3 // 4, "computer memory")),
     ]
     print(f"=== chunked prefill (budget {args.max_num_batched_tokens} tokens per step) ===")
+    warm_up(llm, requests[-1][2])
     chunked = run(llm, requests, args.max_tokens)
     if args.compare:
         del llm
         llm = LLM(args.model, enable_chunked_prefill=False, max_num_batched_tokens=4096, max_num_seqs=64,
                   max_model_len=args.max_model_len, dtype=args.dtype)
         print("\n=== without chunked prefill (whole prompts, prefill steps before decodes) ===")
+        warm_up(llm, requests[-1][2])
         classic = run(llm, requests, args.max_tokens)
         print(f"\nlongest stall of a short request's decoding: {chunked['small_gap']:.2f} s chunked vs "
               f"{classic['small_gap']:.2f} s unchunked; wall time {chunked['wall']:.2f} s vs "
