@@ -27,6 +27,16 @@ static inline int amx_request_tiles(void) {
     return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
 }
 
+/* All eight tiles 16 rows of 64 bytes (16 float32, 32 bf16 or 16 bf16 pairs), for this thread. */
+static inline void amx_configure_full_tiles(void) {
+    struct tile_config cfg = {.palette = 1};
+    for (int t = 0; t < 8; ++t) {
+        cfg.colsb[t] = 64;
+        cfg.rows[t] = 16;
+    }
+    _tile_loadconfig(&cfg);
+}
+
 /* GCC's _tile_loadd is an asm statement without a "memory" clobber: stores to a buffer the
  * kernel then loads into a tile may be sunk past the load, or dropped as dead. Call this between
  * writing such a buffer and loading it. */

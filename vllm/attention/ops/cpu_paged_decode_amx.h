@@ -32,17 +32,6 @@ static inline int64_t unpacked_dim(int64_t v, int64_t lane) {
     return 32 * (v / 2) + 8 * (lane / 4) + 4 * (v % 2) + lane % 4;
 }
 
-static void configure_score_tiles(void) {
-    struct tile_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; ++t) { /* 0, 1: scores; 2, 3, 5, 6: keys; 4, 7: queries */
-        cfg.colsb[t] = 64;
-        cfg.rows[t] = 16;
-    }
-    _tile_loadconfig(&cfg);
-}
-
 /* Scores of keys [k0, k0 + 32) below `last` for every head, into tiles 0 (keys k0 ..) and 1
  * (k0 + 16 ..). The two tiles' chains of products alternate, and so do the operand tiles of
  * even and odd chunks, so that each product waits on fewer others. */
@@ -93,7 +82,7 @@ static void attend_bf16_amx(const uint16_t *query, const uint16_t *key_cache, co
     uint32_t pairs[AMX_KEYS / 2][16] __attribute__((aligned(64)));
     struct lazy_softmax st = lazy_softmax_start(scale);
     const __mmask16 heads = (__mmask16)((1u << num_heads) - 1);
-    configure_score_tiles();
+    amx_configure_full_tiles(); /* 0, 1: scores; 2, 3, 5, 6: keys; 4, 7: queries */
     const int64_t begin = first / 16 * 16;
     score_step_amx(key_cache, table, begin, last, block_size, row, qt, chunks);
     store_scores_amx(begin, last, s[0]);

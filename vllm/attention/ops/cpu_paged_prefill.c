@@ -60,7 +60,6 @@ struct prefill {
 
 int paged_prefill_supported(void) { return amx_request_tiles(); }
 
-
 struct task {
     int64_t seq, head, first_query;
 };
@@ -97,7 +96,8 @@ static inline void rescale_output(__m512 alpha) {
     _tile_loadd(3, o[48], 64);
 }
 
-/* S^T of 16 keys from `key` (one cache block) into tile DST: two products over 32 dims each. */
+/* S^T of the 16 keys whose cache rows start at key_row (one block) into tile DST: two products
+ * over 32 dims each. */
 #define SCORE_TILE(DST, key_row, row_bytes, qt)   \
     do {                                          \
         _tile_zero(DST);                          \
@@ -191,6 +191,7 @@ static void attend_task(const struct prefill *a, const struct task *t, const uin
             store_scores(s[cur ^ 1], next, last);
         }
         softmax_step(&st, s[cur], pt, k0, first, last, window);
+        /* O^T += V^T . P^T, one product per 16 dims. */
         const uint16_t *v = vt + (k0 / KEYS * kvh_count + kvh) * VT_STEP;
         amx_publish_stores();
         _tile_loadd(7, pt, 64);
@@ -223,17 +224,6 @@ static void attend_task(const struct prefill *a, const struct task *t, const uin
             _mm256_storeu_si256((__m256i *)(row + d0), (__m256i)_mm512_cvtneps_pbh(x));
         }
     }
-}
-
-static void configure_tiles(void) {
-    struct tile_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; ++t) {
-        cfg.colsb[t] = 64;
-        cfg.rows[t] = 16;
-    }
-    _tile_loadconfig(&cfg);
 }
 
 /* Every chunk of the call: V^T packed per step of KEYS keys, then tasks, longest first. */
@@ -270,7 +260,7 @@ static int attend_prefills(const struct prefill *a, int64_t num_seqs) {
             pack_values(a, s, i - first_step[s], context_lens[s] + query_lens[s],
                         vt + i * num_kv_heads * VT_STEP);
         }
-        configure_tiles();
+        amx_configure_full_tiles();
         #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < num_tasks; ++i)
             attend_task(a, &tasks[i], vt + first_step[tasks[i].seq] * num_kv_heads * VT_STEP);
