@@ -1,4 +1,4 @@
-"""The C kernels' build (vllm/platforms/c_build.py), the bf16 GEMV and the AMX tile GEMM for decode rows."""
+"""The C kernels' build (vllm/platforms/c_build.py), the bf16 GEMV, the AMX tile GEMM and the element-wise C."""
 
 import shutil
 
@@ -61,12 +61,13 @@ def test_tile_gemm_is_built_where_the_cpu_has_amx():
 
 @needs_cc
 @pytest.mark.skipif(cpu_tile_gemm.max_rows() == 0, reason="the CPU lacks AMX")
-@pytest.mark.parametrize("rows", [1, 5, 8, 13, 16, 17, 24, 32])
+@pytest.mark.parametrize("rows", [1, 5, 8, 13, 16, 17, 24, 32, 64, 77, 264])
 @pytest.mark.parametrize("shape", [(576, 960), (1536, 576), (64, 48), (32, 16)])  # in, out
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_tile_gemm_matches_float32_linear(rows, shape, with_bias):
     """Output widths that fill all accumulator tiles of a group and ones that leave some idle; one
-    tile of x (up to 16 rows) and two."""
+    tile of x (up to 16 rows) and two; past 32 rows, whole 32-row slabs and then the rest (77 =
+    64 + 13, 264 = 256 + 8), as prefill chunks come."""
     torch.manual_seed(rows)
     k, n = shape
     x = torch.randn(rows, k).bfloat16()

@@ -1,8 +1,9 @@
-"""The AMX tile GEMM for 5-32 decode rows (cpu_tile_gemm.c), built on first use (vllm/platforms/c_build.py).
+"""The AMX tile GEMM (cpu_tile_gemm.c) for batched decodes and prefill chunks, built on first use
+(vllm/platforms/c_build.py).
 
 It reads weights packed into the tiles' layout by `pack` (a copy made at load, beside the plain
-and oneDNN ones). Where it cannot be built, the CPU lacks AMX, Linux refuses the tile state, or
-VLLM_CPU_C_KERNELS=0, those rows stay on oneDNN.
+one). Where it cannot be built, the CPU lacks AMX, Linux refuses the tile state, or
+VLLM_CPU_C_KERNELS=0, those rows run on oneDNN's blocked copy instead.
 """
 
 import ctypes
@@ -18,7 +19,7 @@ _SOURCE = Path(__file__).with_name("cpu_tile_gemm.c")
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    lib = load_c_library(_SOURCE, "5-32 row products stay on oneDNN")
+    lib = load_c_library(_SOURCE, "products of 5-512 rows stay on oneDNN")
     if lib is None or lib.tile_gemm_supported() == 0:
         return None
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
@@ -30,7 +31,9 @@ def _library() -> ctypes.CDLL | None:
 
 @functools.cache
 def max_rows() -> int:
-    """Largest row count the kernel takes (0: not available); builds it on the first call."""
+    """Rows that one pass of the kernel's tiles takes, 32, and so the most decodes a fused layer
+    hands it (more rows go in 32-row slabs); 0 where it is not available. Builds it on the
+    first call."""
     lib = _library()
     return 0 if lib is None else lib.tile_gemm_supported()
 
@@ -48,9 +51,9 @@ def pack(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x: (M, K) bf16 with M <= max_rows(); packed: `pack(weight)` of an (N, K) weight -> (M, N)."""
+    """x: (M, K) bf16, any M >= 1; packed: `pack(weight)` of an (N, K) weight -> (M, N)."""
     lib = _library()
-    assert lib is not None and 0 < x.shape[0] <= max_rows() and x.dtype == torch.bfloat16
+    assert lib is not None and x.shape[0] > 0 and x.dtype == torch.bfloat16
     assert bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous())
     x = x.contiguous()
     (m, k), n = x.shape, packed.shape[0]

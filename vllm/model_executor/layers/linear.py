@@ -1,20 +1,19 @@
-"""Linear layer with an optional oneDNN-packed weight for decodes and prefill chunks on CPU.
-
-For decode-sized inputs (a few rows) a GEMM is bound by reading the weight; oneDNN reads its
-own blocked layout about 1.5x faster than a plain row-major weight on AMX CPUs, and chunk-sized
-inputs still gain (SmolLM2's 120 layer GEMMs, bf16, 2-core AMX machine: 1.5 vs 1.2 TFLOP/s at
-256 rows, 1.6-2.0 vs 1.6-1.8 at 512). Above PACKED_MAX_ROWS rows the plain GEMM is faster
-(2.6 vs 2.45 TFLOP/s at 2048), so both copies are kept.
+"""Linear layer with packed weight copies for decodes and prefill chunks on CPU (bf16).
 
 Up to `cpu_gemv.max_rows()` rows (batch-1 to batch-4 decodes, few sampled rows in the lm_head),
-a C GEMV reads the plain weight about 1.4x faster still (cpu_gemv.c). From there up to
-`cpu_tile_gemm.max_rows()` rows (batch-32 decodes), an AMX kernel reads a third copy of the
-weight, packed in its tiles' layout, ~1.35x faster than oneDNN (cpu_tile_gemm.c).
+a C GEMV reads the plain weight (cpu_gemv.c). From there up to PACKED_MAX_ROWS rows (batched
+decodes, prefill chunks of the default budget) an AMX kernel runs on a copy of the weight
+packed once in its tiles' layout (cpu_tile_gemm.c). On SmolLM2's 120 layer GEMMs with the
+weights coming from memory (2-core AMX machine) it takes 0.70-0.79 of oneDNN's time at 33-384
+rows and at 264 or 520 rows, where oneDNN's blocking fits badly, and the same at 448-512.
+Above PACKED_MAX_ROWS, the plain GEMM (2.4-2.6 TFLOP/s at 2048 rows) is the faster one. On
+CPUs without AMX a oneDNN-blocked copy takes the tile copy's place: it reads its layout about
+1.5x faster than a plain weight and still gains at 256-512 rows.
 
-Inside a captured graph the blocked weight (an opaque MKLDNN tensor) cannot be traced, so
-there the layer calls the `vllm::packed_linear` custom op on the plain weight; the op finds the
-packed copy of that weight at run time. Keying by the weight's storage, not by the layer, keeps
-one graph for all layers that share a shape.
+Inside a captured graph the packed copies (the oneDNN one an opaque MKLDNN tensor) cannot be
+traced, so there the layer calls the `vllm::packed_linear` custom op on the plain weight; the
+op finds the packed copy of that weight at run time. Keying by the weight's storage, not by
+the layer, keeps one graph for all layers that share a shape.
 """
 
 import weakref
@@ -38,15 +37,16 @@ def can_pack(dtype: torch.dtype) -> bool:
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    if 0 < x.shape[0] <= cpu_gemv.max_rows():
+    rows = x.shape[0]
+    if 0 < rows <= cpu_gemv.max_rows():
         return cpu_gemv.gemv(x, weight, bias)  # decode rows: weight-bandwidth bound
-    if x.shape[0] <= cpu_tile_gemm.max_rows():
+    if 0 < rows <= PACKED_MAX_ROWS:
         tiled = _TILED_BY_WEIGHT.get(weight.data_ptr())
         if tiled is not None:
             return cpu_tile_gemm.gemm(x, tiled, bias)
-    packed = _PACKED_BY_WEIGHT.get(weight.data_ptr()) if x.shape[0] <= PACKED_MAX_ROWS else None
-    if packed is not None:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        packed = _PACKED_BY_WEIGHT.get(weight.data_ptr())
+        if packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
 
@@ -62,7 +62,7 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch
 
 
 class Linear(nn.Linear):
-    """`nn.Linear` that, after `pack()`, runs small inputs on a oneDNN-blocked weight copy."""
+    """`nn.Linear` that, after `pack()`, runs up to PACKED_MAX_ROWS rows on a packed weight copy."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
         super().__init__(in_features, out_features, bias=bias)
@@ -72,12 +72,13 @@ class Linear(nn.Linear):
     def pack(self) -> None:
         assert can_pack(self.weight.dtype) and self.weight.device.type == "cpu"
         key = self.weight.data_ptr()
-        _PACKED_BY_WEIGHT[key] = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1)
-        weakref.finalize(self.weight, _PACKED_BY_WEIGHT.pop, key, None)
         self.tiled = cpu_tile_gemm.pack(self.weight)  # None: no AMX kernel, or the shape does not fit
         if self.tiled is not None:
             _TILED_BY_WEIGHT[key] = self.tiled
             weakref.finalize(self.weight, _TILED_BY_WEIGHT.pop, key, None)
+        else:
+            _PACKED_BY_WEIGHT[key] = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1)
+            weakref.finalize(self.weight, _PACKED_BY_WEIGHT.pop, key, None)
         self.packed = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, in) -> (T, out)
