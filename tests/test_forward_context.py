@@ -3,14 +3,14 @@
 import pytest
 import torch
 
-from vllm.attention.backends.hpu_attn import build_attention_metadata
+from vllm.attention.backends.metadata import build_attention_metadata
 from vllm.attention.layer import attention
 from vllm.forward_context import ForwardContext, forward_context, get_forward_context
 
 
 def _step():
     # One 3-token prompt in a cache of 2 blocks of 4 (+ the pad block).
-    from vllm.attention.backends.hpu_attn import SeqSpan
+    from vllm.attention.backends.metadata import SeqSpan
     meta = build_attention_metadata([SeqSpan(0, 3, 0, [1])], 0, [4, 5, 6], 4, 1, None, 2,
                                     torch.device("cpu"))
     caches = [(torch.zeros(3, 4, 2, 8), torch.zeros(3, 4, 2, 8))]

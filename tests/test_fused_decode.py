@@ -7,7 +7,7 @@ import torch
 
 from tests.utils import random_prompts
 from vllm import LLM, SamplingParams
-from vllm.attention.backends.hpu_attn import SeqSpan, build_attention_metadata
+from vllm.attention.backends.metadata import SeqSpan, build_attention_metadata
 from vllm.forward_context import ForwardContext, forward_context
 from vllm.platforms.cpu import cpu_flags
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm.attention.backends.hpu_attn import AttentionMetadata
+from vllm.attention.backends.metadata import AttentionMetadata
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # each (num_blocks, block_size, num_kv_heads, head_dim)
 

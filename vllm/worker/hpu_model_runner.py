@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch._dynamo.utils import counters as dynamo_counters
 
-from vllm.attention.backends.hpu_attn import AttentionMetadata, SeqSpan, build_attention_metadata
+from vllm.attention.backends.metadata import AttentionMetadata, SeqSpan, build_attention_metadata
 from vllm.attention.ops import cpu_paged_decode, cpu_paged_prefill
 from vllm.config import EngineConfig
 from vllm.core.scheduler_output import SchedulerOutput

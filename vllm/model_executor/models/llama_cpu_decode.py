@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from vllm.attention.backends.hpu_attn import AttentionMetadata
+from vllm.attention.backends.metadata import AttentionMetadata
 from vllm.attention.ops import cpu_paged_decode
 from vllm.model_executor.layers import cpu_gemv, cpu_tile_gemm
 from vllm.platforms.c_build import load_c_library
