@@ -13,7 +13,7 @@
  * computes groups of such blocks in its four accumulator tiles: four blocks for up to 16 rows
  * (sharing each load of x's tile), two blocks for 17-32 rows (each W tile used by x's two).
  * Past 32 rows, each pair of column blocks meets every 32-row slab of x in turn (its W tiles
- * then come from L2), and the last rows take the 16- or 32-row code. On SmolLM2's layer GEMMs
+ * then come from L2), and a last 1-16 rows take the one-tile code. On SmolLM2's layer GEMMs
  * with the weights coming from memory that is 1.5-1.9 TFLOP/s at 64-512 rows, 0.70-0.79 of
  * oneDNN's time at 33-384 rows and equal at 448-512.
  *
@@ -122,54 +122,25 @@ static void gemm_16(const uint16_t *x, const uint16_t *packed, const uint16_t *b
     }
 }
 
-/* 17-32 rows: two tiles of x, each W tile used by both; two blocks of 16 columns at a time. */
-static void gemm_32(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y,
-                    int64_t m, int64_t n, int64_t k) {
-    const int64_t kblocks = k / 32, nblocks = n / 16, groups = (nblocks + 1) / 2;
-    #pragma omp parallel
-    {
-        configure_tiles(16, m - 16);
-        float out[MAX_ROWS * GROUP * 16];  /* rows 0-15, then 16-31 */
-        #pragma omp for schedule(static)
-        for (int64_t g = 0; g < groups; ++g) {
-            const int64_t b0 = g * 2, blocks = nblocks - b0 < 2 ? nblocks - b0 : 2;
-            zero_accumulators();
-            for (int64_t kb = 0; kb < kblocks; ++kb) {
-                _tile_loadd(4, x + kb * 32, k * 2);
-                _tile_loadd(5, x + 16 * k + kb * 32, k * 2);
-                _tile_loadd(6, W_TILE(0), 64);
-                _tile_dpbf16ps(0, 4, 6);
-                _tile_dpbf16ps(2, 5, 6);
-                if (blocks > 1) {
-                    _tile_loadd(7, W_TILE(1), 64);
-                    _tile_dpbf16ps(1, 4, 7);
-                    _tile_dpbf16ps(3, 5, 7);
-                }
-            }
-            _tile_stored(0, out, GROUP * 64);
-            _tile_stored(1, out + 16, GROUP * 64);
-            _tile_stored(2, out + 16 * GROUP * 16, GROUP * 64);
-            _tile_stored(3, out + 16 * GROUP * 16 + 16, GROUP * 64);
-            store_group(out, bias, y, m, n, b0, blocks);
-        }
-        _tile_release();
-    }
-}
-
-/* m a multiple of 32 (prefill chunks): each thread takes pairs of column blocks and passes
- * every 32-row slab of x by them, so a pair's W tiles are read from memory once and then from
- * L2; per step of 32 dims, two x tiles and two W tiles feed four products. */
+/* More than 16 rows, in slabs of 32 (the last of 17-32): two tiles of x, each W tile used by
+ * both, two blocks of 16 columns at a time. Each thread takes pairs of column blocks and passes
+ * every slab of x by them, so a pair's W tiles are read from memory once and then from L2. */
 static void gemm_slabs(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y,
                        int64_t m, int64_t n, int64_t k) {
     const int64_t kblocks = k / 32, nblocks = n / 16, groups = (nblocks + 1) / 2;
     #pragma omp parallel
     {
-        configure_tiles(16, 16);
+        int64_t configured = 0;  /* the slab height the tiles are set up for */
         float out[MAX_ROWS * GROUP * 16];  /* rows 0-15, then 16-31 */
         #pragma omp for schedule(static)
         for (int64_t g = 0; g < groups; ++g) {
             const int64_t b0 = g * 2, blocks = nblocks - b0 < 2 ? nblocks - b0 : 2;
             for (int64_t r0 = 0; r0 < m; r0 += 32) {
+                const int64_t rows = m - r0 < 32 ? m - r0 : 32;
+                if (rows != configured) {
+                    configure_tiles(16, rows - 16);
+                    configured = rows;
+                }
                 const uint16_t *slab = x + r0 * k;
                 zero_accumulators();
                 for (int64_t kb = 0; kb < kblocks; ++kb) {
@@ -188,7 +159,7 @@ static void gemm_slabs(const uint16_t *x, const uint16_t *packed, const uint16_t
                 _tile_stored(1, out + 16, GROUP * 64);
                 _tile_stored(2, out + 16 * GROUP * 16, GROUP * 64);
                 _tile_stored(3, out + 16 * GROUP * 16 + 16, GROUP * 64);
-                store_group(out, bias, y + r0 * n, 32, n, b0, blocks);
+                store_group(out, bias, y + r0 * n, rows, n, b0, blocks);
             }
         }
         _tile_release();
@@ -198,13 +169,10 @@ static void gemm_slabs(const uint16_t *x, const uint16_t *packed, const uint16_t
 int tile_gemm_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y,
                    int64_t m, int64_t n, int64_t k) {
     if (m < 1 || !tile_gemm_fits(n, k)) return 1;
-    const int64_t slabs = m > MAX_ROWS ? m / 32 * 32 : 0;  /* rows in whole 32-row slabs */
-    if (slabs) gemm_slabs(x, packed, bias, y, slabs, n, k);
-    const int64_t rest = m - slabs;
-    if (rest > 16)
-        gemm_32(x + slabs * k, packed, bias, y + slabs * n, rest, n, k);
-    else if (rest > 0)
-        gemm_16(x + slabs * k, packed, bias, y + slabs * n, rest, n, k);
+    /* Slabs for all rows but a last 1-16, which take the one-tile code. */
+    const int64_t tail = m % 32, slab_rows = m <= 16 ? 0 : (tail == 0 || tail > 16 ? m : m - tail);
+    if (slab_rows) gemm_slabs(x, packed, bias, y, slab_rows, n, k);
+    if (m > slab_rows) gemm_16(x + slab_rows * k, packed, bias, y + slab_rows * n, m - slab_rows, n, k);
     return 0;
 }
 
