@@ -20,4 +20,12 @@ static inline uint16_t float_to_bf16(float f) {  /* round to nearest even, as to
     return (uint16_t)((bits & 0x7fffffffu) > 0x7f800000u ? (bits >> 16) | 0x40u : rounded);
 }
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+
+static inline __m512 bf16x16_to_float(const uint16_t *x) {  /* 16 bf16 -> float32, exactly */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)x)), 16));
+}
+#endif
+
 #endif

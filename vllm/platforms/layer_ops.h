@@ -51,28 +51,14 @@ static inline void add_into(uint16_t *hidden, const uint16_t *delta, int64_t cou
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 
-static inline __m512 bf16x16_to_float(const uint16_t *x) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)x)), 16));
-}
-
 static inline __m512 round_bf16x16(__m512 x) {  /* to the nearest bf16 (even on ties), kept in float32 */
     return _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(x));
 }
 
-/* silu() on 16 lanes: e^-|x| as 2^n * e^f (as exp_nonpositive), 1 / (1 + e) from the 14-bit
- * reciprocal and one Newton step (~1e-8 relative). */
+/* silu() on 16 lanes: 1 / (1 + e) from the 14-bit reciprocal and one Newton step (~1e-8
+ * relative). */
 static inline __m512 silu_x16(__m512 x) {
-    const __m512 t = _mm512_mul_ps(_mm512_abs_ps(x), _mm512_set1_ps(-1.44269504f));
-    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147181f));
-    __m512 p = _mm512_set1_ps(1.0f / 720.0f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120.0f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24.0f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6.0f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    const __m512 e = _mm512_scalef_ps(p, n);
+    const __m512 e = exp_nonpositive_x16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));
     const __m512 d = _mm512_add_ps(e, _mm512_set1_ps(1.0f));
     const __m512 r0 = _mm512_rcp14_ps(d);
     const __m512 r = _mm512_mul_ps(r0, _mm512_fnmadd_ps(d, r0, _mm512_set1_ps(2.0f)));

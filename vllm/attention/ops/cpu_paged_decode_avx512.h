@@ -24,10 +24,6 @@ static inline __m512 sum16(const __m512 v[16]) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x88), _mm512_shuffle_f32x4(y[0], y[1], 0xDD));
 }
 
-static inline __m512 load_bf16x16(const uint16_t *p) {  /* 16 bf16 -> float32, exactly */
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)p)), 16));
-}
-
 /* attend_bf16 for G query heads per KV head and head_dim HD, on AVX512-BF16: a query-key
  * score is two or four bf16 dot-product instructions (exact products, float32 sums) and 16
  * scores are reduced together; the G heads' value sums stay in registers while a tile's values
@@ -76,7 +72,7 @@ static void attend_bf16_g##G##_d##HD(                                           
             for (int64_t i = 0; i < n; ++i) {                                                     \
                 __m512 v[AC];                                                                     \
                 for (int c = 0; c < AC; ++c)                                                      \
-                    v[c] = load_bf16x16((const uint16_t *)value_rows[i] + g * HD + 16 * c);       \
+                    v[c] = bf16x16_to_float((const uint16_t *)value_rows[i] + g * HD + 16 * c);       \
                 for (int hh = 0; hh < G; ++hh) {                                                  \
                     const __m512 p = _mm512_set1_ps(scores[g * G + hh][i]);                       \
                     for (int c = 0; c < AC; ++c) sums[hh][c] = _mm512_fmadd_ps(p, v[c], sums[hh][c]); \

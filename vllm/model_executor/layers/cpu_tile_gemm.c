@@ -74,7 +74,7 @@ static void store_group(const float *out, const uint16_t *bias, uint16_t *y, int
             const int64_t j = b0 * 16 + c;
 #ifdef __AVX512BF16__
             __m512 v = _mm512_loadu_ps(out + r * GROUP * 16 + c);
-            if (bias) v = _mm512_add_ps(v, _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256((const void *)(bias + j))));
+            if (bias) v = _mm512_add_ps(v, bf16x16_to_float(bias + j));
             _mm256_storeu_si256((void *)(y + r * n + j), (__m256i)_mm512_cvtneps_pbh(v));
 #else
             for (int64_t i = 0; i < 16; ++i)
