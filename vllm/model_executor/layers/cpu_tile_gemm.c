@@ -12,10 +12,10 @@
  * so that each block of 16 output columns reads one contiguous run of 1 KB tiles. Each thread
  * computes groups of such blocks in its four accumulator tiles: four blocks for up to 16 rows
  * (sharing each load of x's tile), two blocks for 17-32 rows (each W tile used by x's two).
- * Past 32 rows, each pair of column blocks meets every 32-row slab of x in turn (its W tiles
- * then come from L2), and a last 1-16 rows take the one-tile code. On SmolLM2's layer GEMMs
- * with the weights coming from memory that is 1.5-1.9 TFLOP/s at 64-512 rows, 0.70-0.79 of
- * oneDNN's time at 33-384 rows and equal at 448-512.
+ * Past 16 rows, each pair of column blocks meets every 32-row slab of x in turn (its W tiles
+ * then come from L2; a last slab of 1-16 rows takes one tile of x). On SmolLM2's layer GEMMs
+ * with the weights coming from memory that is 1.5-1.9 TFLOP/s at 128-512 rows, 0.6-0.9 of
+ * oneDNN's time at 128-384 rows and equal at 448-512.
  *
  * Layouts: x (m, k) contiguous; W (n, k) as nn.Linear stores it; y (m, n); k % 32 == 0,
  * n % 16 == 0 (tile_gemm_fits). Accumulation in float32, one rounding to bf16 at the end.
@@ -122,12 +122,16 @@ static void gemm_16(const uint16_t *x, const uint16_t *packed, const uint16_t *b
     }
 }
 
-/* More than 16 rows, in slabs of 32 (the last of 17-32): two tiles of x, each W tile used by
+/* More than 16 rows, in slabs of 32 (the last of 1-32): two tiles of x, each W tile used by
  * both, two blocks of 16 columns at a time. Each thread takes pairs of column blocks and passes
- * every slab of x by them, so a pair's W tiles are read from memory once and then from L2. */
+ * every slab of x by them, so a pair's W tiles are read from memory once and then from L2; the
+ * next pair's are prefetched into L2 meanwhile, spread over the slabs. A last slab of 1-16 rows
+ * takes one tile of x, so no rows need a second pass over W. */
 static void gemm_slabs(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y,
                        int64_t m, int64_t n, int64_t k) {
     const int64_t kblocks = k / 32, nblocks = n / 16, groups = (nblocks + 1) / 2;
+    const int64_t slabs = (m + 31) / 32, lines_per_step = (32 + slabs - 1) / slabs;
+    const char *w_end = (const char *)(packed + nblocks * kblocks * 512);
     #pragma omp parallel
     {
         int64_t configured = 0;  /* the slab height the tiles are set up for */
@@ -135,30 +139,38 @@ static void gemm_slabs(const uint16_t *x, const uint16_t *packed, const uint16_t
         #pragma omp for schedule(static)
         for (int64_t g = 0; g < groups; ++g) {
             const int64_t b0 = g * 2, blocks = nblocks - b0 < 2 ? nblocks - b0 : 2;
+            const char *ahead = (const char *)(packed + (b0 + blocks) * kblocks * 512);
+            const char *ahead_end = ahead + 2 * kblocks * 1024 < w_end ? ahead + 2 * kblocks * 1024 : w_end;
             for (int64_t r0 = 0; r0 < m; r0 += 32) {
                 const int64_t rows = m - r0 < 32 ? m - r0 : 32;
                 if (rows != configured) {
-                    configure_tiles(16, rows - 16);
+                    configure_tiles(rows > 16 ? 16 : rows, rows > 16 ? rows - 16 : 0);
                     configured = rows;
                 }
                 const uint16_t *slab = x + r0 * k;
                 zero_accumulators();
                 for (int64_t kb = 0; kb < kblocks; ++kb) {
+                    for (int64_t i = 0; i < lines_per_step && ahead < ahead_end; ++i, ahead += 64)
+                        _mm_prefetch(ahead, _MM_HINT_T1);
                     _tile_loadd(4, slab + kb * 32, k * 2);
-                    _tile_loadd(5, slab + 16 * k + kb * 32, k * 2);
                     _tile_loadd(6, W_TILE(0), 64);
                     _tile_dpbf16ps(0, 4, 6);
-                    _tile_dpbf16ps(2, 5, 6);
                     if (blocks > 1) {
                         _tile_loadd(7, W_TILE(1), 64);
                         _tile_dpbf16ps(1, 4, 7);
-                        _tile_dpbf16ps(3, 5, 7);
+                    }
+                    if (rows > 16) {
+                        _tile_loadd(5, slab + 16 * k + kb * 32, k * 2);
+                        _tile_dpbf16ps(2, 5, 6);
+                        if (blocks > 1) _tile_dpbf16ps(3, 5, 7);
                     }
                 }
                 _tile_stored(0, out, GROUP * 64);
                 _tile_stored(1, out + 16, GROUP * 64);
-                _tile_stored(2, out + 16 * GROUP * 16, GROUP * 64);
-                _tile_stored(3, out + 16 * GROUP * 16 + 16, GROUP * 64);
+                if (rows > 16) {
+                    _tile_stored(2, out + 16 * GROUP * 16, GROUP * 64);
+                    _tile_stored(3, out + 16 * GROUP * 16 + 16, GROUP * 64);
+                }
                 store_group(out, bias, y + r0 * n, rows, n, b0, blocks);
             }
         }
@@ -169,10 +181,10 @@ static void gemm_slabs(const uint16_t *x, const uint16_t *packed, const uint16_t
 int tile_gemm_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y,
                    int64_t m, int64_t n, int64_t k) {
     if (m < 1 || !tile_gemm_fits(n, k)) return 1;
-    /* Slabs for all rows but a last 1-16, which take the one-tile code. */
-    const int64_t tail = m % 32, slab_rows = m <= 16 ? 0 : (tail == 0 || tail > 16 ? m : m - tail);
-    if (slab_rows) gemm_slabs(x, packed, bias, y, slab_rows, n, k);
-    if (m > slab_rows) gemm_16(x + slab_rows * k, packed, bias, y + slab_rows * n, m - slab_rows, n, k);
+    if (m <= 16)
+        gemm_16(x, packed, bias, y, m, n, k);
+    else
+        gemm_slabs(x, packed, bias, y, m, n, k);
     return 0;
 }
 
