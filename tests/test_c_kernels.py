@@ -104,6 +104,21 @@ def test_rms_norm_rounds_as_torch_does(rows):
 
 
 @needs_cc
+@pytest.mark.parametrize("rows", [1, 7, 256])
+def test_add_rms_norm_adds_in_place_then_norms(rows):
+    """The residual add rounds as torch's bf16 add, bit for bit; the norm then reads the sum."""
+    torch.manual_seed(rows)
+    residual = (torch.randn(rows, 576) * 3).bfloat16()
+    delta = torch.randn(rows, 576).bfloat16()
+    weight = torch.randn(576).bfloat16()
+    want_sum = residual + delta
+    want = cpu_layer_ops.rms_norm(want_sum, weight, 1e-5)
+    got = cpu_layer_ops.add_rms_norm(residual, delta, weight, 1e-5)
+    assert torch.equal(residual, want_sum)
+    assert torch.equal(got, want)
+
+
+@needs_cc
 @pytest.mark.parametrize("rows,width", [(1, 1536), (5, 72), (264, 1536), (3, 7)])
 def test_silu_mul_rounds_as_torch_does(rows, width):
     """bf16 at the same two points as torch; e^x's last float32 bit may differ, so silu(gate)

@@ -1,6 +1,7 @@
 /*
  * Three element-wise steps of a Llama layer for many bf16 rows (prefill chunks), one pass each,
- * rows split over the threads: RMS norm, the rotary embedding and SiLU-and-multiply.
+ * rows split over the threads: RMS norm (alone, or after the residual add), the rotary
+ * embedding and SiLU-and-multiply.
  *
  * In eager torch they are 7, 4 and 2 ops, each a pass over the rows with its own dispatch. On
  * (256, 576) rows the first two take 33 and 55 us against torch's 78 and 83; SiLU-and-multiply
@@ -17,6 +18,18 @@
 int rms_norm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t rows, int64_t n, float eps) {
     #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < rows; ++r) rms_norm_row(x + r * n, w, y + r * n, n, eps);
+    return 0;
+}
+
+/* The residual stream's add and the next norm in one pass: residual += delta (in place, rounded
+ * as torch's bf16 add), y = rms_norm(residual). */
+int add_rms_norm_bf16(uint16_t *residual, const uint16_t *delta, const uint16_t *w, uint16_t *y,
+                      int64_t rows, int64_t n, float eps) {
+    #pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+        add_into(residual + r * n, delta + r * n, n);
+        rms_norm_row(residual + r * n, w, y + r * n, n, eps);
+    }
     return 0;
 }
 

@@ -1,5 +1,6 @@
 """Three element-wise steps of a Llama layer in C for bf16 rows on CPU (cpu_layer_ops.c): RMS
-norm, the rotary embedding and SiLU-and-multiply, one pass each instead of 7, 4 and 2 torch ops.
+norm (alone or after the residual add), the rotary embedding and SiLU-and-multiply, one pass
+each instead of 7 (8 with the add), 4 and 2 torch ops.
 
 Used by the eager path only (`usable`): inside a captured graph the compiler fuses the torch
 ops itself. Where the library cannot be built, or with VLLM_CPU_C_KERNELS=0, the torch ops run.
@@ -22,6 +23,7 @@ def _library() -> ctypes.CDLL | None:
     if lib is not None:
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
         lib.rms_norm_bf16.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float]
+        lib.add_rms_norm_bf16.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float]
         lib.rotary_bf16.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64]
         lib.silu_mul_bf16.argtypes = [ptr, ptr, i64, i64]
     return lib
@@ -40,6 +42,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     y = torch.empty_like(x)
     _library().rms_norm_bf16(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.numel() // x.shape[-1],
                              x.shape[-1], eps)
+    return y
+
+
+def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+                 ) -> torch.Tensor:
+    """residual, delta: (T, n) bf16, weight: (n,) bf16. Adds delta into `residual` in place and
+    returns rms_norm(residual), (T, n): one pass instead of torch's add and then the norm."""
+    assert weight.dtype == residual.dtype == delta.dtype == torch.bfloat16 and weight.is_contiguous()
+    assert residual.is_contiguous() and residual.shape == delta.shape and residual.shape[-1] == weight.shape[0]
+    delta = delta.contiguous()
+    y = torch.empty_like(residual)
+    _library().add_rms_norm_bf16(residual.data_ptr(), delta.data_ptr(), weight.data_ptr(), y.data_ptr(),
+                                 residual.numel() // residual.shape[-1], residual.shape[-1], eps)
     return y
 
 

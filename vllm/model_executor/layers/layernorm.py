@@ -12,8 +12,18 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, hidden) -> (T, hidden)
-        if cpu_layer_ops.usable(x) and self.weight.dtype == x.dtype:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """x: (T, hidden) -> norm(x). With `residual` (T, hidden), as in vLLM: the residual stream
+        takes x in first, and the result is (norm(residual + x), residual + x); the C path adds
+        in place into `residual`, so callers use the returned one."""
+        c_path = cpu_layer_ops.usable(x) and self.weight.dtype == x.dtype
+        if residual is not None:
+            if c_path and residual.dtype == x.dtype and residual.is_contiguous():
+                return cpu_layer_ops.add_rms_norm(residual, x, self.weight, self.eps), residual
+            residual = residual + x
+            return self.forward(residual), residual
+        if c_path:
             return cpu_layer_ops.rms_norm(x, self.weight, self.eps)  # same roundings, one pass
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)

@@ -92,9 +92,18 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin)  # (T, hidden)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden: the previous layer's MLP output, still to be added to `residual`, the stream
+        before it (None at the first layer, where hidden is the embedding). Returns this layer's
+        MLP output and the stream before it, (T, hidden) each: every add is fused into the norm
+        that follows it."""
+        if residual is None:
+            residual, x = hidden, self.input_layernorm(hidden)
+        else:
+            x, residual = self.input_layernorm(hidden, residual)
+        x, residual = self.post_attention_layernorm(self.self_attn(x, cos, sin), residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -121,9 +130,10 @@ class LlamaModel(nn.Module):
             if self.fused_decode.accepts(context.metadata, input_ids.shape[0]):
                 self.fused_decode(hidden, cos, sin, context.metadata, context.kv_caches)
                 return self.norm(hidden)
+        residual = None
         for layer in self.layers:
-            hidden = layer(hidden, cos, sin)
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, residual, cos, sin)
+        return self.norm(hidden, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):
