@@ -170,10 +170,12 @@ def test_paged_decode_kernel_on_model_shapes(dtype, sliding_window, heads, decod
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="the decode kernel needs a C compiler")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("contexts", [[1999], [700, 2100], [300]])
+@pytest.mark.parametrize("contexts", [[1999], [700, 2100], [300], [2000, 40, 90, 130]])
 def test_paged_decode_kernel_splits_long_sequences_over_threads(contexts, dtype, decode_copies):
-    """Fewer sequences than threads: each one's keys are split into ranges and merged; with 3
-    threads that is 3 ranges for one 2000-token sequence, 2 each for two sequences."""
+    """Sequences longer than a task's range (whole 64-key tiles, at least 2, at most a sixth of
+    all keys with 3 threads) are split into ranges and merged: one 2000-token sequence into 6
+    of 384 keys, 701 and 2101 keys into 2 and 5 of 512, 301 into 3 of 128; a long sequence
+    among short ones into 6 while the short ones stay whole."""
     torch.manual_seed(1)
     num_heads, num_kv_heads, head_dim, block_size, num_blocks = 9, 3, 64, 128, 40
     key_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim).to(dtype)

@@ -7,9 +7,9 @@
  *   key t           -> block block_tables[s][t / 4], row t % 4
  *   keys 0..9       = rows 0-3 of block 7, rows 0-3 of block 2, rows 0-1 of block 9
  *
- * One task per sequence attends all its heads with an online softmax over tiles of keys, and
+ * A task attends all heads of one sequence with an online softmax over tiles of keys, and
  * prefetches the next tile's rows while it computes: no gather of the blocks, no padding to
- * the longest sequence, no mask. With fewer sequences than threads, a sequence's keys are
+ * the longest sequence, no mask. A sequence with more keys than a task takes (task_range) is
  * split over several tasks and the parts merged. Scores, softmax and the weighted sum of
  * values stay in float32. On SmolLM2's decodes (2-core AMX machine, 4 sequences of 2000 tokens, all 30
  * layers, cache not in CPU caches) it takes 18 ms where gathering the blocks for SDPA took 25.
@@ -211,8 +211,22 @@ static inline void attend_bf16_any(const uint16_t *query, const uint16_t *key_ca
                 head_dim, num_kv_heads, block_size, scale);
 }
 
-/* Fewer sequences than threads (batch-1 decode of a long context): each sequence's keys are
- * split into ranges attended in parallel, then merged by their maxima and total weights. */
+static inline int64_t attended_keys(int64_t seq_len, int64_t window) {
+    return window > 0 && seq_len > window ? window : seq_len;
+}
+
+/* The most keys one task attends: whole tiles, at least two, and at most a quarter of a thread's
+ * share of the step's keys. A long sequence among short ones (or alone, as in batch-1 decode) is
+ * then split over several tasks instead of keeping one thread busy while the others wait. */
+static int64_t task_range(const int64_t *seq_lens, int64_t num_seqs, int64_t window, int64_t threads) {
+    int64_t total = 0;
+    for (int64_t s = 0; s < num_seqs; ++s) total += attended_keys(seq_lens[s], window);
+    const int64_t range = ((total + 2 * threads - 1) / (2 * threads) + TILE - 1) / TILE * TILE;
+    return range > 2 * TILE ? range : 2 * TILE;
+}
+
+/* Each sequence's keys in tasks of at most task_range() keys, attended in parallel, then each
+ * sequence's parts merged by their maxima and total weights. */
 #define DEFINE_PAGED_DECODE(NAME, ATTEND, T, STORE)                                                \
 int NAME(const T *query, const T *key_cache, const T *value_cache, const int64_t *block_tables,   \
          const int64_t *seq_lens, T *out, int64_t num_seqs, int64_t num_heads,                    \
@@ -220,49 +234,51 @@ int NAME(const T *query, const T *key_cache, const T *value_cache, const int64_t
          int64_t window, float scale) {                                                           \
     if (num_heads > MAX_HEADS || head_dim > MAX_HEAD_DIM || num_heads % num_kv_heads) return 1;   \
     const int64_t group = num_heads / num_kv_heads, stride = head_dim + 2;                        \
-    int64_t longest = 0, splits = 1;                                                              \
-    for (int64_t s = 0; s < num_seqs; ++s) longest = seq_lens[s] > longest ? seq_lens[s] : longest; \
-    const int64_t threads = omp_get_max_threads();                                                \
-    if (num_seqs < threads) { /* at least two tiles per range */                                 \
-        splits = (threads + num_seqs - 1) / num_seqs;                                             \
-        const int64_t most = longest / (2 * TILE);                                                \
-        splits = splits < most ? splits : (most > 1 ? most : 1);                                  \
-    }                                                                                             \
-    float *partials = malloc(sizeof(float) * num_seqs * splits * num_heads * stride);             \
-    if (partials == NULL) return 2;                                                               \
-    _Pragma("omp parallel for collapse(2) schedule(dynamic, 1)")                                  \
+    const int64_t range = task_range(seq_lens, num_seqs, window, omp_get_max_threads());          \
+    int64_t *first_task = malloc(sizeof(int64_t) * (num_seqs + 1)), num_tasks = 0;               \
+    if (first_task == NULL) return 2;                                                             \
     for (int64_t s = 0; s < num_seqs; ++s) {                                                      \
-        for (int64_t part = 0; part < splits; ++part) {                                           \
-            const int64_t len = seq_lens[s];                                                      \
-            const int64_t first = (window > 0 && len > window) ? len - window : 0;                \
-            const int64_t range = ((len - first + splits - 1) / splits + TILE - 1) / TILE * TILE; \
-            const int64_t lo = first + part * range < len ? first + part * range : len;           \
-            const int64_t hi = lo + range < len ? lo + range : len;                               \
-            const T *q = query + s * num_heads * head_dim;                                        \
-            const int64_t *table = block_tables + s * max_blocks;                                 \
-            float *partial = partials + (s * splits + part) * num_heads * stride;                 \
-            if (head_dim == 64) /* the common sizes, with the loop bounds known */                \
-                ATTEND(q, key_cache, value_cache, table, lo, hi, partial, num_heads, group, 64,   \
-                       num_kv_heads, block_size, scale);                                          \
-            else if (head_dim == 128)                                                             \
-                ATTEND(q, key_cache, value_cache, table, lo, hi, partial, num_heads, group, 128,  \
-                       num_kv_heads, block_size, scale);                                          \
-            else                                                                                  \
-                ATTEND(q, key_cache, value_cache, table, lo, hi, partial, num_heads, group,       \
-                       head_dim, num_kv_heads, block_size, scale);                                \
-        }                                                                                         \
+        first_task[s] = num_tasks;                                                                \
+        const int64_t parts = (attended_keys(seq_lens[s], window) + range - 1) / range;           \
+        num_tasks += parts > 1 ? parts : 1;                                                       \
+    }                                                                                             \
+    first_task[num_seqs] = num_tasks;                                                             \
+    int64_t *task_seq = malloc(sizeof(int64_t) * (num_tasks > 0 ? num_tasks : 1));               \
+    float *partials = malloc(sizeof(float) * (num_tasks > 0 ? num_tasks : 1) * num_heads * stride); \
+    if (task_seq == NULL || partials == NULL) {                                                   \
+        free(first_task), free(task_seq), free(partials);                                         \
+        return 2;                                                                                 \
+    }                                                                                             \
+    for (int64_t s = 0; s < num_seqs; ++s)                                                        \
+        for (int64_t i = first_task[s]; i < first_task[s + 1]; ++i) task_seq[i] = s;              \
+    _Pragma("omp parallel for schedule(dynamic, 1)")                                              \
+    for (int64_t i = 0; i < num_tasks; ++i) {                                                     \
+        const int64_t s = task_seq[i], len = seq_lens[s];                                         \
+        const int64_t lo = len - attended_keys(len, window) + (i - first_task[s]) * range;         \
+        const int64_t hi = lo + range < len ? lo + range : len;                                   \
+        const T *q = query + s * num_heads * head_dim;                                            \
+        const int64_t *table = block_tables + s * max_blocks;                                     \
+        float *partial = partials + i * num_heads * stride;                                       \
+        if (head_dim == 64) /* the common sizes, with the loop bounds known */                    \
+            ATTEND(q, key_cache, value_cache, table, lo, hi, partial, num_heads, group, 64,       \
+                   num_kv_heads, block_size, scale);                                              \
+        else if (head_dim == 128)                                                                 \
+            ATTEND(q, key_cache, value_cache, table, lo, hi, partial, num_heads, group, 128,      \
+                   num_kv_heads, block_size, scale);                                              \
+        else                                                                                      \
+            ATTEND(q, key_cache, value_cache, table, lo, hi, partial, num_heads, group,           \
+                   head_dim, num_kv_heads, block_size, scale);                                    \
     }                                                                                             \
     for (int64_t s = 0; s < num_seqs; ++s) {                                                      \
         for (int64_t h = 0; h < num_heads; ++h) {                                                 \
-            const float *p0 = partials + (s * splits * num_heads + h) * stride;                   \
             float top = -INFINITY, total = 0.0f, acc[MAX_HEAD_DIM] = {0};                         \
-            for (int64_t part = 0; part < splits; ++part) {                                       \
-                const float m = p0[part * num_heads * stride + head_dim];                         \
+            for (int64_t i = first_task[s]; i < first_task[s + 1]; ++i) {                         \
+                const float m = partials[(i * num_heads + h) * stride + head_dim];                \
                 top = m > top ? m : top;                                                          \
             }                                                                                     \
-            for (int64_t part = 0; part < splits; ++part) { /* empty ranges weigh ~1e-38 * 0 */  \
-                const float *p = p0 + part * num_heads * stride;                                  \
-                const float w = exp_nonpositive(p[head_dim] - top);                               \
+            for (int64_t i = first_task[s]; i < first_task[s + 1]; ++i) {                         \
+                const float *p = partials + (i * num_heads + h) * stride;                         \
+                const float w = exp_nonpositive(p[head_dim] - top); /* empty: ~1e-38 * 0 */       \
                 total += w * p[head_dim + 1];                                                     \
                 for (int64_t d = 0; d < head_dim; ++d) acc[d] += w * p[d];                        \
             }                                                                                     \
@@ -270,7 +286,7 @@ int NAME(const T *query, const T *key_cache, const T *value_cache, const int64_t
             for (int64_t d = 0; d < head_dim; ++d) o[d] = STORE(acc[d] / total);                  \
         }                                                                                         \
     }                                                                                             \
-    free(partials);                                                                               \
+    free(first_task), free(task_seq), free(partials);                                             \
     return 0;                                                                                     \
 }
 
