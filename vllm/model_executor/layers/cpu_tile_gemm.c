@@ -20,6 +20,7 @@
  * Layouts: x (m, k) contiguous; W (n, k) as nn.Linear stores it; y (m, n); k % 32 == 0,
  * n % 16 == 0 (tile_gemm_fits). Accumulation in float32, one rounding to bf16 at the end.
  */
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -92,17 +93,31 @@ static inline void zero_accumulators(void) {
     _tile_zero(3);
 }
 
-/* Up to 16 rows: four blocks of 16 columns share each load of x's tile. */
+/* Blocks of 16 columns per group, 2 to GROUP: the fewest blocks on the busiest thread (ties to
+ * the larger group). 36 blocks on 2 threads are 12 groups of 3, 18 blocks each, where groups of
+ * 4 would give one thread 20 and the other 16 while both share the memory's bandwidth. */
+static int64_t blocks_per_group(int64_t nblocks, int64_t threads) {
+    int64_t best = GROUP, best_load = INT64_MAX;
+    for (int64_t size = GROUP; size >= 2; --size) {
+        const int64_t groups = (nblocks + size - 1) / size;
+        const int64_t load = (groups + threads - 1) / threads * size;
+        if (load < best_load) best = size, best_load = load;
+    }
+    return best;
+}
+
+/* Up to 16 rows: the blocks of a group (up to four) share each load of x's tile. */
 static void gemm_16(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y,
                     int64_t m, int64_t n, int64_t k) {
-    const int64_t kblocks = k / 32, nblocks = n / 16, groups = (nblocks + GROUP - 1) / GROUP;
+    const int64_t kblocks = k / 32, nblocks = n / 16;
+    const int64_t size = blocks_per_group(nblocks, omp_get_max_threads()), groups = (nblocks + size - 1) / size;
     #pragma omp parallel
     {
         configure_tiles(m, 0);
         float out[16 * GROUP * 16];
         #pragma omp for schedule(static)
         for (int64_t g = 0; g < groups; ++g) {
-            const int64_t b0 = g * GROUP, blocks = nblocks - b0 < GROUP ? nblocks - b0 : GROUP;
+            const int64_t b0 = g * size, blocks = nblocks - b0 < size ? nblocks - b0 : size;
             zero_accumulators();
             for (int64_t kb = 0; kb < kblocks; ++kb) {
                 _tile_loadd(4, x + kb * 32, k * 2);
