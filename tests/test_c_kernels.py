@@ -62,12 +62,13 @@ def test_tile_gemm_is_built_where_the_cpu_has_amx():
 @needs_cc
 @pytest.mark.skipif(cpu_tile_gemm.max_rows() == 0, reason="the CPU lacks AMX")
 @pytest.mark.parametrize("rows", [1, 5, 8, 13, 16, 17, 24, 32, 50, 64, 77, 264])
-@pytest.mark.parametrize("shape", [(576, 960), (1536, 576), (64, 48), (32, 16)])  # in, out
+@pytest.mark.parametrize("shape", [(576, 960), (1536, 576), (64, 1024), (64, 48), (32, 16)])  # in, out
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_tile_gemm_matches_float32_linear(rows, shape, with_bias):
-    """Output widths that fill all accumulator tiles of a group and ones that leave some idle; one
-    tile of x (up to 16 rows) and two; past 32 rows, 32-row slabs with a last one of 17-32 rows
-    (50 = 32 + 18) or followed by 1-16 rows on one tile (77 = 64 + 13, 264 = 256 + 8)."""
+    """Output widths that fill all accumulator tiles of a group and ones that leave some idle (up
+    to 16 rows, groups of 4, 3 and 2 blocks: 1024, 960 and 48 columns on 2 threads); one tile of
+    x (up to 16 rows) and two; past 32 rows, 32-row slabs with a last one of 17-32 rows
+    (50 = 32 + 18) or of 1-16 rows on one tile (77 = 64 + 13, 264 = 256 + 8)."""
     torch.manual_seed(rows)
     k, n = shape
     x = torch.randn(rows, k).bfloat16()
