@@ -112,6 +112,10 @@ static void attend_bf16_amx(const uint16_t *query, const uint16_t *key_cache, co
                                                                    _mm512_set1_ps(factor[h])));
         }
         lazy_softmax_weights(&st, (const float (*)[16])s[cur], keep, AMX_KEYS, pairs);
+        /* Each 16 keys from a multiple of 16 lie in one block (block_size % 16 == 0): their
+         * value rows follow each other. (Past `last` no row is read.) */
+        const uint16_t *values[2] = {value_cache + slot_of(table, k0, block_size) * row, NULL};
+        values[1] = k0 + 16 < last ? value_cache + slot_of(table, k0 + 16, block_size) * row : values[0];
         for (int64_t g = 0; g < num_kv_heads; ++g) {
             __m512 sums[AMX_MAX_GROUP][4];
             for (int64_t hh = 0; hh < group; ++hh)
@@ -120,15 +124,14 @@ static void attend_bf16_amx(const uint16_t *query, const uint16_t *key_cache, co
                 if (!keep[2 * j] && !keep[2 * j + 1]) continue;
                 /* Rows of keys outside [first, last) may hold anything: they are read as zeros. */
                 __m512i a[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()}, b[2] = {a[0], a[1]};
+                const uint16_t *v = values[j / 8] + ((2 * j) % 16 * row + g * 64);  /* key k0 + 2 j */
                 if (keep[2 * j]) {
-                    const uint16_t *v = value_cache + slot_of(table, k0 + 2 * j, block_size) * row + g * 64;
                     a[0] = _mm512_loadu_si512(v);
                     a[1] = _mm512_loadu_si512(v + 32);
                 }
                 if (keep[2 * j + 1]) {
-                    const uint16_t *v = value_cache + slot_of(table, k0 + 2 * j + 1, block_size) * row + g * 64;
-                    b[0] = _mm512_loadu_si512(v);
-                    b[1] = _mm512_loadu_si512(v + 32);
+                    b[0] = _mm512_loadu_si512(v + row);
+                    b[1] = _mm512_loadu_si512(v + row + 32);
                 }
                 const __m512bh vp[4] = {(__m512bh)_mm512_unpacklo_epi16(a[0], b[0]),
                                         (__m512bh)_mm512_unpackhi_epi16(a[0], b[0]),
