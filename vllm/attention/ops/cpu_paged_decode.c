@@ -251,7 +251,9 @@ int NAME(const T *query, const T *key_cache, const T *value_cache, const int64_t
     }                                                                                             \
     for (int64_t s = 0; s < num_seqs; ++s)                                                        \
         for (int64_t i = first_task[s]; i < first_task[s + 1]; ++i) task_seq[i] = s;              \
-    _Pragma("omp parallel for schedule(dynamic, 1)")                                              \
+    _Pragma("omp parallel")                                                                       \
+    {                                                                                             \
+    _Pragma("omp for schedule(dynamic, 1)")                                                       \
     for (int64_t i = 0; i < num_tasks; ++i) {                                                     \
         const int64_t s = task_seq[i], len = seq_lens[s];                                         \
         const int64_t lo = len - attended_keys(len, window) + (i - first_task[s]) * range;         \
@@ -269,6 +271,8 @@ int NAME(const T *query, const T *key_cache, const T *value_cache, const int64_t
             ATTEND(q, key_cache, value_cache, table, lo, hi, partial, num_heads, group,           \
                    head_dim, num_kv_heads, block_size, scale);                                    \
     }                                                                                             \
+    /* The merge, sequences shared out too (the loop's barrier has made every part visible). */   \
+    _Pragma("omp for schedule(static)")                                                           \
     for (int64_t s = 0; s < num_seqs; ++s) {                                                      \
         for (int64_t h = 0; h < num_heads; ++h) {                                                 \
             float top = -INFINITY, total = 0.0f, acc[MAX_HEAD_DIM] = {0};                         \
@@ -285,6 +289,7 @@ int NAME(const T *query, const T *key_cache, const T *value_cache, const int64_t
             T *o = out + (s * num_heads + h) * head_dim;                                          \
             for (int64_t d = 0; d < head_dim; ++d) o[d] = STORE(acc[d] / total);                  \
         }                                                                                         \
+    }                                                                                             \
     }                                                                                             \
     free(first_task), free(task_seq), free(partials);                                             \
     return 0;                                                                                     \
