@@ -237,7 +237,7 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--backends", default="vllm,hf",
                         help="comma-separated: vllm, hf, llama.cpp (needs llama-cpp-python)")
     parser.add_argument("--scale", type=float, default=1.0, help="multiplies every length (smoke tests)")
-    parser.add_argument("--output-json", default=None)
+    parser.add_argument("--output-json", default=None, help="write the results here (without it, only print them)")
     common.add_engine_args(parser)
     return parser
 
@@ -260,8 +260,8 @@ def main() -> None:
                   f"throughput ratio {e['throughput_ratio_chunked_over_unchunked']:.2f}")
     for k, v in result.get("ratios", {}).items():
         print(f"{k}: {v:.2f}")
-    path = common.write_json(result, args.output_json, name="workloads")
-    print(f"Results written to {path}")
+    if args.output_json:  # only when asked: a run of a subset must not replace the recorded file
+        print(f"Results written to {common.write_json(result, args.output_json)}")
 
 
 if __name__ == "__main__":

@@ -281,12 +281,8 @@ def save_results(results: dict, output_json: str | None, save_result: bool, name
         print(f"Results written to {path}")
 
 
-def write_json(result: dict, path: str | os.PathLike | None = None, name: str | None = None) -> Path:
-    """Writes `result` to `path`, or to benchmarks/results/<name>.json; returns the path."""
-    if path is None:
-        if name is None:
-            raise ValueError("write_json needs a path or a name")
-        path = default_result_path(name)
+def write_json(result: dict, path: str | os.PathLike) -> Path:
+    """Writes `result` to `path` as JSON (non-finite floats as strings); returns the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as f:
