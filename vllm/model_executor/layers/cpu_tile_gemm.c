@@ -10,8 +10,9 @@
  *   packed[b][kb] = 16 x 16 pairs: row r, column c = W[16 b + c][32 kb + 2 r], W[16 b + c][32 kb + 2 r + 1]
  *
  * so that each block of 16 output columns reads one contiguous run of 1 KB tiles. Each thread
- * computes groups of such blocks in its four accumulator tiles: four blocks for up to 16 rows
- * (sharing each load of x's tile), two blocks for 17-32 rows (each W tile used by x's two).
+ * computes groups of such blocks in its four accumulator tiles: two to four blocks for up to 16
+ * rows (sharing each load of x's tile; blocks_per_group), two blocks for 17-32 rows (each W
+ * tile used by x's two).
  * Past 16 rows, each pair of column blocks meets every 32-row slab of x in turn (a last slab of
  * 1-16 rows takes one tile of x). x is loaded with the streaming hint, so that the pair's W
  * tiles stay in L1 for the next slab where the pair fits in it (K = 576: 36 KB of 48); loaded
