@@ -26,6 +26,12 @@ static inline uint16_t float_to_bf16(float f) {  /* round to nearest even, as to
 static inline __m512 bf16x16_to_float(const uint16_t *x) {  /* 16 bf16 -> float32, exactly */
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)x)), 16));
 }
+
+#ifdef __AVX512BF16__
+static inline void store_bf16x16(uint16_t *y, __m512 x) {  /* 16 float32 -> bf16, nearest even */
+    _mm256_storeu_si256((__m256i *)y, (__m256i)_mm512_cvtneps_pbh(x));
+}
+#endif
 #endif
 
 #endif

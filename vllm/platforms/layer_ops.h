@@ -22,10 +22,6 @@ static inline __m512 round_bf16x16(__m512 x) {  /* to the nearest bf16 (even on 
     return _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(x));
 }
 
-static inline void store_bf16x16(uint16_t *y, __m512 x) {  /* 16 float32 -> bf16, rounded as above */
-    _mm256_storeu_si256((__m256i *)y, (__m256i)_mm512_cvtneps_pbh(x));
-}
-
 /* silu() on 16 lanes: 1 / (1 + e) from the 14-bit reciprocal and one Newton step (~1e-8
  * relative). */
 static inline __m512 silu_x16(__m512 x) {

@@ -221,7 +221,7 @@ static void attend_task(const struct prefill *a, const struct task *t, const uin
         const __m512 inv = _mm512_set1_ps(inverse[q]);
         for (int d0 = 0; d0 < HEAD_DIM; d0 += 16) {
             const __m512 x = _mm512_mul_ps(_mm512_i32gather_ps(column, &o[d0][q], 4), inv);
-            _mm256_storeu_si256((__m256i *)(row + d0), (__m256i)_mm512_cvtneps_pbh(x));
+            store_bf16x16(row + d0, x);
         }
     }
 }

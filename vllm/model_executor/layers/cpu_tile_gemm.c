@@ -78,7 +78,7 @@ static void store_group(const float *out, const uint16_t *bias, uint16_t *y, int
 #ifdef __AVX512BF16__
             __m512 v = _mm512_loadu_ps(out + r * GROUP * 16 + c);
             if (bias) v = _mm512_add_ps(v, bf16x16_to_float(bias + j));
-            _mm256_storeu_si256((void *)(y + r * n + j), (__m256i)_mm512_cvtneps_pbh(v));
+            store_bf16x16(y + r * n + j, v);
 #else
             for (int64_t i = 0; i < 16; ++i)
                 y[r * n + j + i] = float_to_bf16(out[r * GROUP * 16 + c + i] + (bias ? bf16_to_float(bias[j + i]) : 0.0f));

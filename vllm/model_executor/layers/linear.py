@@ -4,9 +4,9 @@ Up to `cpu_gemv.max_rows()` rows (batch-1 to batch-4 decodes, few sampled rows i
 a C GEMV reads the plain weight (cpu_gemv.c). From there up to PACKED_MAX_ROWS rows (batched
 decodes, prefill chunks of the default budget) an AMX kernel runs on a copy of the weight
 packed once in its tiles' layout (cpu_tile_gemm.c). On SmolLM2's 120 layer GEMMs with the
-weights coming from memory (2-core AMX machine) it takes 0.70-0.79 of oneDNN's time at 33-384
-rows and at 264 or 520 rows, where oneDNN's blocking fits badly, and the same at 448-512.
-Above PACKED_MAX_ROWS, the plain GEMM (2.4-2.6 TFLOP/s at 2048 rows) is the faster one. On
+weights coming from memory (2-core AMX machine) it takes 0.6-1.0 of oneDNN's time at 33-512
+rows (2.3 against 1.9 TFLOP/s at 512). Above PACKED_MAX_ROWS the plain GEMM is the faster one
+(2.9 against 1.4 TFLOP/s at 2048 rows, where the tile kernel's x no longer fits in L2). On
 CPUs without AMX a oneDNN-blocked copy takes the tile copy's place: it reads its layout about
 1.5x faster than a plain weight and still gains at 256-512 rows.
 
