@@ -87,5 +87,19 @@ static inline void lazy_softmax_weights(struct lazy_softmax *st, const float (*s
     st->total = _mm512_add_ps(totals[0], totals[1]);
 }
 
+/* The same weights as float32 rows (weights[j] lane i: row j's weight in lane i), added to the
+ * totals: for products on the vector units, where float32 FMAs outrun bf16 dot products. */
+static inline void lazy_softmax_weights_f32(struct lazy_softmax *st, const float (*s)[16], const __mmask16 *keep,
+                                            int rows, float (*weights)[16]) {
+    const __m512 c = st->log2e_scale, scaled_max = _mm512_mul_ps(st->max, c);
+    __m512 totals[2] = {st->total, _mm512_setzero_ps()};
+    for (int j = 0; j < rows; ++j) {
+        const __m512 p = exp2_masked(keep[j], _mm512_fmsub_ps(_mm512_load_ps(s[j]), c, scaled_max));
+        totals[j % 2] = _mm512_add_ps(totals[j % 2], p);
+        _mm512_store_ps(weights[j], p);
+    }
+    st->total = _mm512_add_ps(totals[0], totals[1]);
+}
+
 #endif
 #endif

@@ -23,14 +23,16 @@ int paged_decode_use_amx(int enable) { return amx_ready = enable && amx_request_
  *   S^T (16 keys x heads) = sum over 32-dim chunks c: K[:, c] (16 keys x 32) . Q^T[c] (pairs x heads)
  *
  * The softmax runs down the keys with the heads in the lanes (lazy_softmax.h), and the values
- * are summed with bf16 dot products over pairs of keys: a pair's two value rows interleaved
- * (two unpacks) times the pair's two weights, so the sums of a group's heads stay in registers
- * and no value is converted to float32. The unpacks interleave within 128-bit lanes, so the
- * sums hold the dims in that order (`unpacked_dim`) until they are written out. The rows of
- * the keys PREFETCH_KEYS ahead are asked for while the values are summed. */
+ * are summed in float32 FMAs: a value row's 32-bit words hold pairs of bf16 dims, so a shift
+ * and a mask make float32 vectors of its even and its odd dims, and each head's weight (a
+ * float32, not rounded to bf16) is broadcast against them. The sums of a group's heads stay in
+ * registers, in that even/odd order (`unpacked_dim`) until they are written out. (A bf16 dot
+ * product over pairs of keys did half the work per instruction here: vdpbf16ps issues once per
+ * two cycles, an FMA twice per cycle; 4 sequences of 512 keys, one thread, caches warm: 83 ->
+ * 70 us.) The rows of the keys PREFETCH_KEYS ahead are asked for while the values are summed. */
 static inline int64_t unpacked_dim(int64_t v, int64_t lane) {
-    /* vector v of a head's four: 0, 1 = unpacklo, unpackhi of dims 0-31; 2, 3 of dims 32-63 */
-    return 32 * (v / 2) + 8 * (lane / 4) + 4 * (v % 2) + lane % 4;
+    /* vector v of a head's four: 0, 1 = the even, the odd dims of 0-31; 2, 3 those of 32-63 */
+    return 32 * (v / 2) + 2 * lane + v % 2;
 }
 
 /* Scores of keys [k0, k0 + 32) below `last` for every head, into tiles 0 (keys k0 ..) and 1
@@ -77,10 +79,10 @@ static void attend_bf16_amx(const uint16_t *query, const uint16_t *key_cache, co
         for (int64_t p = 0; p < 32; ++p) qt[2 * (h / group) + p / 16][p % 16][h] = q[p];
     }
     amx_publish_stores();
-    float acc[AMX_MAX_HEADS][64] __attribute__((aligned(64)));  /* value sums, dims in unpacked order */
+    float acc[AMX_MAX_HEADS][64] __attribute__((aligned(64)));  /* value sums, dims in unpacked_dim order */
     memset(acc, 0, sizeof acc);
     float s[2][AMX_KEYS][16] __attribute__((aligned(64)));  /* this step's scores, the next's */
-    uint32_t pairs[AMX_KEYS / 2][16] __attribute__((aligned(64)));
+    float weights[AMX_KEYS][16] __attribute__((aligned(64)));  /* [key][head] */
     struct lazy_softmax st = lazy_softmax_start(scale);
     const __mmask16 heads = (__mmask16)((1u << num_heads) - 1);
     amx_configure_full_tiles(); /* 0, 1: scores; 2, 3, 5, 6: keys; 4, 7: queries */
@@ -113,43 +115,36 @@ static void attend_bf16_amx(const uint16_t *query, const uint16_t *key_cache, co
                     _mm512_store_ps(&acc[h][16 * v], _mm512_mul_ps(_mm512_load_ps(&acc[h][16 * v]),
                                                                    _mm512_set1_ps(factor[h])));
         }
-        lazy_softmax_weights(&st, (const float (*)[16])s[cur], keep, AMX_KEYS, pairs);
+        lazy_softmax_weights_f32(&st, (const float (*)[16])s[cur], keep, AMX_KEYS, weights);
         /* Each 16 keys from a multiple of 16 lie in one block (block_size % 16 == 0): their
          * value rows follow each other. (Past `last` no row is read.) */
         const uint16_t *values[2] = {value_cache + slot_of(table, k0, block_size) * row, NULL};
         values[1] = k0 + 16 < last ? value_cache + slot_of(table, k0 + 16, block_size) * row : values[0];
+        const __m512i odd_dims = _mm512_set1_epi32((int)0xffff0000u);
         for (int64_t g = 0; g < num_kv_heads; ++g) {
             __m512 sums[AMX_MAX_GROUP][4];
             for (int64_t hh = 0; hh < group; ++hh)
                 for (int v = 0; v < 4; ++v) sums[hh][v] = _mm512_load_ps(&acc[g * group + hh][16 * v]);
-            for (int64_t j = 0; j < AMX_KEYS / 2; ++j) {
+            for (int64_t j = 0; j < AMX_KEYS; ++j) {
                 if (g == 0) {  /* spread out: in one burst the requests fill the miss queue and the
                                   * loop waits on them (7% slower with the cache in memory) */
-                    const int64_t half = j / 8, from = (j % 8) * 2 * row * 2;
-                    for (int64_t b = from; b < from + 2 * row * 2 && b < ahead_bytes[half]; b += 64) {
+                    const int64_t half = j / 16, from = (j % 16) * row * 2;
+                    for (int64_t b = from; b < from + row * 2 && b < ahead_bytes[half]; b += 64) {
                         _mm_prefetch(ahead_k[half] + b, _MM_HINT_T1);
                         _mm_prefetch(ahead_v[half] + b, _MM_HINT_T1);
                     }
                 }
-                if (!keep[2 * j] && !keep[2 * j + 1]) continue;
-                /* Rows of keys outside [first, last) may hold anything: they are read as zeros. */
-                __m512i a[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()}, b[2] = {a[0], a[1]};
-                const uint16_t *v = values[j / 8] + ((2 * j) % 16 * row + g * 64);  /* key k0 + 2 j */
-                if (keep[2 * j]) {
-                    a[0] = _mm512_loadu_si512(v);
-                    a[1] = _mm512_loadu_si512(v + 32);
-                }
-                if (keep[2 * j + 1]) {
-                    b[0] = _mm512_loadu_si512(v + row);
-                    b[1] = _mm512_loadu_si512(v + row + 32);
-                }
-                const __m512bh vp[4] = {(__m512bh)_mm512_unpacklo_epi16(a[0], b[0]),
-                                        (__m512bh)_mm512_unpackhi_epi16(a[0], b[0]),
-                                        (__m512bh)_mm512_unpacklo_epi16(a[1], b[1]),
-                                        (__m512bh)_mm512_unpackhi_epi16(a[1], b[1])};
+                /* Rows of keys outside [first, last) may hold anything, even NaN: not read. */
+                if (!keep[j]) continue;
+                const uint16_t *value = values[j / 16] + (j % 16 * row + g * 64);  /* key k0 + j */
+                const __m512i lo = _mm512_loadu_si512(value), hi = _mm512_loadu_si512(value + 32);
+                const __m512 dims[4] = {_mm512_castsi512_ps(_mm512_slli_epi32(lo, 16)),
+                                        _mm512_castsi512_ps(_mm512_and_si512(lo, odd_dims)),
+                                        _mm512_castsi512_ps(_mm512_slli_epi32(hi, 16)),
+                                        _mm512_castsi512_ps(_mm512_and_si512(hi, odd_dims))};
                 for (int64_t hh = 0; hh < group; ++hh) {
-                    const __m512bh w = (__m512bh)_mm512_set1_epi32((int)pairs[j][g * group + hh]);
-                    for (int v = 0; v < 4; ++v) sums[hh][v] = _mm512_dpbf16_ps(sums[hh][v], vp[v], w);
+                    const __m512 w = _mm512_set1_ps(weights[j][g * group + hh]);
+                    for (int v = 0; v < 4; ++v) sums[hh][v] = _mm512_fmadd_ps(dims[v], w, sums[hh][v]);
                 }
             }
             for (int64_t hh = 0; hh < group; ++hh)
