@@ -3,7 +3,8 @@
 Each script runs as a subprocess (`sys.executable`), as a user would run it, and writes its JSON
 into tmp_path. Sizes are a few requests of a few tokens, so each run takes seconds. The pure
 helpers of the serving benchmark (arrivals, goodput, metrics, the capacity bisection) are also
-checked in process, without an engine.
+checked in process, without an engine, and the recorded workloads.json is checked to be one
+full run.
 """
 
 import importlib.util
@@ -202,6 +203,22 @@ def test_workloads(tiny_checkpoints, tmp_path):
     bad = run_script("benchmark_workloads.py", "--workloads", "A,Z")
     assert bad.returncode != 0 and "unknown workloads" in bad.stderr
 
+
+
+def test_recorded_workloads_are_one_full_run():
+    """README_GAUDI_CHUNKED's table quotes benchmarks/results/workloads.json: it must hold one run
+    of all five workloads at full size, on committed code, beside transformers and llama.cpp.
+    (A quick run of a subset once replaced it without anyone noticing.)"""
+    with open(os.path.join(BENCH, "results", "workloads.json")) as f:
+        recorded = json.load(f)
+    args = recorded["args"]
+    assert args["workloads"].split(",") == ["A", "B", "C", "D", "E"], args["workloads"]
+    assert args["backends"].split(",") == ["vllm", "hf", "llama.cpp"], args["backends"]
+    assert args["scale"] == 1.0
+    assert recorded["machine"]["git_dirty"] is False, "measured on uncommitted code"
+    assert set(recorded["workloads"]) == {"vllm", "hf", "llama.cpp"}
+    assert {"A_total_tokens_per_s", "B_ttft_s", "C_decode_tokens_per_s", "D_wall_s",
+            "E"} <= set(recorded["workloads"]["vllm"])
 
 # --------------------------------------------------------------------------- serving
 
