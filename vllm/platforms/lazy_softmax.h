@@ -3,7 +3,7 @@
  *
  * Each lane is one row of the softmax (a query, or a query head). Scores come in 16-lane rows,
  * one per key; the weights leave as bf16 pairs of keys, the layout of an AMX operand tile
- * (pairs of keys x lanes). The running maximum is raised only when a score exceeds it by more
+ * (pairs of keys x lanes), or as float32 rows for FMAs. The running maximum is raised only when a score exceeds it by more
  * than 2^MAX_GROWTH in weight, so the usual rescaling of the sums at every step is skipped and
  * the unnormalized weights stay below 2^MAX_GROWTH.
  */
