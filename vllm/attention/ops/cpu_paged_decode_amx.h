@@ -68,6 +68,51 @@ static inline void store_scores_amx(int64_t k0, int64_t last, float s[AMX_KEYS][
     if (k0 + 16 < last) _tile_stored(1, s[16], 64);
 }
 
+/* The cache rows of 32 keys PREFETCH_KEYS ahead: two runs of 16 rows, bytes[half] long
+ * (0: none), in the key and the value cache. */
+struct ahead {
+    const char *k[2], *v[2];
+    int64_t bytes[2];
+};
+
+/* Adds the values of keys [k0, k0 + 32) to the sums of KV head g's `group` query heads:
+ * values[0] and values[1] are the cache rows of keys k0 and k0 + 16, weights[j] the weights of
+ * key k0 + j (0 for keys outside the range, whose rows may hold anything, even NaN, and are not
+ * read). group is a constant where this is inlined: with a run-time group, GCC kept flags and
+ * mask registers for which sums were loaded, ~20 instructions a key. While it runs, it asks for
+ * this KV head's lines of the rows ahead, so that the requests are spread over all the passes
+ * (in one burst they fill the miss queue and the loop waits on them). */
+static inline __attribute__((always_inline)) void sum_values(
+        const uint16_t *const values[2], const float weights[AMX_KEYS][16], const __mmask16 *keep,
+        float acc[][64], int64_t g, int64_t group, int64_t row, const struct ahead *ahead) {
+    const __m512i odd_dims = _mm512_set1_epi32((int)0xffff0000u);
+    __m512 sums[AMX_MAX_GROUP][4];
+    for (int64_t hh = 0; hh < group; ++hh)
+        for (int v = 0; v < 4; ++v) sums[hh][v] = _mm512_load_ps(&acc[g * group + hh][16 * v]);
+    for (int64_t j = 0; j < AMX_KEYS; ++j) {
+        const int64_t half = j / 16, line = (j % 16) * row * 2 + g * 128; /* this head's 2 lines */
+        if (line < ahead->bytes[half]) {
+            _mm_prefetch(ahead->k[half] + line, _MM_HINT_T1);
+            _mm_prefetch(ahead->k[half] + line + 64, _MM_HINT_T1);
+            _mm_prefetch(ahead->v[half] + line, _MM_HINT_T1);
+            _mm_prefetch(ahead->v[half] + line + 64, _MM_HINT_T1);
+        }
+        if (!keep[j]) continue;
+        const uint16_t *value = values[half] + (j % 16 * row + g * 64);  /* key k0 + j */
+        const __m512i lo = _mm512_loadu_si512(value), hi = _mm512_loadu_si512(value + 32);
+        const __m512 dims[4] = {_mm512_castsi512_ps(_mm512_slli_epi32(lo, 16)),
+                                _mm512_castsi512_ps(_mm512_and_si512(lo, odd_dims)),
+                                _mm512_castsi512_ps(_mm512_slli_epi32(hi, 16)),
+                                _mm512_castsi512_ps(_mm512_and_si512(hi, odd_dims))};
+        for (int64_t hh = 0; hh < group; ++hh) {
+            const __m512 w = _mm512_set1_ps(weights[j][g * group + hh]);
+            for (int v = 0; v < 4; ++v) sums[hh][v] = _mm512_fmadd_ps(dims[v], w, sums[hh][v]);
+        }
+    }
+    for (int64_t hh = 0; hh < group; ++hh)
+        for (int v = 0; v < 4; ++v) _mm512_store_ps(&acc[g * group + hh][16 * v], sums[hh][v]);
+}
+
 static void attend_bf16_amx(const uint16_t *query, const uint16_t *key_cache, const uint16_t *value_cache,
                             const int64_t *table, int64_t first, int64_t last, float *partial,
                             int64_t num_heads, int64_t num_kv_heads, int64_t block_size, float scale) {
@@ -94,15 +139,12 @@ static void attend_bf16_amx(const uint16_t *query, const uint16_t *key_cache, co
          * sums run on the vector units; they are stored after. */
         const int64_t next = k0 + AMX_KEYS;
         if (next < last) score_step_amx(key_cache, table, next, last, block_size, row, qt, chunks);
-        /* The cache rows of the 32 keys PREFETCH_KEYS ahead, two runs of 16 rows each for K
-         * and V; the value loop below asks for them a pair of keys at a time. */
-        const char *ahead_k[2] = {NULL, NULL}, *ahead_v[2] = {NULL, NULL};
-        int64_t ahead_bytes[2] = {0, 0};
+        struct ahead ahead = {{NULL, NULL}, {NULL, NULL}, {0, 0}}; /* asked for by sum_values */
         for (int64_t half = 0; half < 2 && k0 + PREFETCH_KEYS + 16 * half < last; ++half) {
             const int64_t k = k0 + PREFETCH_KEYS + 16 * half;
-            ahead_k[half] = (const char *)(key_cache + slot_of(table, k, block_size) * row);
-            ahead_v[half] = (const char *)(value_cache + slot_of(table, k, block_size) * row);
-            ahead_bytes[half] = (last - k < 16 ? last - k : 16) * row * 2;
+            ahead.k[half] = (const char *)(key_cache + slot_of(table, k, block_size) * row);
+            ahead.v[half] = (const char *)(value_cache + slot_of(table, k, block_size) * row);
+            ahead.bytes[half] = (last - k < 16 ? last - k : 16) * row * 2;
         }
         __mmask16 keep[AMX_KEYS];
         for (int64_t j = 0; j < AMX_KEYS; ++j) keep[j] = k0 + j >= first && k0 + j < last ? heads : 0;
@@ -120,35 +162,14 @@ static void attend_bf16_amx(const uint16_t *query, const uint16_t *key_cache, co
          * value rows follow each other. (Past `last` no row is read.) */
         const uint16_t *values[2] = {value_cache + slot_of(table, k0, block_size) * row, NULL};
         values[1] = k0 + 16 < last ? value_cache + slot_of(table, k0 + 16, block_size) * row : values[0];
-        const __m512i odd_dims = _mm512_set1_epi32((int)0xffff0000u);
+        const float (*w)[16] = (const float (*)[16])weights;
         for (int64_t g = 0; g < num_kv_heads; ++g) {
-            __m512 sums[AMX_MAX_GROUP][4];
-            for (int64_t hh = 0; hh < group; ++hh)
-                for (int v = 0; v < 4; ++v) sums[hh][v] = _mm512_load_ps(&acc[g * group + hh][16 * v]);
-            for (int64_t j = 0; j < AMX_KEYS; ++j) {
-                if (g == 0) {  /* spread out: in one burst the requests fill the miss queue and the
-                                  * loop waits on them (7% slower with the cache in memory) */
-                    const int64_t half = j / 16, from = (j % 16) * row * 2;
-                    for (int64_t b = from; b < from + row * 2 && b < ahead_bytes[half]; b += 64) {
-                        _mm_prefetch(ahead_k[half] + b, _MM_HINT_T1);
-                        _mm_prefetch(ahead_v[half] + b, _MM_HINT_T1);
-                    }
-                }
-                /* Rows of keys outside [first, last) may hold anything, even NaN: not read. */
-                if (!keep[j]) continue;
-                const uint16_t *value = values[j / 16] + (j % 16 * row + g * 64);  /* key k0 + j */
-                const __m512i lo = _mm512_loadu_si512(value), hi = _mm512_loadu_si512(value + 32);
-                const __m512 dims[4] = {_mm512_castsi512_ps(_mm512_slli_epi32(lo, 16)),
-                                        _mm512_castsi512_ps(_mm512_and_si512(lo, odd_dims)),
-                                        _mm512_castsi512_ps(_mm512_slli_epi32(hi, 16)),
-                                        _mm512_castsi512_ps(_mm512_and_si512(hi, odd_dims))};
-                for (int64_t hh = 0; hh < group; ++hh) {
-                    const __m512 w = _mm512_set1_ps(weights[j][g * group + hh]);
-                    for (int v = 0; v < 4; ++v) sums[hh][v] = _mm512_fmadd_ps(dims[v], w, sums[hh][v]);
-                }
+            switch (group) {  /* a copy for each group size up to AMX_MAX_GROUP */
+            case 1: sum_values(values, w, keep, acc, g, 1, row, &ahead); break;
+            case 2: sum_values(values, w, keep, acc, g, 2, row, &ahead); break;
+            case 3: sum_values(values, w, keep, acc, g, 3, row, &ahead); break;
+            default: sum_values(values, w, keep, acc, g, 4, row, &ahead); break;
             }
-            for (int64_t hh = 0; hh < group; ++hh)
-                for (int v = 0; v < 4; ++v) _mm512_store_ps(&acc[g * group + hh][16 * v], sums[hh][v]);
         }
         if (next < last) store_scores_amx(next, last, s[cur ^ 1]);
     }
