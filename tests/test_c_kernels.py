@@ -82,6 +82,26 @@ def test_tile_gemm_matches_float32_linear(rows, shape, with_bias):
 
 @needs_cc
 @pytest.mark.skipif(cpu_tile_gemm.max_rows() == 0, reason="the CPU lacks AMX")
+@pytest.mark.parametrize("rows", [1, 5, 13, 16, 17, 32, 50, 77, 264])
+@pytest.mark.parametrize("shape", [(576, 3072), (64, 96), (64, 64), (96, 160)])  # in, out (gate | up)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_tile_gemm_silu_mul_equals_the_product_then_silu_mul(rows, shape, with_bias):
+    """Bit for bit the two steps it fuses: gate block j meets up block j half the weight later.
+    Up to 16 rows, groups of 2 pairs (3072 and 64 columns on 2 threads) and of 1 (96: 3 pairs,
+    160: 5); then 32-row slabs with a last one of 17-32 or 1-16 rows."""
+    torch.manual_seed(rows)
+    k, n = shape
+    x = torch.randn(rows, k).bfloat16()
+    weight = (torch.randn(n, k) / k ** 0.5).bfloat16()
+    bias = torch.randn(n).bfloat16() if with_bias else None
+    packed = cpu_tile_gemm.pack(weight)
+    got = cpu_tile_gemm.gemm_silu_mul(x, packed, bias)
+    assert got.shape == (rows, n // 2)
+    assert torch.equal(got, cpu_layer_ops.silu_mul(cpu_tile_gemm.gemm(x, packed, bias)))
+
+
+@needs_cc
+@pytest.mark.skipif(cpu_tile_gemm.max_rows() == 0, reason="the CPU lacks AMX")
 def test_tile_pack_only_takes_shapes_that_fill_whole_tiles():
     assert cpu_tile_gemm.pack(torch.randn(48, 64).bfloat16()) is not None
     assert cpu_tile_gemm.pack(torch.randn(40, 64).bfloat16()) is None   # out % 16

@@ -28,6 +28,7 @@
 
 #include "amx.h"
 #include "bf16.h"
+#include "layer_ops.h"
 
 #define MAX_ROWS 32
 #define GROUP 4  /* output blocks of 16 columns per x-tile load */
@@ -86,7 +87,40 @@ static void store_group(const float *out, const uint16_t *bias, uint16_t *y, int
         }
 }
 
-#define W_TILE(B) (packed + ((b0 + (B)) * kblocks + kb) * 512)
+/* y[:, 16 j0 : 16 (j0 + pairs)] = silu(gate) * up, where `out` (float32, GROUP * 16 columns a
+ * row) holds gate blocks j0 .. j0 + pairs - 1 and then the up blocks of the same columns; each
+ * value rounded to bf16 where torch rounds it (gate_up's output, silu's, the product). */
+static void store_silu_mul(const float *out, const uint16_t *bias, uint16_t *y, int64_t m, int64_t n,
+                           int64_t j0, int64_t pairs) {
+    for (int64_t r = 0; r < m; ++r)
+        for (int64_t p = 0; p < pairs; ++p) {
+            const float *gate = out + r * GROUP * 16 + 16 * p, *up = gate + 16 * pairs;
+            const int64_t j = (j0 + p) * 16;
+#ifdef VLLM_LAYER_OPS_X16
+            __m512 g = _mm512_loadu_ps(gate), u = _mm512_loadu_ps(up);
+            if (bias) {
+                g = _mm512_add_ps(g, bf16x16_to_float(bias + j));
+                u = _mm512_add_ps(u, bf16x16_to_float(bias + n + j));
+            }
+            const __m512 act = round_bf16x16(silu_x16(round_bf16x16(g)));
+            store_bf16x16(y + r * n + j, _mm512_mul_ps(act, round_bf16x16(u)));
+#else
+            for (int64_t i = 0; i < 16; ++i) {
+                const uint16_t g = round_bf16(gate[i] + (bias ? bf16_to_float(bias[j + i]) : 0.0f));
+                const uint16_t u = round_bf16(up[i] + (bias ? bf16_to_float(bias[n + j + i]) : 0.0f));
+                y[r * n + j + i] = round_bf16(mul_bf16(round_bf16(silu(bf16_to_float(g))), u));
+            }
+#endif
+        }
+}
+
+/* The column blocks of one group: the plain product's are consecutive (b0, b0 + 1, ..); the
+ * SiLU-and-multiply's are gate blocks j0 .. j0 + pairs - 1, then the up blocks half later. */
+static inline int64_t group_block(int fused, int64_t b0, int64_t pairs, int64_t half, int64_t i) {
+    return !fused ? b0 + i : i < pairs ? b0 + i : b0 + half + i - pairs;
+}
+
+#define W_TILE(B) (packed + (group_block(fused, b0, pairs, half, (B)) * kblocks + kb) * 512)
 
 static inline void zero_accumulators(void) {
     _tile_zero(0);
@@ -95,12 +129,13 @@ static inline void zero_accumulators(void) {
     _tile_zero(3);
 }
 
-/* Blocks of 16 columns per group, 2 to GROUP: the fewest blocks on the busiest thread (ties to
- * the larger group). 36 blocks on 2 threads are 12 groups of 3, 18 blocks each, where groups of
- * 4 would give one thread 20 and the other 16 while both share the memory's bandwidth. */
-static int64_t blocks_per_group(int64_t nblocks, int64_t threads) {
-    int64_t best = GROUP, best_load = INT64_MAX;
-    for (int64_t size = GROUP; size >= 2; --size) {
+/* Units (blocks of 16 columns, or gate/up pairs of them) per group, smallest to largest: the
+ * fewest units on the busiest thread (ties to the larger group). 36 blocks on 2 threads are 12
+ * groups of 3, 18 blocks each, where groups of 4 would give one thread 20 and the other 16
+ * while both share the memory's bandwidth. */
+static int64_t units_per_group(int64_t nblocks, int64_t threads, int64_t smallest, int64_t largest) {
+    int64_t best = largest, best_load = INT64_MAX;
+    for (int64_t size = largest; size >= smallest; --size) {
         const int64_t groups = (nblocks + size - 1) / size;
         const int64_t load = (groups + threads - 1) / threads * size;
         if (load < best_load) best = size, best_load = load;
@@ -108,18 +143,23 @@ static int64_t blocks_per_group(int64_t nblocks, int64_t threads) {
     return best;
 }
 
-/* Up to 16 rows: the blocks of a group (up to four) share each load of x's tile. */
+/* Up to 16 rows: the blocks of a group (up to four) share each load of x's tile. n: W's rows;
+ * fused: y gets silu(gate) * up, (m, n / 2). */
 static void gemm_16(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y,
-                    int64_t m, int64_t n, int64_t k) {
-    const int64_t kblocks = k / 32, nblocks = n / 16;
-    const int64_t size = blocks_per_group(nblocks, omp_get_max_threads()), groups = (nblocks + size - 1) / size;
+                    int64_t m, int64_t n, int64_t k, int fused) {
+    const int64_t kblocks = k / 32, nblocks = n / 16, half = nblocks / 2, threads = omp_get_max_threads();
+    /* the unit: a block, or (fused) a pair of gate and up blocks */
+    const int64_t units = fused ? half : nblocks;
+    const int64_t size = fused ? units_per_group(units, threads, 1, GROUP / 2) : units_per_group(units, threads, 2, GROUP);
+    const int64_t groups = (units + size - 1) / size;
     #pragma omp parallel
     {
         configure_tiles(m, 0);
         float out[16 * GROUP * 16];
         #pragma omp for schedule(static)
         for (int64_t g = 0; g < groups; ++g) {
-            const int64_t b0 = g * size, blocks = nblocks - b0 < size ? nblocks - b0 : size;
+            const int64_t b0 = g * size, count = units - b0 < size ? units - b0 : size;
+            const int64_t pairs = fused ? count : 0, blocks = fused ? 2 * count : count;
             zero_accumulators();
             for (int64_t kb = 0; kb < kblocks; ++kb) {
                 _tile_loadd(4, x + kb * 32, k * 2);
@@ -133,7 +173,10 @@ static void gemm_16(const uint16_t *x, const uint16_t *packed, const uint16_t *b
             _tile_stored(1, out + 16, GROUP * 64);
             _tile_stored(2, out + 32, GROUP * 64);
             _tile_stored(3, out + 48, GROUP * 64);
-            store_group(out, bias, y, m, n, b0, blocks);
+            if (fused)
+                store_silu_mul(out, bias, y, m, n / 2, b0, pairs);
+            else
+                store_group(out, bias, y, m, n, b0, blocks);
         }
         _tile_release();
     }
@@ -145,19 +188,27 @@ static void gemm_16(const uint16_t *x, const uint16_t *packed, const uint16_t *b
  * next pair's are prefetched into L2 meanwhile, spread over the slabs. A last slab of 1-16 rows
  * takes one tile of x, so no rows need a second pass over W. */
 static void gemm_slabs(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y,
-                       int64_t m, int64_t n, int64_t k) {
-    const int64_t kblocks = k / 32, nblocks = n / 16, groups = (nblocks + 1) / 2;
+                       int64_t m, int64_t n, int64_t k, int fused) {
+    const int64_t kblocks = k / 32, nblocks = n / 16, half = nblocks / 2;
+    const int64_t groups = fused ? half : (nblocks + 1) / 2, pairs = fused ? 1 : 0;
     const int64_t slabs = (m + 31) / 32, lines_per_step = (32 + slabs - 1) / slabs;
-    const char *w_end = (const char *)(packed + nblocks * kblocks * 512);
+    const int64_t run = kblocks * 1024;  /* bytes of one block's tiles */
     #pragma omp parallel
     {
         int64_t configured = 0;  /* the slab height the tiles are set up for */
         float out[MAX_ROWS * GROUP * 16];  /* rows 0-15, then 16-31 */
         #pragma omp for schedule(static)
         for (int64_t g = 0; g < groups; ++g) {
-            const int64_t b0 = g * 2, blocks = nblocks - b0 < 2 ? nblocks - b0 : 2;
-            const char *ahead = (const char *)(packed + (b0 + blocks) * kblocks * 512);
-            const char *ahead_end = ahead + 2 * kblocks * 1024 < w_end ? ahead + 2 * kblocks * 1024 : w_end;
+            const int64_t b0 = fused ? g : g * 2, blocks = fused ? 2 : nblocks - b0 < 2 ? nblocks - b0 : 2;
+            /* The next group's two blocks, prefetched in turn: `ahead` walks the first, then
+             * the second (the plain product's follow each other, the fused one's lie half apart). */
+            const int64_t next = g + 1 < groups ? (fused ? g + 1 : b0 + 2) : -1;
+            const int64_t next_blocks = next < 0 ? 0 : fused ? 2 : nblocks - next < 2 ? nblocks - next : 2;
+            const char *runs[2] = {NULL, NULL};
+            for (int64_t i = 0; i < next_blocks; ++i)
+                runs[i] = (const char *)(packed + group_block(fused, next, 1, half, i) * kblocks * 512);
+            const char *ahead = runs[0], *ahead_end = runs[0] ? runs[0] + run : NULL;
+            int64_t ahead_run = 0;
             for (int64_t r0 = 0; r0 < m; r0 += 32) {
                 const int64_t rows = m - r0 < 32 ? m - r0 : 32;
                 if (rows != configured) {
@@ -167,8 +218,14 @@ static void gemm_slabs(const uint16_t *x, const uint16_t *packed, const uint16_t
                 const uint16_t *slab = x + r0 * k;
                 zero_accumulators();
                 for (int64_t kb = 0; kb < kblocks; ++kb) {
-                    for (int64_t i = 0; i < lines_per_step && ahead < ahead_end; ++i, ahead += 64)
+                    for (int64_t i = 0; i < lines_per_step && ahead < ahead_end; ++i) {
                         _mm_prefetch(ahead, _MM_HINT_T1);
+                        ahead += 64;
+                        if (ahead == ahead_end && ++ahead_run < next_blocks) {
+                            ahead = runs[ahead_run];
+                            ahead_end = ahead + run;
+                        }
+                    }
                     /* x's tiles with the streaming hint: they pass through L1 once per pair
                      * and would evict the pair's W tiles, which every slab reuses. */
                     _tile_stream_loadd(4, slab + kb * 32, k * 2);
@@ -190,7 +247,10 @@ static void gemm_slabs(const uint16_t *x, const uint16_t *packed, const uint16_t
                     _tile_stored(2, out + 16 * GROUP * 16, GROUP * 64);
                     _tile_stored(3, out + 16 * GROUP * 16 + 16, GROUP * 64);
                 }
-                store_group(out, bias, y + r0 * n, rows, n, b0, blocks);
+                if (fused)
+                    store_silu_mul(out, bias, y + r0 * (n / 2), rows, n / 2, b0, 1);
+                else
+                    store_group(out, bias, y + r0 * n, rows, n, b0, blocks);
             }
         }
         _tile_release();
@@ -201,9 +261,22 @@ int tile_gemm_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *bi
                    int64_t m, int64_t n, int64_t k) {
     if (m < 1 || !tile_gemm_fits(n, k)) return 1;
     if (m <= 16)
-        gemm_16(x, packed, bias, y, m, n, k);
+        gemm_16(x, packed, bias, y, m, n, k, 0);
     else
-        gemm_slabs(x, packed, bias, y, m, n, k);
+        gemm_slabs(x, packed, bias, y, m, n, k, 0);
+    return 0;
+}
+
+/* y (m, n / 2) = silu(gate) * up of gate_up = x @ W^T + bias, W's rows gate then up (n of
+ * them, n % 32 == 0): the products of gate's block j and up's block j meet in one group, and
+ * the group's epilogue writes the activation, so gate_up never goes to memory. */
+int tile_gemm_silu_mul_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y,
+                            int64_t m, int64_t n, int64_t k) {
+    if (m < 1 || !tile_gemm_fits(n, k) || n % 32) return 1;
+    if (m <= 16)
+        gemm_16(x, packed, bias, y, m, n, k, 1);
+    else
+        gemm_slabs(x, packed, bias, y, m, n, k, 1);
     return 0;
 }
 
@@ -215,6 +288,11 @@ int tile_gemm_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *bi
                    int64_t m, int64_t n, int64_t k) {
     (void)x; (void)packed; (void)bias; (void)y; (void)m; (void)n; (void)k;
     return 1;
+}
+
+int tile_gemm_silu_mul_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y,
+                            int64_t m, int64_t n, int64_t k) {
+    return tile_gemm_bf16(x, packed, bias, y, m, n, k);
 }
 
 #endif

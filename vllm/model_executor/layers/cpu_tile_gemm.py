@@ -24,6 +24,7 @@ def _library() -> ctypes.CDLL | None:
         return None
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.tile_gemm_bf16.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64]
+    lib.tile_gemm_silu_mul_bf16.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64]
     lib.tile_pack_bf16.argtypes = [ptr, ptr, i64, i64]
     lib.tile_gemm_fits.argtypes = [i64, i64]
     return lib
@@ -52,15 +53,28 @@ def pack(weight: torch.Tensor) -> torch.Tensor | None:
 
 def gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x: (M, K) bf16, any M >= 1; packed: `pack(weight)` of an (N, K) weight -> (M, N)."""
+    return _call("tile_gemm_bf16", x, packed, bias, packed.shape[0])
+
+
+def gemm_silu_mul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x: (M, K) bf16, any M >= 1; packed: `pack(weight)` of a merged gate/up weight (2 I, K),
+    gate's rows then up's, 2 I % 32 == 0 -> silu(gate) * up, (M, I), rounded to bf16 as the
+    product followed by SiLU-and-multiply would round. gate_up never goes to memory."""
+    assert packed.shape[0] % 32 == 0
+    return _call("tile_gemm_silu_mul_bf16", x, packed, bias, packed.shape[0] // 2)
+
+
+def _call(function: str, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+          columns: int) -> torch.Tensor:
     lib = _library()
     assert lib is not None and x.shape[0] > 0 and x.dtype == torch.bfloat16
     assert bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous())
     x = x.contiguous()
     (m, k), n = x.shape, packed.shape[0]
     assert packed.shape[1] == k
-    y = x.new_empty(m, n)
-    status = lib.tile_gemm_bf16(x.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(),
-                                y.data_ptr(), m, n, k)
+    y = x.new_empty(m, columns)                                                # (M, columns)
+    status = getattr(lib, function)(x.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(),
+                                    y.data_ptr(), m, n, k)
     assert status == 0
     return y
 

@@ -89,6 +89,19 @@ class Linear(nn.Linear):
         return _linear(x, self.weight, self.bias)
 
 
+def silu_mul_linear(layer: Linear, x: torch.Tensor) -> torch.Tensor | None:
+    """silu(gate) * up of `layer(x)`, whose output columns are gate's then up's, in one pass of
+    the tile GEMM: (T, in) -> (T, out / 2), or None where these rows do not run on the tile copy
+    (the caller then applies the layer and the activation). The same roundings as the two steps;
+    the (T, out) product never goes to memory (SmolLM2's MLPs at 256 rows, 30 layers with the
+    weights coming from memory: 25.5 -> 22.1 ms)."""
+    rows = x.shape[0]
+    if (layer.tiled is None or layer.tiled.shape[0] % 32 or torch.compiler.is_compiling()
+            or not cpu_gemv.max_rows() < rows <= PACKED_MAX_ROWS):
+        return None
+    return cpu_tile_gemm.gemm_silu_mul(x, layer.tiled, layer.bias)
+
+
 def pack_linear_weights(model: nn.Module) -> None:
     """Packs every `Linear` of a loaded CPU bf16 model (weights must not change afterwards)."""
     for module in model.modules():

@@ -16,7 +16,7 @@ from vllm.attention.layer import attention
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers import cpu_layer_ops
 from vllm.model_executor.layers.layernorm import RMSNorm
-from vllm.model_executor.layers.linear import Linear
+from vllm.model_executor.layers.linear import Linear, silu_mul_linear
 from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding, apply_rotary
 from vllm.model_executor.models.llama_cpu_decode import FusedDecodeLayers
 
@@ -77,6 +77,9 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        act = silu_mul_linear(self.gate_up_proj, x)                            # (T, I) or None
+        if act is not None:
+            return self.down_proj(act)                                          # (T, hidden)
         gate_up = self.gate_up_proj(x)                                          # (T, 2 I)
         if cpu_layer_ops.usable(gate_up):
             return self.down_proj(cpu_layer_ops.silu_mul(gate_up))              # (T, hidden)
