@@ -19,6 +19,10 @@
  * plainly, x evicts them and every tile load goes to L2. On SmolLM2's layer GEMMs with the
  * weights coming from memory that is 2.1-2.3 TFLOP/s at 256-512 rows (1.8-1.9 before the hint).
  *
+ * tile_gemm_silu_mul_bf16 runs a merged gate/up weight with SiLU-and-multiply in the epilogue:
+ * its groups pair gate's column blocks with up's, half the weight apart, so the (m, n) product
+ * never goes to memory (SmolLM2's MLPs at 256 rows: 25.5 -> 22.1 ms for 30 layers).
+ *
  * Layouts: x (m, k) contiguous; W (n, k) as nn.Linear stores it; y (m, n); k % 32 == 0,
  * n % 16 == 0 (tile_gemm_fits). Accumulation in float32, one rounding to bf16 at the end.
  */
