@@ -79,7 +79,9 @@ def _call(function: str, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tens
     return y
 
 
-def kernel_address() -> int | None:
-    """Address of the C function `tile_gemm_bf16`, for C code that calls it; None where unavailable."""
+def kernel_address(function: str = "tile_gemm_bf16") -> int | None:
+    """Address of the C function `tile_gemm_bf16` (or `tile_gemm_silu_mul_bf16`), for C code that
+    calls it; None where unavailable."""
+    assert function in ("tile_gemm_bf16", "tile_gemm_silu_mul_bf16")
     lib = _library()
-    return None if lib is None else ctypes.cast(lib.tile_gemm_bf16, ctypes.c_void_p).value
+    return None if lib is None else ctypes.cast(getattr(lib, function), ctypes.c_void_p).value

@@ -5,7 +5,8 @@
  * ops, the norms, rotary, residual adds, cache write and attention between the four GEMVs cost
  * as much again in dispatch. Here they are a few microseconds of C on T <= 32 rows, and
  * the products and attention are the kernels of cpu_gemv.c (up to 4 rows), cpu_tile_gemm.c (up
- * to 32) and cpu_paged_decode.c, passed in as function pointers (each kernel keeps one source).
+ * to 32; SiLU-and-multiply in gate_up's epilogue there) and cpu_paged_decode.c, passed in as
+ * function pointers (each kernel keeps one source).
  *
  * Every intermediate is rounded to bf16 where the torch layer rounds it (eager bf16 ops), so
  * the two paths differ only in the order of a norm's float32 sum and in the exp of SiLU (both
@@ -52,6 +53,7 @@ struct decode_step {
     int64_t gemv_rows;            /* up to this many rows the GEMV, above it the tile GEMM */
     gemv_fn gemv;
     tile_gemm_fn tile_gemm;       /* NULL: none */
+    tile_gemm_fn tile_gemm_silu_mul;  /* gate_up's product with SiLU-and-multiply as its epilogue */
     attend_fn attend;
 };
 
@@ -96,9 +98,13 @@ int llama_decode_layer(const struct decode_layer *L, const struct decode_step *S
 
     #pragma omp parallel for schedule(static) if (t >= 8)
     for (int64_t r = 0; r < t; ++r) rms_norm_row(hidden + r * h, L->post_norm, normed + r * h, h, L->eps);
-    status |= project(S, normed, L->gate_up, L->gate_up_tiles, L->gate_up_bias, wide, t, 2 * inter, h);  /* (T, 2I) */
-    #pragma omp parallel for schedule(static)
-    for (int64_t r = 0; r < t; ++r) silu_mul_row(wide + r * 2 * inter, act + r * inter, inter);
+    if (t > S->gemv_rows && L->gate_up_tiles != NULL && S->tile_gemm_silu_mul != NULL) {  /* (T, I) */
+        status |= S->tile_gemm_silu_mul(normed, L->gate_up_tiles, L->gate_up_bias, act, t, 2 * inter, h);
+    } else {
+        status |= project(S, normed, L->gate_up, L->gate_up_tiles, L->gate_up_bias, wide, t, 2 * inter, h);  /* (T, 2I) */
+        #pragma omp parallel for schedule(static)
+        for (int64_t r = 0; r < t; ++r) silu_mul_row(wide + r * 2 * inter, act + r * inter, inter);
+    }
     status |= project(S, act, L->down, L->down_tiles, L->down_bias, proj, t, h, inter);           /* (T, hidden) */
     add_into(hidden, proj, t * h);
     free(buf);

@@ -40,7 +40,8 @@ class _Step(ctypes.Structure):
     """struct decode_step of llama_cpu_decode.c, field for field."""
     _fields_ = [("tokens", _i64), ("cos", _ptr), ("sin", _ptr), ("slots", _ptr), ("block_tables", _ptr),
                 ("seq_lens", _ptr), ("max_blocks", _i64), ("block_size", _i64), ("window", _i64),
-                ("gemv_rows", _i64), ("gemv", _ptr), ("tile_gemm", _ptr), ("attend", _ptr)]
+                ("gemv_rows", _i64), ("gemv", _ptr), ("tile_gemm", _ptr), ("tile_gemm_silu_mul", _ptr),
+                ("attend", _ptr)]
 
 
 @functools.cache
@@ -81,6 +82,9 @@ class FusedDecodeLayers:
                                                          layer.mlp.gate_up_proj, layer.mlp.down_proj)]
         # Above the GEMV's rows, only if every product has its tile copy (Linear.pack).
         self._tile_gemm = cpu_tile_gemm.kernel_address()
+        # gate_up's epilogue pairs gate's 16-column blocks with up's: needs intermediate % 16 == 0.
+        pairs = all(layer.mlp.intermediate_size % 16 == 0 for layer in model.layers)
+        self._tile_gemm_silu_mul = cpu_tile_gemm.kernel_address("tile_gemm_silu_mul_bf16") if pairs else None
         tiled = self._tile_gemm is not None and all(_tiles(m) is not None for m in linears)
         self.max_tokens = max(self._gemv_rows, cpu_tile_gemm.max_rows() if tiled else 0)
         self._layers = []
@@ -130,7 +134,7 @@ class FusedDecodeLayers:
         step = _Step(hidden.shape[0], cos.data_ptr(), sin.data_ptr(), metadata.slot_mapping.data_ptr(),
                      paged.block_tables.data_ptr(), paged.seq_lens.data_ptr(), paged.block_tables.shape[1],
                      key_cache.shape[1], paged.sliding_window or 0, self._gemv_rows, self._gemv,
-                     self._tile_gemm, self._attend)
+                     self._tile_gemm, self._tile_gemm_silu_mul, self._attend)
         run, step_ref, out = self._lib.llama_decode_layer, ctypes.byref(step), hidden.data_ptr()
         for layer, (k, v) in zip(self._layers, kv_caches, strict=True):
             status = run(ctypes.byref(layer), step_ref, out, k.data_ptr(), v.data_ptr())
