@@ -2,6 +2,8 @@
 
 import random
 
+import pytest
+
 from tests.utils import random_prompts
 from vllm import LLM, SamplingParams
 
@@ -68,3 +70,27 @@ def test_static_capture_has_one_graph_per_bucket(tiny_checkpoints, monkeypatch):
     stats = engine.graph_stats
     assert stats.graphs_compiled_at_warmup == len(stats.buckets) == 6
     assert stats.compiles_after_warmup == 0 and stats.unwarmed_steps == 0
+
+
+def test_bf16_graphs_call_the_packed_ops_at_run_time(tiny_checkpoints, monkeypatch):
+    """bf16 on CPU packs the linear layers: inside the graph they are the opaque
+    `vllm::packed_linear` and `vllm::silu_mul_linear` ops, which pick the tile GEMM (and its
+    SiLU-and-multiply epilogue) at run time, so the one graph still serves every bucket."""
+    import torch._dynamo
+
+    from vllm.model_executor.layers import cpu_tile_gemm
+
+    if cpu_tile_gemm.max_rows() == 0:
+        pytest.skip("the CPU lacks AMX: no tile copies")
+    calls = []
+    fused = cpu_tile_gemm.gemm_silu_mul
+    monkeypatch.setattr(cpu_tile_gemm, "gemm_silu_mul", lambda *a: calls.append(a[0].shape[0]) or fused(*a))
+    torch._dynamo.reset()
+    llm = LLM(tiny_checkpoints["llama"], dtype="bfloat16", max_model_len=256, block_size=16,
+              num_gpu_blocks_override=24, max_num_batched_tokens=64, max_num_seqs=8, enforce_eager=False)
+    warmup_calls = len(calls)
+    prompts, params = _workload(7)
+    llm.generate(prompts, params, use_tqdm=False)
+    stats = llm.llm_engine.graph_stats
+    assert stats.graphs_compiled_at_warmup == 1 and stats.compiles_after_warmup == 0
+    assert warmup_calls > 0 and len(calls) > warmup_calls  # the epilogue ran in the graph's steps
