@@ -13,7 +13,9 @@ CPUs without AMX a oneDNN-blocked copy takes the tile copy's place: it reads its
 Inside a captured graph the packed copies (the oneDNN one an opaque MKLDNN tensor) cannot be
 traced, so there the layer calls the `vllm::packed_linear` custom op on the plain weight; the
 op finds the packed copy of that weight at run time. Keying by the weight's storage, not by
-the layer, keeps one graph for all layers that share a shape.
+the layer, keeps one graph for all layers that share a shape. An MLP's merged gate/up layer
+and its activation are one more op, `vllm::silu_mul_linear` (silu_mul_linear): on the tile
+copy the activation is the GEMM's epilogue.
 """
 
 import weakref
@@ -22,7 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vllm.model_executor.layers import cpu_gemv, cpu_layer_ops, cpu_tile_gemm
+from vllm.model_executor.layers import cpu_gemv, cpu_tile_gemm
+from vllm.model_executor.layers.activation import silu_and_mul
 
 PACKED_MAX_ROWS = 512
 
@@ -102,13 +105,7 @@ def _tile_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 def silu_mul_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x: (T, in), weight: (2 I, in), gate's rows then up's -> silu(gate) * up, (T, I)."""
     act = _tile_silu_mul(x, weight, bias)
-    if act is not None:
-        return act
-    gate_up = _linear(x, weight, bias)                                         # (T, 2 I)
-    if cpu_layer_ops.usable(gate_up):
-        return cpu_layer_ops.silu_mul(gate_up)
-    gate, up = gate_up.chunk(2, dim=-1)                                        # (T, I) each
-    return F.silu(gate) * up
+    return act if act is not None else silu_and_mul(_linear(x, weight, bias))
 
 
 @silu_mul_linear_op.register_fake

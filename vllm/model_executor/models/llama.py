@@ -9,12 +9,11 @@ names are Hugging Face's, except that q/k/v and gate/up are fused into one matmu
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from vllm.attention.layer import attention
 from vllm.forward_context import get_forward_context
-from vllm.model_executor.layers import cpu_layer_ops
+from vllm.model_executor.layers.activation import silu_and_mul
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import Linear, silu_mul_linear
 from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding, apply_rotary
@@ -78,13 +77,9 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         act = silu_mul_linear(self.gate_up_proj, x)                            # (T, I) or None
-        if act is not None:
-            return self.down_proj(act)                                          # (T, hidden)
-        gate_up = self.gate_up_proj(x)                                          # (T, 2 I)
-        if cpu_layer_ops.usable(gate_up):
-            return self.down_proj(cpu_layer_ops.silu_mul(gate_up))              # (T, hidden)
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)               # (T, I) each
-        return self.down_proj(F.silu(gate) * up)                               # (T, hidden)
+        if act is None:
+            act = silu_and_mul(self.gate_up_proj(x))                            # (T, I)
+        return self.down_proj(act)                                              # (T, hidden)
 
 
 class LlamaDecoderLayer(nn.Module):
