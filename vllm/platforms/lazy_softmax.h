@@ -5,7 +5,8 @@
  * one per key; the weights leave as bf16 pairs of keys, the layout of an AMX operand tile
  * (pairs of keys x lanes), or as float32 rows for FMAs. The running maximum is raised only when a score exceeds it by more
  * than 2^MAX_GROWTH in weight, so the usual rescaling of the sums at every step is skipped and
- * the unnormalized weights stay below 2^MAX_GROWTH.
+ * the unnormalized weights stay below 2^MAX_GROWTH; and a step's weights are first computed
+ * against the maximum as it stands, which most steps keep (lazy_softmax_accept).
  */
 #ifndef VLLM_LAZY_SOFTMAX_H
 #define VLLM_LAZY_SOFTMAX_H
@@ -68,37 +69,51 @@ static inline int lazy_softmax_raise(struct lazy_softmax *st, __m512 step_max, _
     return 1;
 }
 
-/* Weights of `rows` (even) score rows, 0 outside `keep`, added to the totals and stored as
- * bf16 pairs: lane i of pairs[j] = the weights of rows 2j and 2j + 1 in lane i. */
-static inline void lazy_softmax_weights(struct lazy_softmax *st, const float (*s)[16], const __mmask16 *keep,
+/* Weights of `rows` (even) score rows against the running maximum as it stands, 0 outside
+ * `keep`, stored as bf16 pairs: lane i of pairs[j] = the weights of rows 2j and 2j + 1 in lane
+ * i. Returns their sum in each lane, for lazy_softmax_accept (not yet in the totals). */
+static inline __m512 lazy_softmax_pairs(const struct lazy_softmax *st, const float (*s)[16], const __mmask16 *keep,
                                         int rows, uint32_t (*pairs)[16]) {
     /* Interleaves two rows of 16 bf16 into 16 pairs. */
     const __m512i pair_order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
                                                 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     const __m512 c = st->log2e_scale, scaled_max = _mm512_mul_ps(st->max, c);
-    __m512 totals[2] = {st->total, _mm512_setzero_ps()};
+    __m512 sums[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
     for (int j = 0; j < rows; j += 2) {
         const __m512 p0 = exp2_masked(keep[j], _mm512_fmsub_ps(_mm512_load_ps(s[j]), c, scaled_max));
         const __m512 p1 = exp2_masked(keep[j + 1], _mm512_fmsub_ps(_mm512_load_ps(s[j + 1]), c, scaled_max));
-        totals[j / 2 % 2] = _mm512_add_ps(totals[j / 2 % 2], _mm512_add_ps(p0, p1));
+        sums[j / 2 % 2] = _mm512_add_ps(sums[j / 2 % 2], _mm512_add_ps(p0, p1));
         const __m512i pair = (__m512i)_mm512_cvtne2ps_pbh(p1, p0); /* p0 in lanes 0-15 */
         _mm512_store_si512(pairs[j / 2], _mm512_permutexvar_epi16(pair_order, pair));
     }
-    st->total = _mm512_add_ps(totals[0], totals[1]);
+    return _mm512_add_ps(sums[0], sums[1]);
 }
 
-/* The same weights as float32 rows (weights[j] lane i: row j's weight in lane i), added to the
- * totals: for products on the vector units, where float32 FMAs outrun bf16 dot products. */
-static inline void lazy_softmax_weights_f32(struct lazy_softmax *st, const float (*s)[16], const __mmask16 *keep,
-                                            int rows, float (*weights)[16]) {
+/* The same weights as float32 rows (weights[j] lane i: row j's weight in lane i), for products
+ * on the vector units, where float32 FMAs outrun bf16 dot products. Returns their sums. */
+static inline __m512 lazy_softmax_rows(const struct lazy_softmax *st, const float (*s)[16], const __mmask16 *keep,
+                                       int rows, float (*weights)[16]) {
     const __m512 c = st->log2e_scale, scaled_max = _mm512_mul_ps(st->max, c);
-    __m512 totals[2] = {st->total, _mm512_setzero_ps()};
+    __m512 sums[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
     for (int j = 0; j < rows; ++j) {
         const __m512 p = exp2_masked(keep[j], _mm512_fmsub_ps(_mm512_load_ps(s[j]), c, scaled_max));
-        totals[j % 2] = _mm512_add_ps(totals[j % 2], p);
+        sums[j % 2] = _mm512_add_ps(sums[j % 2], p);
         _mm512_store_ps(weights[j], p);
     }
-    st->total = _mm512_add_ps(totals[0], totals[1]);
+    return _mm512_add_ps(sums[0], sums[1]);
+}
+
+/* A step's weights, computed against the maximum as it stands, stand if no lane's sum exceeds
+ * 2^MAX_GROWTH, for then no weight does: the sums go into the totals and it returns 1. Else (a
+ * larger score, or the first step, whose maximum is -inf: its sums are inf) it returns 0, and
+ * the caller finds the step's maximum (masked_max), raises the running one (lazy_softmax_raise),
+ * rescales what it has summed, and computes the weights again, adding their sums itself. Most
+ * steps so skip the pass over the scores for their maximum: the prefill kernel at 512 queries
+ * after 1536 keys, 1.77-1.88 -> 1.63-1.67 ms, 248 after 1000 0.61-0.70 -> 0.55-0.63 ms. */
+static inline int lazy_softmax_accept(struct lazy_softmax *st, __m512 sums) {
+    if (_mm512_cmp_ps_mask(sums, _mm512_set1_ps(1 << (int)MAX_GROWTH), _CMP_NLE_UQ)) return 0; /* or NaN */
+    st->total = _mm512_add_ps(st->total, sums);
+    return 1;
 }
 
 #endif

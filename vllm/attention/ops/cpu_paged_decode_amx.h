@@ -149,16 +149,19 @@ static void attend_bf16_amx(const uint16_t *query, const uint16_t *key_cache, co
         }
         __mmask16 keep[AMX_KEYS];
         for (int64_t j = 0; j < AMX_KEYS; ++j) keep[j] = k0 + j >= first && k0 + j < last ? heads : 0;
-        __m512 alpha;
-        if (lazy_softmax_raise(&st, masked_max((const float (*)[16])s[cur], keep, AMX_KEYS), &alpha)) {
-            float factor[16] __attribute__((aligned(64)));
-            _mm512_store_ps(factor, alpha);
-            for (int64_t h = 0; h < num_heads; ++h)
-                for (int v = 0; v < 4; ++v)
-                    _mm512_store_ps(&acc[h][16 * v], _mm512_mul_ps(_mm512_load_ps(&acc[h][16 * v]),
-                                                                   _mm512_set1_ps(factor[h])));
+        const float (*scores)[16] = (const float (*)[16])s[cur];
+        if (!lazy_softmax_accept(&st, lazy_softmax_rows(&st, scores, keep, AMX_KEYS, weights))) {
+            __m512 alpha;
+            if (lazy_softmax_raise(&st, masked_max(scores, keep, AMX_KEYS), &alpha)) {
+                float factor[16] __attribute__((aligned(64)));
+                _mm512_store_ps(factor, alpha);
+                for (int64_t h = 0; h < num_heads; ++h)
+                    for (int v = 0; v < 4; ++v)
+                        _mm512_store_ps(&acc[h][16 * v], _mm512_mul_ps(_mm512_load_ps(&acc[h][16 * v]),
+                                                                       _mm512_set1_ps(factor[h])));
+            }
+            st.total = _mm512_add_ps(st.total, lazy_softmax_rows(&st, scores, keep, AMX_KEYS, weights));
         }
-        lazy_softmax_weights_f32(&st, (const float (*)[16])s[cur], keep, AMX_KEYS, weights);
         /* Each 16 keys from a multiple of 16 lie in one block (block_size % 16 == 0): their
          * value rows follow each other. (Past `last` no row is read.) */
         const uint16_t *values[2] = {value_cache + slot_of(table, k0, block_size) * row, NULL};
