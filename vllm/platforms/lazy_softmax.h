@@ -11,7 +11,7 @@
 #ifndef VLLM_LAZY_SOFTMAX_H
 #define VLLM_LAZY_SOFTMAX_H
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
 #define VLLM_HAVE_LAZY_SOFTMAX 1
 
 #include <immintrin.h>
@@ -20,17 +20,18 @@
 
 #define MAX_GROWTH 8.0f /* log2 of how far weights may exceed 1 before a rescale */
 
-/* 2^x in the lanes of `keep`, 0 in the others (whatever x holds there, even NaN): 2^n by
- * scalef and, for 2^f with |f| <= 1/2, a cubic fitted to its relative error (at most 8e-5,
- * far below the bf16 rounding the weights get next). */
+/* 2^x in the lanes of `keep`, 0 in the others (whatever x holds there, even NaN): vreduceps
+ * gives f = x - floor(x) in [0, 1), a cubic fitted to its relative error gives 2^f (at most
+ * 7.5e-5, far below the bf16 rounding the weights get next), and scalef multiplies by
+ * 2^floor(x) itself. (Rounding x and subtracting took two instructions more: the prefill kernel
+ * at 512 queries after 1536 keys, 1.64-1.70 -> 1.58-1.63 ms.) */
 static inline __m512 exp2_masked(__mmask16 keep, __m512 x) {
-    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(x, n);
-    __m512 p = _mm512_set1_ps(5.5088684e-2f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4260405e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9327623e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.9992895e-1f));
-    return _mm512_maskz_scalef_ps(keep, p, n);
+    const __m512 f = _mm512_reduce_ps(x, _MM_FROUND_TO_NEG_INF);
+    __m512 p = _mm512_set1_ps(7.802429e-2f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.2606728e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9583361e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.999252e-1f));
+    return _mm512_maskz_scalef_ps(keep, p, x);
 }
 
 /* Per lane: the running maximum of its scores (raw, before the scale), and the total of its
