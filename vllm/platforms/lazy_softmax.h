@@ -3,10 +3,11 @@
  *
  * Each lane is one row of the softmax (a query, or a query head). Scores come in 16-lane rows,
  * one per key; the weights leave as bf16 pairs of keys, the layout of an AMX operand tile
- * (pairs of keys x lanes), or as float32 rows for FMAs. The running maximum is raised only when a score exceeds it by more
- * than 2^MAX_GROWTH in weight, so the usual rescaling of the sums at every step is skipped and
- * the unnormalized weights stay below 2^MAX_GROWTH; and a step's weights are first computed
- * against the maximum as it stands, which most steps keep (lazy_softmax_accept).
+ * (pairs of keys x lanes), or as float32 rows for FMAs. The running maximum is raised only
+ * when a score exceeds it by more than 2^MAX_GROWTH in weight, so the usual rescaling of the
+ * sums at every step is skipped and the unnormalized weights stay below 2^MAX_GROWTH; and a
+ * step's weights are first computed against the maximum as it stands, which most steps keep
+ * (lazy_softmax_accept).
  */
 #ifndef VLLM_LAZY_SOFTMAX_H
 #define VLLM_LAZY_SOFTMAX_H
@@ -112,7 +113,7 @@ static inline __m512 lazy_softmax_rows(const struct lazy_softmax *st, const floa
  * steps so skip the pass over the scores for their maximum: the prefill kernel at 512 queries
  * after 1536 keys, 1.77-1.88 -> 1.63-1.67 ms, 248 after 1000 0.61-0.70 -> 0.55-0.63 ms. */
 static inline int lazy_softmax_accept(struct lazy_softmax *st, __m512 sums) {
-    if (_mm512_cmp_ps_mask(sums, _mm512_set1_ps(1 << (int)MAX_GROWTH), _CMP_NLE_UQ)) return 0; /* or NaN */
+    if (_mm512_cmp_ps_mask(sums, _mm512_set1_ps(exp2f(MAX_GROWTH)), _CMP_NLE_UQ)) return 0; /* or NaN */
     st->total = _mm512_add_ps(st->total, sums);
     return 1;
 }

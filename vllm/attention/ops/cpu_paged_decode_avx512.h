@@ -72,7 +72,7 @@ static void attend_bf16_g##G##_d##HD(                                           
             for (int64_t i = 0; i < n; ++i) {                                                     \
                 __m512 v[AC];                                                                     \
                 for (int c = 0; c < AC; ++c)                                                      \
-                    v[c] = bf16x16_to_float((const uint16_t *)value_rows[i] + g * HD + 16 * c);       \
+                    v[c] = bf16x16_to_float((const uint16_t *)value_rows[i] + g * HD + 16 * c);   \
                 for (int hh = 0; hh < G; ++hh) {                                                  \
                     const __m512 p = _mm512_set1_ps(scores[g * G + hh][i]);                       \
                     for (int c = 0; c < AC; ++c) sums[hh][c] = _mm512_fmadd_ps(p, v[c], sums[hh][c]); \

@@ -11,7 +11,7 @@
  *
  * so that each block of 16 output columns reads one contiguous run of 1 KB tiles. Each thread
  * computes groups of such blocks in its four accumulator tiles: two to four blocks for up to 16
- * rows (sharing each load of x's tile; blocks_per_group), two blocks for 17-32 rows (each W
+ * rows (sharing each load of x's tile; units_per_group), two blocks for 17-32 rows (each W
  * tile used by x's two).
  * Past 16 rows, each pair of column blocks meets every 32-row slab of x in turn (a last slab of
  * 1-16 rows takes one tile of x). x is loaded with the streaming hint, so that the pair's W

@@ -39,14 +39,21 @@ def can_pack(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
 
 
+def _tile_copy(rows: int, weight: torch.Tensor) -> torch.Tensor | None:
+    """`weight`'s AMX tile copy if `rows` run on it (past the GEMV's rows, up to PACKED_MAX_ROWS)."""
+    if cpu_gemv.max_rows() < rows <= PACKED_MAX_ROWS:
+        return _TILED_BY_WEIGHT.get(weight.data_ptr())
+    return None
+
+
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     rows = x.shape[0]
     if 0 < rows <= cpu_gemv.max_rows():
         return cpu_gemv.gemv(x, weight, bias)  # decode rows: weight-bandwidth bound
+    tiled = _tile_copy(rows, weight)
+    if tiled is not None:
+        return cpu_tile_gemm.gemm(x, tiled, bias)
     if 0 < rows <= PACKED_MAX_ROWS:
-        tiled = _TILED_BY_WEIGHT.get(weight.data_ptr())
-        if tiled is not None:
-            return cpu_tile_gemm.gemm(x, tiled, bias)
         packed = _PACKED_BY_WEIGHT.get(weight.data_ptr())
         if packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
@@ -95,8 +102,8 @@ class Linear(nn.Linear):
 def _tile_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
     """silu(gate) * up of x @ weight^T + bias in one pass of the tile GEMM, where these rows run on
     weight's tile copy; None elsewhere."""
-    tiled = _TILED_BY_WEIGHT.get(weight.data_ptr())
-    if tiled is None or tiled.shape[0] % 32 or not cpu_gemv.max_rows() < x.shape[0] <= PACKED_MAX_ROWS:
+    tiled = _tile_copy(x.shape[0], weight)
+    if tiled is None or tiled.shape[0] % 32:  # gate's and up's 16-column blocks pair up
         return None
     return cpu_tile_gemm.gemm_silu_mul(x, tiled, bias)
 

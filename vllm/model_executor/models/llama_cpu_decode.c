@@ -98,7 +98,8 @@ int llama_decode_layer(const struct decode_layer *L, const struct decode_step *S
 
     #pragma omp parallel for schedule(static) if (t >= 8)
     for (int64_t r = 0; r < t; ++r) rms_norm_row(hidden + r * h, L->post_norm, normed + r * h, h, L->eps);
-    if (t > S->gemv_rows && L->gate_up_tiles != NULL && S->tile_gemm_silu_mul != NULL) {  /* (T, I) */
+    /* (T, I) in one pass where the tile GEMM runs gate_up and its gate and up blocks pair up */
+    if (t > S->gemv_rows && L->gate_up_tiles != NULL && S->tile_gemm_silu_mul != NULL && inter % 16 == 0) {
         status |= S->tile_gemm_silu_mul(normed, L->gate_up_tiles, L->gate_up_bias, act, t, 2 * inter, h);
     } else {
         status |= project(S, normed, L->gate_up, L->gate_up_tiles, L->gate_up_bias, wide, t, 2 * inter, h);  /* (T, 2I) */
