@@ -14,16 +14,21 @@
  *   S^T (16 keys x 16 queries) = K (16 keys x 64 dims, cache rows) . Q^T (pairs of dims x queries)
  *   O^T (64 dims x 16 queries) += V^T (dims x 32 keys, packed once per call) . P^T (pairs of keys x queries)
  *
- * O^T stays in four accumulator tiles across all keys: the softmax (vllm/platforms/lazy_softmax.h)
- * raises its running maximum only when a score exceeds it by more than 2^8 in weight, and only
- * then is O^T stored, rescaled and reloaded. The next 32 keys' score tiles are computed on the
- * AMX unit while this step's softmax runs on the vector units. Scores, weights' sums and O^T
- * are float32; the weights enter the tile product as bf16, as in torch's CPU flash attention.
- * A step's weights are first computed against the running maximum as it stands, which most
- * steps keep (lazy_softmax_accept), so most skip the pass over their scores for the maximum.
- * SmolLM2's shapes (9 heads, 3 KV heads), 512 queries after 1536 cached keys: 1.6-1.7 ms
- * against 4.4 for gathering the context and two flash-attention calls merged (1.3 against 0.5
- * TFLOP/s).
+ * O^T stays in four accumulator tiles across all keys, Q^T in two: the softmax
+ * (vllm/platforms/lazy_softmax.h) raises its running maximum only when a score exceeds it by
+ * more than 2^8 in weight, and only then is O^T stored, rescaled and reloaded. A step's weights
+ * are first computed against the running maximum as it stands, which most steps keep
+ * (lazy_softmax_accept), so most skip the pass over their scores for the maximum. Scores,
+ * weights' sums and O^T are float32; the weights enter the tile product as bf16, as in torch's
+ * CPU flash attention.
+ *
+ * A tile load holds up the vector work issued after it until it is done, so a step's softmax
+ * and its tile work, one after the other, cost their sum. The step's softmax is therefore cut
+ * into eight parts, and between them go eight pieces of tile work for the steps beside it: the
+ * next step's two score tiles, the previous step's four value products (tile_work_part). The
+ * AMX unit then multiplies while the vector units compute weights. SmolLM2's shapes (9 heads,
+ * 3 KV heads), 512 queries after 1536 cached keys: 1.5-1.6 ms before, 1.2 after (alternated);
+ * 4.4 ms for gathering the context and two flash-attention calls merged.
  *
  * Layouts: query (num_tokens, num_heads, 64) with rows query_stride elements apart (q inside a
  * rotated q|k row), out (num_tokens, num_heads, 64) contiguous; caches (num_blocks, block_size,
@@ -99,41 +104,78 @@ static inline void rescale_output(__m512 alpha) {
     _tile_loadd(3, o[48], 64);
 }
 
-/* S^T of the 16 keys whose cache rows start at key_row (one block) into tile DST: two products
- * over 32 dims each. */
-#define SCORE_TILE(DST, key_row, row_bytes, qt)   \
-    do {                                          \
-        _tile_zero(DST);                          \
-        _tile_loadd(6, (key_row), (row_bytes));   \
-        _tile_loadd(7, (qt)[0], 64);              \
-        _tile_dpbf16ps(DST, 6, 7);                \
-        _tile_loadd(6, (key_row) + 32, (row_bytes)); \
-        _tile_loadd(7, (qt)[1], 64);              \
-        _tile_dpbf16ps(DST, 6, 7);                \
-    } while (0)
+/* The cache rows of a sequence's 16 keys from `key` (a multiple of 16: one block) in KV head
+ * kvh; NULL for keys past `last`. */
+static inline const uint16_t *key_rows(const struct prefill *a, const int64_t *table, int64_t kvh, int64_t key,
+                                       int64_t last) {
+    if (key > last) return NULL;
+    return a->key_cache + (slot_of(table, key, a->block_size) * a->num_kv_heads + kvh) * HEAD_DIM;
+}
 
-/* Scores S^T of keys [k0, k0 + 32) (those up to `last`) into tiles 4 and 5. */
-static inline void score_step(const struct prefill *a, const int64_t *table, int64_t kvh, int64_t k0,
-                              int64_t last, uint32_t qt[2][16][QUERIES]) {
-    const int64_t row_bytes = a->num_kv_heads * HEAD_DIM * 2;
-    const uint16_t *keys = a->key_cache + (slot_of(table, k0, a->block_size) * a->num_kv_heads + kvh) * HEAD_DIM;
-    SCORE_TILE(4, keys, row_bytes, qt);
-    if (k0 + 16 <= last) {
-        keys = a->key_cache + (slot_of(table, k0 + 16, a->block_size) * a->num_kv_heads + kvh) * HEAD_DIM;
-        SCORE_TILE(5, keys, row_bytes, qt);
+/* Tile work for the steps beside the one whose softmax runs: the next step's score tiles and
+ * the previous step's value products. Tiles 0-3 hold O^T, 6-7 Q^T; 4 and 5 take the rest. */
+struct tile_work {
+    const uint16_t *keys[2];          /* the next step's two 16-key tiles' cache rows, or NULL */
+    float (*scores)[QUERIES];         /* where their S^T goes (32 rows) */
+    const uint16_t *vt;               /* the previous step's V^T, or NULL on the first step */
+    const uint32_t (*pt)[QUERIES];    /* and its P^T */
+    int64_t row_bytes;                /* between the cache rows of two keys */
+};
+
+/* Piece `part` (0-7) of the tile work: S^T of the next step's keys 0-15 over dims 0-31 and then
+ * 32-63 (parts 0, 1), O^T tiles 0 and 1 += V^T . P^T (2, 3), the same for keys 16-31 (4, 5)
+ * and O^T tiles 2 and 3 (6, 7). (In softmax_step's unrolled loop the switch folds away.) */
+static inline void tile_work_part(const struct tile_work *w, int part) {
+    const uint16_t *keys = w->keys[part / 4];
+    switch (part) {
+    case 0: case 4:
+        if (!keys) return;
+        _tile_zero(4);
+        _tile_loadd(5, keys, w->row_bytes);
+        _tile_dpbf16ps(4, 5, 6);
+        return;
+    case 1: case 5:
+        if (!keys) return;
+        _tile_loadd(5, keys + 32, w->row_bytes);
+        _tile_dpbf16ps(4, 5, 7);
+        _tile_stored(4, w->scores[part / 4 * 16], 64);
+        return;
+    case 2:
+        if (!w->vt) return;
+        _tile_loadd(4, w->pt, 64);
+        _tile_loadd(5, w->vt, 64);
+        _tile_dpbf16ps(0, 5, 4);
+        return;
+    case 3:
+        if (!w->vt) return;
+        _tile_loadd(5, w->vt + 512, 64);
+        _tile_dpbf16ps(1, 5, 4);
+        return;
+    case 6:
+        if (!w->vt) return;
+        _tile_loadd(4, w->pt, 64);  /* tile 4 held scores since part 2 */
+        _tile_loadd(5, w->vt + 1024, 64);
+        _tile_dpbf16ps(2, 5, 4);
+        return;
+    case 7:
+        if (!w->vt) return;
+        _tile_loadd(5, w->vt + 1536, 64);
+        _tile_dpbf16ps(3, 5, 4);
+        return;
     }
 }
 
-static inline void store_scores(float s[KEYS][QUERIES], int64_t k0, int64_t last) {
-    _tile_stored(4, s[0], 64);
-    if (k0 + 16 <= last) _tile_stored(5, s[16], 64);
+/* All of the tile work at once (before the first step's softmax and after the last's). */
+static inline void tile_work_all(const struct tile_work *w) {
+    for (int part = 0; part < 8; ++part) tile_work_part(w, part);
 }
 
 /* Weights of keys [k0, k0 + 32) from their scores s, as the P^T tile pt (pairs of keys x
- * queries, bf16); O^T is rescaled when the running maximum rises. Keys past `last`, and keys a
- * query must not see, get 0. */
+ * queries, bf16), with the tile work w done between its parts; O^T is rescaled when the running
+ * maximum rises (after w's value products). Keys past `last`, and keys a query must not see,
+ * get 0. */
 static inline void softmax_step(struct lazy_softmax *st, float s[KEYS][QUERIES], uint32_t pt[KEYS / 2][QUERIES],
-                                int64_t k0, int64_t first, int64_t last, int64_t window) {
+                                int64_t k0, int64_t first, int64_t last, int64_t window, const struct tile_work *w) {
     const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     /* Which queries see key k0 + j: all, unless this step reaches the diagonal or the window's edge. */
     const int64_t rows = last - k0 + 1 < KEYS ? last - k0 + 1 : KEYS;
@@ -149,7 +191,13 @@ static inline void softmax_step(struct lazy_softmax *st, float s[KEYS][QUERIES],
         }
     }
     const float (*scores)[16] = (const float (*)[16])s;
-    if (lazy_softmax_accept(st, lazy_softmax_pairs(st, scores, seen, KEYS, pt))) return;
+    __m512 sums = _mm512_setzero_ps();
+    #pragma GCC unroll 8
+    for (int part = 0; part < 8; ++part) {  /* four keys' weights, then a piece of tile work */
+        sums = _mm512_add_ps(sums, lazy_softmax_pairs(st, scores + 4 * part, seen + 4 * part, 4, pt + 2 * part));
+        tile_work_part(w, part);
+    }
+    if (lazy_softmax_accept(st, sums)) return;
     __m512 alpha;
     if (lazy_softmax_raise(st, masked_max(scores, seen, KEYS), &alpha)) rescale_output(alpha);
     st->total = _mm512_add_ps(st->total, lazy_softmax_pairs(st, scores, seen, KEYS, pt));
@@ -174,41 +222,36 @@ static void attend_task(const struct prefill *a, const struct task *t, const uin
             for (int p = 0; p < 16; ++p) qt[c][p][q] = row[16 * c + p];
     }
     amx_publish_stores();
+    _tile_loadd(6, qt[0], 64);
+    _tile_loadd(7, qt[1], 64);
 
     /* Keys [begin, last]: every key some query sees (begin: a multiple of KEYS). */
     int64_t begin = 0;
     if (window > 0 && first - window + 1 > 0) begin = (first - window + 1) / KEYS * KEYS;
     struct lazy_softmax st = lazy_softmax_start(a->scale);
     float s[2][KEYS][QUERIES] __attribute__((aligned(64)));  /* this step's scores, the next's */
-    uint32_t pt[KEYS / 2][QUERIES] __attribute__((aligned(64)));
+    uint32_t pt[2][KEYS / 2][QUERIES] __attribute__((aligned(64)));  /* this step's P^T, the last's */
+    const int64_t row_bytes = kvh_count * HEAD_DIM * 2;
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
-    score_step(a, table, kvh, begin, last, qt);
-    store_scores(s[0], begin, last);
-    for (int64_t k0 = begin, cur = 0; k0 <= last; k0 += KEYS, cur ^= 1) {
-        /* The next step's tile products run on the AMX unit while this step's softmax runs on
-         * the vector units. */
-        const int64_t next = k0 + KEYS;
-        if (next <= last) {
-            score_step(a, table, kvh, next, last, qt);
-            store_scores(s[cur ^ 1], next, last);
-        }
-        softmax_step(&st, s[cur], pt, k0, first, last, window);
-        /* O^T += V^T . P^T, one product per 16 dims. */
-        const uint16_t *v = vt + (k0 / KEYS * kvh_count + kvh) * VT_STEP;
+    int64_t cur = 0;
+    struct tile_work w = {{key_rows(a, table, kvh, begin, last), key_rows(a, table, kvh, begin + 16, last)},
+                          s[0], NULL, NULL, row_bytes};
+    tile_work_all(&w);  /* the first step's scores */
+    for (int64_t k0 = begin; k0 <= last; k0 += KEYS, cur ^= 1) {
         amx_publish_stores();
-        _tile_loadd(7, pt, 64);
-        _tile_loadd(6, v, 64);
-        _tile_dpbf16ps(0, 6, 7);
-        _tile_loadd(6, v + 512, 64);
-        _tile_dpbf16ps(1, 6, 7);
-        _tile_loadd(6, v + 1024, 64);
-        _tile_dpbf16ps(2, 6, 7);
-        _tile_loadd(6, v + 1536, 64);
-        _tile_dpbf16ps(3, 6, 7);
+        w.keys[0] = key_rows(a, table, kvh, k0 + KEYS, last);
+        w.keys[1] = key_rows(a, table, kvh, k0 + KEYS + 16, last);
+        w.scores = s[cur ^ 1];
+        softmax_step(&st, s[cur], pt[cur], k0, first, last, window, &w);
+        w.vt = vt + (k0 / KEYS * kvh_count + kvh) * VT_STEP;
+        w.pt = pt[cur];
     }
+    amx_publish_stores();
+    w.keys[0] = w.keys[1] = NULL;
+    tile_work_all(&w);  /* the last step's value products */
     const __m512 total = st.total;
 
     /* out[query q] = column q of O^T / total[q]. */
