@@ -36,29 +36,46 @@ static inline int64_t unpacked_dim(int64_t v, int64_t lane) {
     return 32 * (v / 2) + 2 * lane + v % 2;
 }
 
-/* Scores of keys [k0, k0 + 32) below `last` for every head, into tiles 0 (keys k0 ..) and 1
- * (k0 + 16 ..). The two tiles' chains of products alternate, and so do the operand tiles of
- * even and odd chunks, so that each product waits on fewer others. */
-static inline void score_step_amx(const uint16_t *key_cache, const int64_t *table, int64_t k0, int64_t last,
-                                  int64_t block_size, int64_t row, uint32_t qt[][16][16], int64_t chunks) {
-    const uint16_t *k_lo = key_cache + slot_of(table, k0, block_size) * row;
-    const uint16_t *k_hi = k0 + 16 < last ? key_cache + slot_of(table, k0 + 16, block_size) * row : NULL;
-    const int64_t row_bytes = 2 * row;
-    _tile_zero(0);
-    _tile_zero(1);
-    for (int64_t c = 0; c < chunks; c += 2) {
-        _tile_loadd(4, qt[c], 64);
-        _tile_loadd(2, k_lo + 32 * c, row_bytes);
+/* The scores of the next step's keys [k0, k0 + 32) for every head, made piece by piece between
+ * this step's value sums: a tile load holds up the vector work issued after it, so made all at
+ * once they would add their time to the sums' instead of overlapping them. */
+struct score_work {
+    const uint16_t *k_lo, *k_hi;  /* cache rows of keys k0 and k0 + 16; NULL past the range */
+    int64_t row_bytes;
+    uint32_t (*qt)[16][16];
+};
+
+static inline struct score_work score_work_amx(const uint16_t *key_cache, const int64_t *table, int64_t k0,
+                                               int64_t last, int64_t block_size, int64_t row, uint32_t qt[][16][16]) {
+    struct score_work w = {NULL, NULL, 2 * row, qt};
+    if (k0 < last) w.k_lo = key_cache + slot_of(table, k0, block_size) * row;
+    if (k0 + 16 < last) w.k_hi = key_cache + slot_of(table, k0 + 16, block_size) * row;
+    return w;
+}
+
+/* Piece c (dims 32 c .. 32 c + 31) of w's scores, into tiles 0 (keys k0 ..) and 1 (k0 + 16 ..);
+ * piece 0 clears them. Even and odd pieces use different operand tiles, so that each product
+ * waits on fewer others. */
+static inline void score_piece_amx(const struct score_work *w, int64_t c) {
+    if (!w->k_lo) return;
+    if (c == 0) {
+        _tile_zero(0);
+        _tile_zero(1);
+    }
+    if (c % 2 == 0) {
+        _tile_loadd(4, w->qt[c], 64);
+        _tile_loadd(2, w->k_lo + 32 * c, w->row_bytes);
         _tile_dpbf16ps(0, 2, 4);
-        if (k_hi) {
-            _tile_loadd(3, k_hi + 32 * c, row_bytes);
+        if (w->k_hi) {
+            _tile_loadd(3, w->k_hi + 32 * c, w->row_bytes);
             _tile_dpbf16ps(1, 3, 4);
         }
-        _tile_loadd(7, qt[c + 1], 64);
-        _tile_loadd(5, k_lo + 32 * (c + 1), row_bytes);
+    } else {
+        _tile_loadd(7, w->qt[c], 64);
+        _tile_loadd(5, w->k_lo + 32 * c, w->row_bytes);
         _tile_dpbf16ps(0, 5, 7);
-        if (k_hi) {
-            _tile_loadd(6, k_hi + 32 * (c + 1), row_bytes);
+        if (w->k_hi) {
+            _tile_loadd(6, w->k_hi + 32 * c, w->row_bytes);
             _tile_dpbf16ps(1, 6, 7);
         }
     }
@@ -82,10 +99,12 @@ struct ahead {
  * read). group is a constant where this is inlined: with a run-time group, GCC kept flags and
  * mask registers for which sums were loaded, ~20 instructions a key. While it runs, it asks for
  * this KV head's lines of the rows ahead, so that the requests are spread over all the passes
- * (in one burst they fill the miss queue and the loop waits on them). */
+ * (in one burst they fill the miss queue and the loop waits on them), and it makes KV head g's
+ * two pieces of the next step's scores (2 g and 2 g + 1: a step has two per KV head). */
 static inline __attribute__((always_inline)) void sum_values(
         const uint16_t *const values[2], const float weights[AMX_KEYS][16], const __mmask16 *keep,
-        float acc[][64], int64_t g, int64_t group, int64_t row, const struct ahead *ahead) {
+        float acc[][64], int64_t g, int64_t group, int64_t row, const struct ahead *ahead,
+        const struct score_work *next) {
     const __m512i odd_dims = _mm512_set1_epi32((int)0xffff0000u);
     __m512 sums[AMX_MAX_GROUP][4];
     for (int64_t hh = 0; hh < group; ++hh)
@@ -98,6 +117,8 @@ static inline __attribute__((always_inline)) void sum_values(
             _mm_prefetch(ahead->v[half] + line, _MM_HINT_T1);
             _mm_prefetch(ahead->v[half] + line + 64, _MM_HINT_T1);
         }
+        if (j == 8) score_piece_amx(next, 2 * g);
+        if (j == 24) score_piece_amx(next, 2 * g + 1);
         if (!keep[j]) continue;
         const uint16_t *value = values[half] + (j % 16 * row + g * 64);  /* key k0 + j */
         const __m512i lo = _mm512_loadu_si512(value), hi = _mm512_loadu_si512(value + 32);
@@ -133,13 +154,14 @@ static void attend_bf16_amx(const uint16_t *query, const uint16_t *key_cache, co
     const __mmask16 heads = (__mmask16)((1u << num_heads) - 1);
     amx_configure_full_tiles(); /* 0, 1: scores; 2, 3, 5, 6: keys; 4, 7: queries */
     const int64_t begin = first / 16 * 16;
-    score_step_amx(key_cache, table, begin, last, block_size, row, qt, chunks);
+    const struct score_work first_scores = score_work_amx(key_cache, table, begin, last, block_size, row, qt);
+    for (int64_t c = 0; c < chunks; ++c) score_piece_amx(&first_scores, c);
     store_scores_amx(begin, last, s[0]);
     for (int64_t k0 = begin, cur = 0; k0 < last; k0 += AMX_KEYS, cur ^= 1) {
-        /* The next step's score tiles run on the AMX unit while this step's softmax and value
-         * sums run on the vector units; they are stored after. */
+        /* The next step's score tiles are made during this step's value sums (sum_values) and
+         * stored after them. */
         const int64_t next = k0 + AMX_KEYS;
-        if (next < last) score_step_amx(key_cache, table, next, last, block_size, row, qt, chunks);
+        const struct score_work next_scores = score_work_amx(key_cache, table, next, last, block_size, row, qt);
         struct ahead ahead = {{NULL, NULL}, {NULL, NULL}, {0, 0}}; /* asked for by sum_values */
         for (int64_t half = 0; half < 2 && k0 + PREFETCH_KEYS + 16 * half < last; ++half) {
             const int64_t k = k0 + PREFETCH_KEYS + 16 * half;
@@ -169,10 +191,10 @@ static void attend_bf16_amx(const uint16_t *query, const uint16_t *key_cache, co
         const float (*w)[16] = (const float (*)[16])weights;
         for (int64_t g = 0; g < num_kv_heads; ++g) {
             switch (group) {  /* a copy for each group size up to AMX_MAX_GROUP */
-            case 1: sum_values(values, w, keep, acc, g, 1, row, &ahead); break;
-            case 2: sum_values(values, w, keep, acc, g, 2, row, &ahead); break;
-            case 3: sum_values(values, w, keep, acc, g, 3, row, &ahead); break;
-            default: sum_values(values, w, keep, acc, g, 4, row, &ahead); break;
+            case 1: sum_values(values, w, keep, acc, g, 1, row, &ahead, &next_scores); break;
+            case 2: sum_values(values, w, keep, acc, g, 2, row, &ahead, &next_scores); break;
+            case 3: sum_values(values, w, keep, acc, g, 3, row, &ahead, &next_scores); break;
+            default: sum_values(values, w, keep, acc, g, 4, row, &ahead, &next_scores); break;
             }
         }
         if (next < last) store_scores_amx(next, last, s[cur ^ 1]);
