@@ -133,6 +133,32 @@ static inline void zero_accumulators(void) {
     _tile_zero(3);
 }
 
+/* A group's products, stored from the tiles to `out` (float32, GROUP * 16 columns a row), on
+ * their way to y: rows [done, rows) still to go. They are written while the tiles compute the
+ * next group's (or slab's) products, a few rows after each step over k: a tile load holds up
+ * the vector work issued after it, so written in one go they would wait for the tiles and the
+ * tiles for them (SmolLM2's layer GEMMs at 264 rows, 30 layers with the weights from memory:
+ * 27.0 -> 22.9 ms; the SiLU-and-multiply one 14.0 -> 10.6 ms). */
+struct epilogue {
+    const float *out;
+    const uint16_t *bias;
+    uint16_t *y;                /* y's row of out's first row */
+    int64_t rows, done, n;      /* n: y's columns */
+    int64_t first, units;       /* store_group's b0 and blocks, or store_silu_mul's j0 and pairs */
+    int fused;
+};
+
+/* Writes up to `count` more rows of e to y. */
+static inline void epilogue_rows(struct epilogue *e, int64_t count) {
+    const int64_t r = e->done, end = e->rows - r < count ? e->rows : r + count;
+    if (r >= end) return;
+    if (e->fused)
+        store_silu_mul(e->out + r * GROUP * 16, e->bias, e->y + r * e->n, end - r, e->n, e->first, e->units);
+    else
+        store_group(e->out + r * GROUP * 16, e->bias, e->y + r * e->n, end - r, e->n, e->first, e->units);
+    e->done = end;
+}
+
 /* Units (blocks of 16 columns, or gate/up pairs of them) per group, smallest to largest: the
  * fewest units on the busiest thread (ties to the larger group). 36 blocks on 2 threads are 12
  * groups of 3, 18 blocks each, where groups of 4 would give one thread 20 and the other 16
@@ -156,10 +182,12 @@ static void gemm_16(const uint16_t *x, const uint16_t *packed, const uint16_t *b
     const int64_t units = fused ? half : nblocks;
     const int64_t size = fused ? units_per_group(units, threads, 1, GROUP / 2) : units_per_group(units, threads, 2, GROUP);
     const int64_t groups = (units + size - 1) / size;
+    const int64_t rows_per_step = (m + kblocks - 1) / kblocks;  /* the last group's epilogue in one pass over k */
     #pragma omp parallel
     {
         configure_tiles(m, 0);
         float out[16 * GROUP * 16];
+        struct epilogue last = {0};  /* the last group's products, written during this group's */
         #pragma omp for schedule(static)
         for (int64_t g = 0; g < groups; ++g) {
             const int64_t b0 = g * size, count = units - b0 < size ? units - b0 : size;
@@ -172,16 +200,17 @@ static void gemm_16(const uint16_t *x, const uint16_t *packed, const uint16_t *b
                 if (blocks > 1) { _tile_loadd(6, W_TILE(1), 64); _tile_dpbf16ps(1, 4, 6); }
                 if (blocks > 2) { _tile_loadd(7, W_TILE(2), 64); _tile_dpbf16ps(2, 4, 7); }
                 if (blocks > 3) { _tile_loadd(5, W_TILE(3), 64); _tile_dpbf16ps(3, 4, 5); }
+                epilogue_rows(&last, rows_per_step);
             }
+            /* (the last group's rows are all written by now: out is free) */
             _tile_stored(0, out, GROUP * 64);
             _tile_stored(1, out + 16, GROUP * 64);
             _tile_stored(2, out + 32, GROUP * 64);
             _tile_stored(3, out + 48, GROUP * 64);
-            if (fused)
-                store_silu_mul(out, bias, y, m, n / 2, b0, pairs);
-            else
-                store_group(out, bias, y, m, n, b0, blocks);
+            last = fused ? (struct epilogue){out, bias, y, m, 0, n / 2, b0, pairs, 1}
+                         : (struct epilogue){out, bias, y, m, 0, n, b0, blocks, 0};
         }
+        epilogue_rows(&last, m);
         _tile_release();
     }
 }
@@ -197,10 +226,12 @@ static void gemm_slabs(const uint16_t *x, const uint16_t *packed, const uint16_t
     const int64_t groups = fused ? half : (nblocks + 1) / 2, pairs = fused ? 1 : 0;
     const int64_t slabs = (m + 31) / 32, lines_per_step = (32 + slabs - 1) / slabs;
     const int64_t run = kblocks * 1024;  /* bytes of one block's tiles */
+    const int64_t rows_per_step = (MAX_ROWS + kblocks - 1) / kblocks;  /* the last slab's in one pass over k */
     #pragma omp parallel
     {
         int64_t configured = 0;  /* the slab height the tiles are set up for */
         float out[MAX_ROWS * GROUP * 16];  /* rows 0-15, then 16-31 */
+        struct epilogue last = {0};  /* the last slab's products, written during this slab's */
         #pragma omp for schedule(static)
         for (int64_t g = 0; g < groups; ++g) {
             const int64_t b0 = fused ? g : g * 2, blocks = fused ? 2 : nblocks - b0 < 2 ? nblocks - b0 : 2;
@@ -244,19 +275,20 @@ static void gemm_slabs(const uint16_t *x, const uint16_t *packed, const uint16_t
                         _tile_dpbf16ps(2, 5, 6);
                         if (blocks > 1) _tile_dpbf16ps(3, 5, 7);
                     }
+                    epilogue_rows(&last, rows_per_step);
                 }
+                /* (the last slab's rows are all written by now: out is free) */
                 _tile_stored(0, out, GROUP * 64);
                 _tile_stored(1, out + 16, GROUP * 64);
                 if (rows > 16) {
                     _tile_stored(2, out + 16 * GROUP * 16, GROUP * 64);
                     _tile_stored(3, out + 16 * GROUP * 16 + 16, GROUP * 64);
                 }
-                if (fused)
-                    store_silu_mul(out, bias, y + r0 * (n / 2), rows, n / 2, b0, 1);
-                else
-                    store_group(out, bias, y + r0 * n, rows, n, b0, blocks);
+                last = fused ? (struct epilogue){out, bias, y + r0 * (n / 2), rows, 0, n / 2, b0, 1, 1}
+                             : (struct epilogue){out, bias, y + r0 * n, rows, 0, n, b0, blocks, 0};
             }
         }
+        epilogue_rows(&last, MAX_ROWS);
         _tile_release();
     }
 }
