@@ -74,19 +74,39 @@ struct task {
 
 /* V^T of keys [32 step, 32 step + 32) of one sequence, all KV heads: per head four tiles of
  * 16 dims x 32 keys; keys past num_keys are zero (their weights are zero, their cache rows
- * may hold anything). */
+ * may hold anything). Each 32-bit gather takes a pair of dims of 16 keys (one block's
+ * consecutive rows), and one permute of two such gathers makes each dim's row of 32 keys.
+ * (Element by element, the packing took a fifth of the kernel at 248 queries after 1000 keys;
+ * gathered, the kernel there takes 0.44-0.45 ms instead of 0.48-0.50.) */
 static void pack_values(const struct prefill *a, int64_t seq, int64_t step, int64_t num_keys,
                         uint16_t *vt) {
     const int64_t *table = a->block_tables + seq * a->max_blocks;
-    const int64_t kvh_count = a->num_kv_heads;
-    memset(vt, 0, (size_t)(kvh_count * VT_STEP) * sizeof *vt);
-    for (int64_t k = 0; k < KEYS && KEYS * step + k < num_keys; ++k) {
-        const uint16_t *row = a->value_cache +
-                              slot_of(table, KEYS * step + k, a->block_size) * kvh_count * HEAD_DIM;
-        for (int64_t h = 0; h < kvh_count; ++h)
-            for (int64_t d = 0; d < HEAD_DIM; ++d)
-                vt[h * VT_STEP + d * KEYS + k] = row[h * HEAD_DIM + d];
+    const int64_t kvh_count = a->num_kv_heads, row = kvh_count * HEAD_DIM;  /* elements per key */
+    /* words 2 i (the even dims), 2 i + 1 (the odd) of two vectors, the first's in words 0-15 */
+    const __m512i even = _mm512_set_epi16(62, 60, 58, 56, 54, 52, 50, 48, 46, 44, 42, 40, 38, 36, 34, 32,
+                                          30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512i odd = _mm512_add_epi16(even, _mm512_set1_epi16(1));
+    const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32((int)(row / 2)));  /* 32-bit words apart */
+    const int32_t *first[2] = {NULL, NULL};  /* each half's first row: keys 32 step, 32 step + 16 */
+    __mmask16 present[2] = {0, 0};
+    for (int half = 0; half < 2; ++half) {
+        const int64_t k0 = KEYS * step + 16 * half, count = num_keys - k0;
+        if (count <= 0) continue;
+        present[half] = count >= 16 ? 0xffff : (__mmask16)((1u << count) - 1);
+        first[half] = (const int32_t *)(a->value_cache + slot_of(table, k0, a->block_size) * row);
     }
+    for (int64_t h = 0; h < kvh_count; ++h)
+        for (int64_t pair = 0; pair < HEAD_DIM / 2; ++pair) {  /* dims 2 pair, 2 pair + 1 */
+            __m512i keys[2];
+            for (int half = 0; half < 2; ++half)
+                keys[half] = present[half] ? _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), present[half], rows,
+                                                                          first[half] + h * HEAD_DIM / 2 + pair, 4)
+                                           : _mm512_setzero_si512();
+            uint16_t *dims = vt + h * VT_STEP + 2 * pair * KEYS;
+            _mm512_store_si512(dims, _mm512_permutex2var_epi16(keys[0], even, keys[1]));
+            _mm512_store_si512(dims + KEYS, _mm512_permutex2var_epi16(keys[0], odd, keys[1]));
+        }
 }
 
 /* Multiplies column q of the four O^T tiles by alpha[q]. */
