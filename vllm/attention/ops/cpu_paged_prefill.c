@@ -223,6 +223,34 @@ static inline void softmax_step(struct lazy_softmax *st, float s[KEYS][QUERIES],
     st->total = _mm512_add_ps(st->total, lazy_softmax_pairs(st, scores, seen, KEYS, pt));
 }
 
+/* Transposes 16 rows of 16 32-bit lanes in place: r[i] lane j <- r[j] lane i. Pairs of rows
+ * interleave, then fours, then 128-bit quarters trade places. */
+static inline void transpose_16x16(__m512 r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    /* r[4 g + j], quarter L: lane 4 L + j of rows 4 g .. 4 g + 3 */
+    for (int g = 0; g < 16; g += 4) {
+        r[g] = _mm512_shuffle_ps(t[g], t[g + 2], 0x44);
+        r[g + 1] = _mm512_shuffle_ps(t[g], t[g + 2], 0xee);
+        r[g + 2] = _mm512_shuffle_ps(t[g + 1], t[g + 3], 0x44);
+        r[g + 3] = _mm512_shuffle_ps(t[g + 1], t[g + 3], 0xee);
+    }
+    for (int j = 0; j < 4; ++j) {
+        const __m512 even0 = _mm512_shuffle_f32x4(r[j], r[4 + j], 0x88);    /* quarters 0, 2 of both */
+        const __m512 even1 = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0x88);
+        const __m512 odd0 = _mm512_shuffle_f32x4(r[j], r[4 + j], 0xdd);     /* quarters 1, 3 */
+        const __m512 odd1 = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0xdd);
+        t[j] = _mm512_shuffle_f32x4(even0, even1, 0x88);       /* lane j of every row */
+        t[8 + j] = _mm512_shuffle_f32x4(even0, even1, 0xdd);   /* lane 8 + j */
+        t[4 + j] = _mm512_shuffle_f32x4(odd0, odd1, 0x88);     /* lane 4 + j */
+        t[12 + j] = _mm512_shuffle_f32x4(odd0, odd1, 0xdd);    /* lane 12 + j */
+    }
+    for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+
 /* Queries first_query .. + 15 of head `head` of one sequence; vt: the sequence's packed V^T. */
 static void attend_task(const struct prefill *a, const struct task *t, const uint16_t *vt) {
     const int64_t seq = t->seq, head = t->head, q0 = t->first_query;
@@ -232,14 +260,16 @@ static void attend_task(const struct prefill *a, const struct task *t, const uin
     const int64_t first = context + q0, last = first + nq - 1; /* positions of the queries */
     const int64_t *table = a->block_tables + seq * a->max_blocks, window = a->window;
 
-    /* Q^T in pairs of dims: qt[c][p][q] = dims 32 c + 2 p, + 1 of query q (padding queries: 0). */
+    /* Q^T in pairs of dims: qt[c][p][q] = dims 32 c + 2 p, + 1 of query q (padding queries: 0),
+     * the transpose of the queries' rows read as 32-bit pairs. */
     uint32_t qt[2][16][QUERIES] __attribute__((aligned(64)));
-    memset(qt, 0, sizeof qt);
-    for (int64_t q = 0; q < nq; ++q) {
-        const uint32_t *row = (const uint32_t *)(a->query + (a->token_offsets[seq] + q0 + q) * a->query_stride
-                                                 + head * HEAD_DIM);
-        for (int c = 0; c < 2; ++c)
-            for (int p = 0; p < 16; ++p) qt[c][p][q] = row[16 * c + p];
+    const uint16_t *queries = a->query + (a->token_offsets[seq] + q0) * a->query_stride + head * HEAD_DIM;
+    for (int c = 0; c < 2; ++c) {
+        __m512 r[16];
+        for (int64_t q = 0; q < QUERIES; ++q)
+            r[q] = q < nq ? _mm512_loadu_ps(queries + q * a->query_stride + 32 * c) : _mm512_setzero_ps();
+        transpose_16x16(r);
+        for (int p = 0; p < 16; ++p) _mm512_store_ps(qt[c][p], r[p]);
     }
     amx_publish_stores();
     _tile_loadd(6, qt[0], 64);
@@ -282,15 +312,13 @@ static void attend_task(const struct prefill *a, const struct task *t, const uin
     _tile_stored(2, o[32], 64);
     _tile_stored(3, o[48], 64);
     _mm512_store_ps(inverse, _mm512_div_ps(_mm512_set1_ps(1.0f), total));
-    const __m512i column = _mm512_set_epi32(240, 224, 208, 192, 176, 160, 144, 128, 112, 96, 80, 64, 48, 32,
-                                            16, 0);  /* o[d0 + i][q] for i = 0..15 */
-    for (int64_t q = 0; q < nq; ++q) {
-        uint16_t *row = a->out + ((a->token_offsets[seq] + q0 + q) * a->num_heads + head) * HEAD_DIM;
-        const __m512 inv = _mm512_set1_ps(inverse[q]);
-        for (int d0 = 0; d0 < HEAD_DIM; d0 += 16) {
-            const __m512 x = _mm512_mul_ps(_mm512_i32gather_ps(column, &o[d0][q], 4), inv);
-            store_bf16x16(row + d0, x);
-        }
+    uint16_t *rows = a->out + ((a->token_offsets[seq] + q0) * a->num_heads + head) * HEAD_DIM;
+    for (int d0 = 0; d0 < HEAD_DIM; d0 += 16) {
+        __m512 r[16];
+        for (int i = 0; i < 16; ++i) r[i] = _mm512_load_ps(o[d0 + i]);
+        transpose_16x16(r);  /* r[q]: dims d0 .. d0 + 15 of query q */
+        for (int64_t q = 0; q < nq; ++q)
+            store_bf16x16(rows + q * a->num_heads * HEAD_DIM + d0, _mm512_mul_ps(r[q], _mm512_set1_ps(inverse[q])));
     }
 }
 
