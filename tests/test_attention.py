@@ -8,7 +8,7 @@ import torch
 
 from vllm.attention.backends.hpu_attn import paged_attention, write_to_kv_cache
 from vllm.attention.backends.metadata import SeqSpan, build_attention_metadata
-from vllm.attention.ops import cpu_paged_decode, cpu_paged_prefill
+from vllm.attention.ops import cpu_kv_cache, cpu_paged_decode, cpu_paged_prefill
 from vllm.attention.ops.reference import reference_paged_attention
 from vllm.platforms.cpu import cpu_flags
 
@@ -80,6 +80,34 @@ def test_cache_write_lands_in_the_right_slots():
     assert key_cache[1, 1, 0].tolist() == [0.0, 1.0]     # slot 5 = block 1, offset 1
     assert key_cache[0, 0, 0].tolist() == [2.0, 3.0]
     assert value_cache[2, 3, 0].tolist() == [-4.0, -5.0]  # slot 11 = block 2, offset 3
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="the C cache write needs a C compiler")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_c_cache_write_equals_index_copy_from_views_inside_qkv(dtype):
+    torch.manual_seed(0)
+    num_tokens, num_heads, num_kv_heads, head_dim = 70, 6, 2, 8
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim).to(dtype)
+    k = qkv[:, num_heads * head_dim:(num_heads + num_kv_heads) * head_dim].view(num_tokens, num_kv_heads, head_dim)
+    v = qkv[:, (num_heads + num_kv_heads) * head_dim:].view(num_tokens, num_kv_heads, head_dim)
+    slots = torch.randperm(40 * 4)[:num_tokens]
+    want_k, want_v = torch.zeros(40, 4, num_kv_heads, head_dim, dtype=dtype), torch.zeros(40, 4, num_kv_heads,
+                                                                                        head_dim, dtype=dtype)
+    want_k.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k)
+    want_v.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)
+    got_k, got_v = torch.zeros_like(want_k), torch.zeros_like(want_v)
+    assert cpu_kv_cache.write_rows(k, v, got_k, got_v, slots)   # the C copy, not the fallback
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="the C cache write needs a C compiler")
+@pytest.mark.parametrize("bad_slot", [-1, 12])
+def test_c_cache_write_rejects_slots_outside_the_cache_and_writes_nothing(bad_slot):
+    key_cache, value_cache = torch.zeros(3, 4, 1, 2), torch.zeros(3, 4, 1, 2)
+    k = torch.ones(3, 1, 2)
+    with pytest.raises(IndexError, match="outside the cache's 12 slots"):
+        write_to_kv_cache(k, k, key_cache, value_cache, torch.tensor([5, bad_slot, 0]))
+    assert not key_cache.any() and not value_cache.any()
 
 
 def test_decodes_of_very_different_lengths_are_attended_in_separate_groups():

@@ -17,12 +17,14 @@ import torch
 import torch.nn.functional as F
 
 from vllm.attention.backends.metadata import AttentionGroup, AttentionMetadata
-from vllm.attention.ops import cpu_paged_decode, cpu_paged_prefill
+from vllm.attention.ops import cpu_kv_cache, cpu_paged_decode, cpu_paged_prefill
 
 
 def write_to_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                       value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """key/value: (T, KVH, D); caches: (num_blocks, block_size, KVH, D); slot_mapping: (T,)."""
+    if cpu_kv_cache.write_rows(key, value, key_cache, value_cache, slot_mapping):
+        return
     num_kv_heads, head_dim = key.shape[1:]
     key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
     value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
