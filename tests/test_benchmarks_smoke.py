@@ -17,6 +17,8 @@ import sys
 
 import pytest
 
+from vllm.platforms.cpu import cpu_flags
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(REPO, "benchmarks")
 THROUGHPUT_LINE = re.compile(
@@ -25,6 +27,10 @@ VLLM_THROUGHPUT_KEYS = {"elapsed_time", "num_requests", "total_num_tokens", "req
                         "tokens_per_second"}
 # Small engines: eager (no graph capture at start-up) and a small KV cache.
 ENGINE = ["--enforce-eager", "--kv-cache-memory-bytes", str(32 * 1024**2), "--block-size", "16"]
+
+
+def _has_amx() -> bool:
+    return {"amx_tile", "amx_bf16"} <= cpu_flags()
 
 
 def run_script(name: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -203,6 +209,20 @@ def test_workloads(tiny_checkpoints, tmp_path):
     bad = run_script("benchmark_workloads.py", "--workloads", "A,Z")
     assert bad.returncode != 0 and "unknown workloads" in bad.stderr
 
+
+
+@pytest.mark.skipif(not _has_amx(), reason="the tile-overlap benchmark needs AMX")
+def test_tile_load_overlap(tmp_path):
+    out = tmp_path / "overlap.json"
+    proc = run_script("benchmark_tile_load_overlap.py", "--iterations", "2000", "--output-json", str(out))
+    check_ok(proc)
+    result = json.loads(out.read_text())["ns_per_iteration"]
+    assert set(result) == {"loads and products", "products only", "loads only"}
+    for times in result.values():
+        assert set(times) == {"tile alone", "vector alone", "one after the other", "interleaved"}
+        assert all(0 < t < 1e6 for t in times.values())
+    proc = run_script("benchmark_tile_load_overlap.py", "--vector-rows", "12")
+    assert proc.returncode != 0 and "multiple of 8" in proc.stderr
 
 
 def test_recorded_workloads_are_one_full_run():

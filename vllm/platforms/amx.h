@@ -15,12 +15,20 @@ extern long syscall(long number, ...);
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 
-/* The 64-byte operand of _tile_loadconfig (palette 1): bytes per row and rows of each tile. */
+/* The 64-byte operand of ldtilecfg (palette 1): bytes per row and rows of each tile. */
 struct tile_config {
     uint8_t palette, start_row, reserved[14];
     uint16_t colsb[16];
     uint8_t rows[16];
 };
+
+/* Loads a tile configuration. GCC 12's _tile_loadconfig tells the compiler that it reads 8 of
+ * the 64 bytes, so the stores of the rows and columns before it may be dropped as dead: with
+ * amx_configure_full_tiles inlined at -O3, ldtilecfg got palette 1 and zeros, and the first
+ * tile load faulted. This asm names the whole struct as its operand. */
+static inline void amx_load_config(const struct tile_config *cfg) {
+    __asm__ volatile("ldtilecfg %0" ::"m"(*cfg));
+}
 
 /* Asks Linux for this process's tile state (oneDNN may have done so already); 1 if granted. */
 static inline int amx_request_tiles(void) {
@@ -34,7 +42,7 @@ static inline void amx_configure_full_tiles(void) {
         cfg.colsb[t] = 64;
         cfg.rows[t] = 16;
     }
-    _tile_loadconfig(&cfg);
+    amx_load_config(&cfg);
 }
 
 /* GCC's _tile_loadd is an asm statement without a "memory" clobber: stores to a buffer the

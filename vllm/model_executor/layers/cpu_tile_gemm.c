@@ -71,7 +71,7 @@ static void configure_tiles(int64_t first_rows, int64_t second_rows) {
                                  (uint8_t)second_rows, 16, 16};
         memcpy(cfg.rows, rows, sizeof rows);
     }
-    _tile_loadconfig(&cfg);
+    amx_load_config(&cfg);
 }
 
 /* y[:, 16 b0 : 16 (b0 + blocks)] of `out` (float32, GROUP * 16 columns a row), plus bias. */
