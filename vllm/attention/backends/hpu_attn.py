@@ -22,7 +22,8 @@ from vllm.attention.ops import cpu_kv_cache, cpu_paged_decode, cpu_paged_prefill
 
 def write_to_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                       value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """key/value: (T, KVH, D); caches: (num_blocks, block_size, KVH, D); slot_mapping: (T,)."""
+    """key/value: (T, KVH, D); caches: (num_blocks, block_size, KVH, D); slot_mapping: (T,).
+    On CPU a C copy per token row (cpu_kv_cache.py); elsewhere two index_copy_ calls."""
     if cpu_kv_cache.write_rows(key, value, key_cache, value_cache, slot_mapping):
         return
     num_kv_heads, head_dim = key.shape[1:]

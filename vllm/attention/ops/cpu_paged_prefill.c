@@ -27,8 +27,9 @@
  * into eight parts, and between them go eight pieces of tile work for the steps beside it: the
  * next step's two score tiles, the previous step's four value products (tile_work_part). The
  * AMX unit then multiplies while the vector units compute weights. SmolLM2's shapes (9 heads,
- * 3 KV heads), 512 queries after 1536 cached keys: 1.5-1.6 ms before, 1.2 after (alternated);
- * 4.4 ms for gathering the context and two flash-attention calls merged.
+ * 3 KV heads), 512 queries after 1536 cached keys: 1.59-1.63 ms before, 1.17-1.27 after
+ * (alternated), 1.06-1.16 with Q^T and the output rows through transposes in registers
+ * (transpose_16x16); 4.4 ms for gathering the context and two flash-attention calls merged.
  *
  * Layouts: query (num_tokens, num_heads, 64) with rows query_stride elements apart (q inside a
  * rotated q|k row), out (num_tokens, num_heads, 64) contiguous; caches (num_blocks, block_size,
@@ -286,11 +287,10 @@ static void attend_task(const struct prefill *a, const struct task *t, const uin
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
-    int64_t cur = 0;
     struct tile_work w = {{key_rows(a, table, kvh, begin, last), key_rows(a, table, kvh, begin + 16, last)},
                           s[0], NULL, NULL, row_bytes};
     tile_work_all(&w);  /* the first step's scores */
-    for (int64_t k0 = begin; k0 <= last; k0 += KEYS, cur ^= 1) {
+    for (int64_t k0 = begin, cur = 0; k0 <= last; k0 += KEYS, cur ^= 1) {
         amx_publish_stores();
         w.keys[0] = key_rows(a, table, kvh, k0 + KEYS, last);
         w.keys[1] = key_rows(a, table, kvh, k0 + KEYS + 16, last);
