@@ -269,7 +269,12 @@ def test_paged_prefill_kernel_matches_reference(block_size, sliding_window, head
                                     num_heads // num_kv_heads, sliding_window, num_blocks - 1,
                                     torch.device("cpu"), torch.bfloat16, paged_decode=True, paged_prefill=True)
     assert meta.groups == () and meta.paged_prefills is not None and meta.paged_decodes is not None
+    assert meta.num_real_tokens == offset
     kv = torch.empty(0, num_kv_heads, head_dim, dtype=torch.bfloat16)  # read from the cache only
+    # Freed memory of the output's size holding NaN, which its allocation is likely to reuse:
+    # the padding rows, which no kernel writes, must still come out zero.
+    poison = torch.full((offset + padding + 1, num_heads, head_dim), float("nan"), dtype=torch.bfloat16)
+    del poison
     got = paged_attention(q, kv, kv, key_cache, value_cache, meta, head_dim ** -0.5)
     want = reference_paged_attention(q, key_cache, value_cache, spans, head_dim ** -0.5, sliding_window)
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)  # bf16 weights and output

@@ -117,9 +117,14 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     (num_blocks, block_size, KVH, D). Returns (T, H, D); rows of tokens in no group are zero.
     """
     num_tokens, num_heads, head_dim = query.shape
-    # One scratch row at the end receives the outputs of padding queries. Zero-filled: tokens
-    # that belong to no group (bucket padding) must stay finite, as their K/V reach the cache.
-    out = query.new_zeros(num_tokens + 1, num_heads, head_dim)      # (T + 1, H, D)
+    # One scratch row at the end receives the outputs of padding queries. Rows of tokens in no
+    # group (bucket padding) must be zero, to stay finite: their K/V reach the cache. Where the
+    # kernels take every sequence (no groups), they write all rows before the padding.
+    if metadata.groups:
+        out = query.new_zeros(num_tokens + 1, num_heads, head_dim)  # (T + 1, H, D)
+    else:
+        out = query.new_empty(num_tokens + 1, num_heads, head_dim)
+        out[metadata.num_real_tokens:].zero_()
     paged = metadata.paged_decodes
     if paged is not None:
         s = paged.seq_lens.shape[0]

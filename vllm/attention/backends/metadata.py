@@ -81,6 +81,7 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor          # (num_tokens,) int64: cache slot of each token's K/V
     groups: tuple[AttentionGroup, ...]  # decodes, then prefill chunks (empty groups omitted)
+    num_real_tokens: int                # the sequences' tokens; bucket padding follows them
     paged_decodes: PagedDecodes | None = None    # set: the decodes are here, not in `groups`
     paged_prefills: PagedPrefills | None = None  # set: the prefill chunks are here, not in `groups`
 
@@ -223,6 +224,7 @@ def build_attention_metadata(spans: list[SeqSpan], num_decodes: int, slot_mappin
     return AttentionMetadata(
         slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
         groups=tuple(g.to(device, dtype) for g in groups),
+        num_real_tokens=max((s.token_offset + s.query_len for s in spans), default=0),
         paged_decodes=paged,
         paged_prefills=paged_prefills,
     )
