@@ -61,14 +61,15 @@ def test_tile_gemm_is_built_where_the_cpu_has_amx():
 
 @needs_cc
 @pytest.mark.skipif(cpu_tile_gemm.max_rows() == 0, reason="the CPU lacks AMX")
-@pytest.mark.parametrize("rows", [1, 5, 8, 13, 16, 17, 24, 32, 50, 64, 77, 264])
+@pytest.mark.parametrize("rows", [1, 5, 8, 13, 16, 17, 24, 32, 50, 64, 77, 250, 264])
 @pytest.mark.parametrize("shape", [(576, 960), (1536, 576), (64, 1024), (64, 48), (32, 16)])  # in, out
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_tile_gemm_matches_float32_linear(rows, shape, with_bias):
     """Output widths that fill all accumulator tiles of a group and ones that leave some idle (up
     to 16 rows, groups of 4, 3 and 2 blocks: 1024, 960 and 48 columns on 2 threads); one tile of
     x (up to 16 rows) and two; past 32 rows, 32-row slabs with a last one of 17-32 rows
-    (50 = 32 + 18) or of 1-16 rows on one tile (77 = 64 + 13, 264 = 256 + 8)."""
+    (50 = 32 + 18, 250 = 224 + 26) or of 1-16 rows on one tile (77 = 64 + 13, 264 = 256 + 8).
+    With in = 1536 and 250 or 264 rows the threads split the slabs, not the column blocks."""
     torch.manual_seed(rows)
     k, n = shape
     x = torch.randn(rows, k).bfloat16()
@@ -83,12 +84,13 @@ def test_tile_gemm_matches_float32_linear(rows, shape, with_bias):
 @needs_cc
 @pytest.mark.skipif(cpu_tile_gemm.max_rows() == 0, reason="the CPU lacks AMX")
 @pytest.mark.parametrize("rows", [1, 5, 13, 16, 17, 32, 50, 77, 264])
-@pytest.mark.parametrize("shape", [(576, 3072), (64, 96), (64, 64), (96, 160)])  # in, out (gate | up)
+@pytest.mark.parametrize("shape", [(576, 3072), (64, 96), (64, 64), (96, 160), (1024, 96)])  # in, out (gate | up)
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_tile_gemm_silu_mul_equals_the_product_then_silu_mul(rows, shape, with_bias):
     """Bit for bit the two steps it fuses: gate block j meets up block j half the weight later.
     Up to 16 rows, groups of 2 pairs (3072 and 64 columns on 2 threads) and of 1 (96: 3 pairs,
-    160: 5); then 32-row slabs with a last one of 17-32 or 1-16 rows."""
+    160: 5); then 32-row slabs with a last one of 17-32 or 1-16 rows (with in = 1024 and 264
+    rows, split between the threads by slabs)."""
     torch.manual_seed(rows)
     k, n = shape
     x = torch.randn(rows, k).bfloat16()
