@@ -36,6 +36,7 @@
 
 #define MAX_ROWS 32
 #define GROUP 4  /* output blocks of 16 columns per x-tile load */
+#define L1_BYTES (48 * 1024)  /* a core's L1 data cache here (Sapphire Rapids: 48 KB) */
 
 int tile_gemm_fits(int64_t n, int64_t k) { return n > 0 && k > 0 && n % 16 == 0 && k % 32 == 0; }
 
@@ -228,7 +229,6 @@ static void gemm_16(const uint16_t *x, const uint16_t *packed, const uint16_t *b
  * rows within the noise (alternated; for k = 576 splitting the slabs was slower at 256 rows,
  * 21.4 -> 24.8 ms for all four GEMMs). With fewer than four slabs a thread, the pairs stay
  * split. */
-#define L1_BYTES (48 * 1024)
 static void gemm_slabs(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y,
                        int64_t m, int64_t n, int64_t k, int fused) {
     const int64_t kblocks = k / 32, nblocks = n / 16, half = nblocks / 2;
