@@ -36,7 +36,7 @@
 
 #define MAX_ROWS 32
 #define GROUP 4  /* output blocks of 16 columns per x-tile load */
-#define L1_BYTES (48 * 1024)  /* a core's L1 data cache here (Sapphire Rapids: 48 KB) */
+#define L1_BYTES (48 * 1024)  /* a core's L1 data cache on the AMX Xeons measured here */
 
 int tile_gemm_fits(int64_t n, int64_t k) { return n > 0 && k > 0 && n % 16 == 0 && k % 32 == 0; }
 
