@@ -210,7 +210,6 @@ def test_workloads(tiny_checkpoints, tmp_path):
     assert bad.returncode != 0 and "unknown workloads" in bad.stderr
 
 
-
 @pytest.mark.skipif(not _has_amx(), reason="the tile-overlap benchmark needs AMX")
 def test_tile_load_overlap(tmp_path):
     out = tmp_path / "overlap.json"
@@ -239,6 +238,7 @@ def test_recorded_workloads_are_one_full_run():
     assert set(recorded["workloads"]) == {"vllm", "hf", "llama.cpp"}
     assert {"A_total_tokens_per_s", "B_ttft_s", "C_decode_tokens_per_s", "D_wall_s",
             "E"} <= set(recorded["workloads"]["vllm"])
+
 
 # --------------------------------------------------------------------------- serving
 

@@ -3,9 +3,12 @@
 import random
 
 import pytest
+import torch._dynamo
 
 from tests.utils import random_prompts
 from vllm import LLM, SamplingParams
+from vllm.model_executor.layers import cpu_tile_gemm
+from vllm.platforms.cpu import CpuPlatform
 
 
 def _workload(seed: int) -> tuple[list[dict], list[SamplingParams]]:
@@ -26,8 +29,6 @@ def _run(path: str, enforce_eager: bool):
 
 
 def test_no_compile_after_warmup_and_same_tokens_as_eager(tiny_checkpoints):
-    import torch._dynamo
-
     path = tiny_checkpoints["llama"]
     eager_engine, eager = _run(path, enforce_eager=True)
     # Compiled code is cached per function for the whole process; start from an empty cache so
@@ -46,8 +47,6 @@ def test_no_compile_after_warmup_and_same_tokens_as_eager(tiny_checkpoints):
 
 
 def test_size_one_bucket_gets_its_own_graph(tiny_checkpoints, monkeypatch):
-    import torch._dynamo
-
     monkeypatch.setenv("VLLM_TOKEN_BUCKET_MIN", "1")
     torch._dynamo.reset()
     engine, _ = _run(tiny_checkpoints["llama"], enforce_eager=False)
@@ -60,10 +59,6 @@ def test_size_one_bucket_gets_its_own_graph(tiny_checkpoints, monkeypatch):
 
 def test_static_capture_has_one_graph_per_bucket(tiny_checkpoints, monkeypatch):
     """The capture device graph runtimes use (HPU): static shapes, one graph per bucket."""
-    import torch._dynamo
-
-    from vllm.platforms.cpu import CpuPlatform
-
     monkeypatch.setattr(CpuPlatform, "symbolic_token_count", False)
     torch._dynamo.reset()
     engine, _ = _run(tiny_checkpoints["llama"], enforce_eager=False)
@@ -76,10 +71,6 @@ def test_bf16_graphs_call_the_packed_ops_at_run_time(tiny_checkpoints, monkeypat
     """bf16 on CPU packs the linear layers: inside the graph they are the opaque
     `vllm::packed_linear` and `vllm::silu_mul_linear` ops, which pick the tile GEMM (and its
     SiLU-and-multiply epilogue) at run time, so the one graph still serves every bucket."""
-    import torch._dynamo
-
-    from vllm.model_executor.layers import cpu_tile_gemm
-
     if cpu_tile_gemm.max_rows() == 0:
         pytest.skip("the CPU lacks AMX: no tile copies")
     calls = []

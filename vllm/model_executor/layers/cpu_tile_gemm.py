@@ -51,9 +51,15 @@ def pack(weight: torch.Tensor) -> torch.Tensor | None:
     return packed
 
 
+def _built() -> ctypes.CDLL:
+    lib = _library()
+    assert lib is not None
+    return lib
+
+
 def gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x: (M, K) bf16, any M >= 1; packed: `pack(weight)` of an (N, K) weight -> (M, N)."""
-    return _call("tile_gemm_bf16", x, packed, bias, packed.shape[0])
+    return _call(_built().tile_gemm_bf16, x, packed, bias, packed.shape[0])
 
 
 def gemm_silu_mul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -61,27 +67,28 @@ def gemm_silu_mul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     gate's rows then up's, 2 I % 32 == 0 -> silu(gate) * up, (M, I), rounded to bf16 as the
     product followed by SiLU-and-multiply would round. gate_up never goes to memory."""
     assert packed.shape[0] % 32 == 0
-    return _call("tile_gemm_silu_mul_bf16", x, packed, bias, packed.shape[0] // 2)
+    return _call(_built().tile_gemm_silu_mul_bf16, x, packed, bias, packed.shape[0] // 2)
 
 
-def _call(function: str, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+def _call(kernel, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
           columns: int) -> torch.Tensor:
-    lib = _library()
-    assert lib is not None and x.shape[0] > 0 and x.dtype == torch.bfloat16
+    """kernel: the library's tile_gemm_bf16 or tile_gemm_silu_mul_bf16 (same arguments)."""
+    assert x.shape[0] > 0 and x.dtype == torch.bfloat16
     assert bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous())
     x = x.contiguous()
     (m, k), n = x.shape, packed.shape[0]
     assert packed.shape[1] == k
     y = x.new_empty(m, columns)                                                # (M, columns)
-    status = getattr(lib, function)(x.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(),
-                                    y.data_ptr(), m, n, k)
+    status = kernel(x.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(),
+                    y.data_ptr(), m, n, k)
     assert status == 0
     return y
 
 
-def kernel_address(function: str = "tile_gemm_bf16") -> int | None:
-    """Address of the C function `tile_gemm_bf16` (or `tile_gemm_silu_mul_bf16`), for C code that
-    calls it; None where unavailable."""
-    assert function in ("tile_gemm_bf16", "tile_gemm_silu_mul_bf16")
+def kernel_address(silu_mul: bool = False) -> int | None:
+    """Address of the C function `tile_gemm_bf16` (with `silu_mul`, `tile_gemm_silu_mul_bf16`),
+    for C code that calls it; None where unavailable."""
     lib = _library()
-    return None if lib is None else ctypes.cast(getattr(lib, function), ctypes.c_void_p).value
+    if lib is None:
+        return None
+    return ctypes.cast(lib.tile_gemm_silu_mul_bf16 if silu_mul else lib.tile_gemm_bf16, ctypes.c_void_p).value

@@ -82,7 +82,7 @@ class FusedDecodeLayers:
                                                          layer.mlp.gate_up_proj, layer.mlp.down_proj)]
         # Above the GEMV's rows, only if every product has its tile copy (Linear.pack).
         self._tile_gemm = cpu_tile_gemm.kernel_address()
-        self._tile_gemm_silu_mul = cpu_tile_gemm.kernel_address("tile_gemm_silu_mul_bf16")
+        self._tile_gemm_silu_mul = cpu_tile_gemm.kernel_address(silu_mul=True)
         tiled = self._tile_gemm is not None and all(_tiles(m) is not None for m in linears)
         self.max_tokens = max(self._gemv_rows, cpu_tile_gemm.max_rows() if tiled else 0)
         self._layers = []
