@@ -15,16 +15,17 @@ def smollm2_path() -> str:
     return default_model_path()
 
 
-def build_tiny_checkpoint(kind: str, out_dir: str, tokenizer_dir: str) -> str:
-    """Saves a randomly initialised model of `kind` with the SmolLM2 tokenizer beside it.
+def build_tiny_checkpoint(kind: str, out_dir: str, tokenizer_dir: str, hidden_size: int = 64) -> str:
+    """Saves a randomly initialised model of `kind` with the SmolLM2 tokenizer beside it: 4 heads
+    of hidden_size / 4 (2 KV heads), 2 layers.
 
     The initialiser range is larger than a trained model's so the logits are well separated:
     greedy comparisons then test the computation, not float rounding between near-ties.
     """
     from transformers import (AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config)
 
-    common = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+    common = dict(vocab_size=TINY_VOCAB, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                   initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=2)
     if kind == "llama":
         config = LlamaConfig(**common, tie_word_embeddings=False,

@@ -11,7 +11,7 @@ class GraphStats:
     warmup_seconds: float = 0.0
     compiles_after_warmup: int = 0   # must stay 0: every step should hit a warmed bucket
     unwarmed_steps: int = 0          # steps too large for any bucket, run eagerly
-    fused_decode_steps: int = 0      # steps of a few decodes run by the C layers, no graph needed
+    fused_decode_steps: int = 0      # steps of only decodes run by the C layers, no graph needed
     real_tokens: int = 0
     padded_tokens: int = 0           # padding added on top of the real tokens
 

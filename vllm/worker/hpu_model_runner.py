@@ -77,11 +77,12 @@ class HPUModelRunner:
             self.device, config.model.dtype, num_heads, config.model.num_kv_heads, config.model.head_dim,
             config.cache.block_size)
         self.sliding_window = getattr(model, "sliding_window", None)
-        # CPU bf16: steps of a few decodes run each layer as one C call, eagerly (nothing for a
-        # graph to remove). Their metadata must carry the decodes for the paged kernel.
-        self.fused_decode = None  # llama_cpu_decode.FusedDecodeLayers
-        if self.paged_decode and hasattr(model, "enable_fused_decode"):
-            self.fused_decode = model.enable_fused_decode()
+        # CPU bf16: eager steps whose attention the C kernels take run each layer as one C call.
+        # Steps of only decodes do so in graph mode too (nothing for a graph to remove); their
+        # metadata must carry the decodes for the paged kernel.
+        self.fused_layers = None  # llama_cpu_layers.FusedLayers
+        if self.paged_decode and hasattr(model, "enable_fused_layers"):
+            self.fused_layers = model.enable_fused_layers(config.cache.block_size)
         self._default_generator = torch.Generator().manual_seed(config.model.seed)
         self._generators: dict[str, torch.Generator] = {}
 
@@ -194,7 +195,7 @@ class HPUModelRunner:
         if step.is_empty:
             return ModelRunnerOutput()
         num_tokens = step.num_batched_tokens
-        if self.fused_decode is not None and step.num_decodes == num_tokens <= self.fused_decode.max_tokens:
+        if self.fused_layers is not None and step.num_decodes == num_tokens <= self.fused_layers.max_tokens:
             self.graph_stats.fused_decode_steps += 1
             bucket = None  # one C call per layer, unpadded (LlamaModel.forward)
         else:

@@ -65,3 +65,10 @@ def paged_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
                                     num_kv_heads, head_dim, block_size, block_tables.shape[1],
                                     sliding_window or 0, scale)
     assert status == 0, f"paged_prefill_bf16 failed with status {status} (1: shape, 2: out of memory)"
+
+
+def kernel_address() -> int | None:
+    """Address of the C function `paged_prefill_bf16`, for C code that calls it; None where
+    unavailable."""
+    lib = _library()
+    return None if lib is None else ctypes.cast(lib.paged_prefill_bf16, ctypes.c_void_p).value

@@ -17,7 +17,7 @@ from vllm.model_executor.layers.activation import silu_and_mul
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import Linear, silu_mul_linear
 from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding, apply_rotary
-from vllm.model_executor.models.llama_cpu_decode import FusedDecodeLayers
+from vllm.model_executor.models.llama_cpu_layers import FusedLayers
 
 
 def _sliding_window(config) -> int | None:
@@ -112,9 +112,9 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        # Set by LlamaForCausalLM.enable_fused_decode: the layers in C for steps of a few decodes
-        # (llama_cpu_decode.py). Never inside a captured graph.
-        self.fused_decode = None
+        # Set by LlamaForCausalLM.enable_fused_layers: the layers in C for the steps whose
+        # attention and rows the C kernels take (llama_cpu_layers.py). Never inside a captured graph.
+        self.fused_layers = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: (T,) -> final hidden states (T, hidden).
@@ -123,10 +123,10 @@ class LlamaModel(nn.Module):
         """
         hidden = self.embed_tokens(input_ids)                                   # (T, hidden)
         cos, sin = self.rotary(positions)                                       # (T, 1, D) each
-        if self.fused_decode is not None and not torch.compiler.is_compiling():
+        if self.fused_layers is not None and not torch.compiler.is_compiling():
             context = get_forward_context()
-            if self.fused_decode.accepts(context.metadata, input_ids.shape[0]):
-                self.fused_decode(hidden, cos, sin, context.metadata, context.kv_caches)
+            if self.fused_layers.accepts(context.metadata, input_ids.shape[0]):
+                self.fused_layers(hidden, cos, sin, context.metadata, context.kv_caches)
                 return self.norm(hidden)
         residual = None
         for layer in self.layers:
@@ -154,11 +154,12 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)                                # (T, hidden)
 
-    def enable_fused_decode(self) -> FusedDecodeLayers | None:
-        """CPU, bf16: from now on steps of a few decodes run each layer as one C call, where the
-        kernels build here. Call once the weights are loaded (and packed); returns the C path."""
-        self.model.fused_decode = FusedDecodeLayers.build(self.model)
-        return self.model.fused_decode
+    def enable_fused_layers(self, block_size: int) -> FusedLayers | None:
+        """CPU, bf16: from now on eager steps that the C kernels take run each layer as one C
+        call, where the kernels build here. Call once the weights are loaded (and packed), with
+        the KV cache's block size; returns the C path."""
+        self.model.fused_layers = FusedLayers.build(self.model, block_size)
+        return self.model.fused_layers
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: (S, hidden) for the tokens that sample -> (S, vocab) float32 logits."""

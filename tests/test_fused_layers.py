@@ -1,0 +1,194 @@
+"""The C decoder layers (llama_cpu_layers.c) against the op-by-op layers, for steps of decodes,
+prefill chunks and both."""
+
+import random
+
+import pytest
+import torch
+
+from tests.utils import build_tiny_checkpoint, random_prompts
+from vllm import LLM, SamplingParams
+from vllm.attention.backends.metadata import SeqSpan, build_attention_metadata
+from vllm.forward_context import ForwardContext, forward_context
+from vllm.platforms.cpu import cpu_flags
+
+BLOCK = 16
+
+pytestmark = pytest.mark.skipif("avx512_bf16" not in cpu_flags(),
+                                reason="the C GEMV, and so the fused layers, need AVX512-BF16")
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "mistral"])
+def bf16_llm(request, tiny_checkpoints) -> LLM:
+    return LLM(tiny_checkpoints[request.param], dtype="bfloat16", max_model_len=512, block_size=BLOCK,
+               num_gpu_blocks_override=512, enforce_eager=True)
+
+
+def _decode_step(runner, contexts: list[int], rng: random.Random):
+    """Metadata for one decode per context length, on distinct random blocks."""
+    blocks = list(range(1, runner.cache.kv_caches[0][0].shape[0]))
+    rng.shuffle(blocks)
+    spans, slots = [], []
+    for i, ctx in enumerate(contexts):
+        table = [blocks.pop() for _ in range(ctx // BLOCK + 1)]
+        spans.append(SeqSpan(i, 1, ctx, table))
+        slots.append(table[ctx // BLOCK] * BLOCK + ctx % BLOCK)
+    return build_attention_metadata(spans, len(spans), slots, BLOCK, runner.heads_per_kv,
+                                    runner.sliding_window, runner.cache.pad_block, torch.device("cpu"),
+                                    torch.bfloat16, split_prefill=True, paged_decode=True)
+
+
+@pytest.mark.parametrize("contexts", [[0], [37], [5, 200, 16], [130, 1, 64, 300],
+                                      [3, 90, 17, 250, 64, 0, 33],
+                                      [11 * i % 170 for i in range(16)], [7 * i % 150 for i in range(32)]])
+def test_fused_layers_match_op_by_op(bf16_llm, contexts):
+    """Same hidden states and the same cache writes, for 1-32 decodes (the GEMV up to 4 rows, the
+    tile GEMM above) at contexts that cross blocks and (Mistral) the sliding window of 96; past
+    keys are random."""
+    runner = bf16_llm.llm_engine.runner
+    model, fused = runner.model.model, runner.fused_layers
+    assert fused is not None and fused.max_tokens >= len(contexts)
+    caches = runner.cache.kv_caches
+    for k, v in caches:
+        k.normal_()
+        v.normal_()
+    before = [(k.clone(), v.clone()) for k, v in caches]
+    rng = random.Random(len(contexts))
+    metadata = _decode_step(runner, contexts, rng)
+    ids = torch.tensor([rng.randrange(100, 49152) for _ in contexts])
+    positions = torch.tensor(contexts)
+    assert fused.accepts(metadata, len(contexts))
+    results = []
+    with torch.inference_mode(), forward_context(ForwardContext(metadata, caches)):
+        for use_fused in (False, True):
+            for (k, v), (k0, v0) in zip(caches, before):
+                k.copy_(k0)
+                v.copy_(v0)
+            model.fused_layers = fused if use_fused else None
+            hidden = model(ids, positions)                                   # (T, hidden)
+            results.append((hidden, [(k.clone(), v.clone()) for k, v in caches]))
+    model.fused_layers = fused
+    (ref, ref_caches), (got, got_caches) = results
+    # Both round to bf16 at the same points; a norm's sum order may move an element by an ulp.
+    torch.testing.assert_close(got.float(), ref.float(), rtol=2 ** -6, atol=2 ** -6)
+    assert (got != ref).float().mean() < 0.05
+    for (k, v), (rk, rv) in zip(got_caches, ref_caches):
+        torch.testing.assert_close(k, rk, rtol=2 ** -6, atol=2 ** -6)
+        torch.testing.assert_close(v, rv, rtol=2 ** -6, atol=2 ** -6)
+
+
+def test_engine_decodes_through_fused_layers(bf16_llm):
+    """Whole generations of 2 and 9 prompts: their decode steps take the C layers, and the tokens
+    are those of the op-by-op path (the tiny models' logits are far from ties)."""
+    runner = bf16_llm.llm_engine.runner
+    fused = runner.fused_layers
+    prompts = [{"prompt_token_ids": p} for p in random_prompts([3, 40, 17, 90, 8, 61, 5, 70, 30], seed=5)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outputs = []
+    for use_fused in (False, True):
+        runner.fused_layers = runner.model.model.fused_layers = fused if use_fused else None
+        before = runner.graph_stats.fused_decode_steps
+        outputs.append([o.outputs[0].token_ids for o in bf16_llm.generate(prompts[:2], params, use_tqdm=False)
+                        + bf16_llm.generate(prompts, params, use_tqdm=False)])
+        assert (runner.graph_stats.fused_decode_steps > before) == use_fused
+    assert outputs[0] == outputs[1]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "mistral"])
+def bf16_llm_d64(request, tokenizer_dir, tmp_path_factory) -> LLM:
+    """head_dim 64, so that prefill chunks take the C prefill kernel and the C layers with it."""
+    path = build_tiny_checkpoint(request.param, str(tmp_path_factory.mktemp(request.param)), tokenizer_dir,
+                                 hidden_size=256)
+    llm = LLM(path, dtype="bfloat16", max_model_len=512, block_size=BLOCK, num_gpu_blocks_override=512,
+              enforce_eager=True, enable_chunked_prefill=True, max_num_batched_tokens=64)
+    if not llm.llm_engine.runner.fused_layers.takes_prefills:
+        pytest.skip("the C prefill kernel needs AMX")
+    return llm
+
+
+def _mixed_step(runner, contexts: list[int], chunks: list[tuple[int, int]], rng: random.Random):
+    """Metadata and positions for one decode per context length, then one prefill chunk per
+    (query_len, context_len), on distinct random blocks."""
+    blocks = list(range(1, runner.cache.kv_caches[0][0].shape[0]))
+    rng.shuffle(blocks)
+    spans, slots, positions = [], [], []
+    for query_len, ctx in [(1, c) for c in contexts] + chunks:
+        table = [blocks.pop() for _ in range((ctx + query_len - 1) // BLOCK + 1)]
+        spans.append(SeqSpan(len(positions), query_len, ctx, table))
+        for pos in range(ctx, ctx + query_len):
+            positions.append(pos)
+            slots.append(table[pos // BLOCK] * BLOCK + pos % BLOCK)
+    metadata = build_attention_metadata(spans, len(contexts), slots, BLOCK, runner.heads_per_kv,
+                                        runner.sliding_window, runner.cache.pad_block, torch.device("cpu"),
+                                        torch.bfloat16, split_prefill=True, paged_decode=True, paged_prefill=True)
+    return metadata, torch.tensor(positions)
+
+
+@pytest.mark.parametrize("contexts,chunks", [
+    ([], [(37, 0)]), ([], [(1, 60)]), ([5, 200], [(40, 0), (100, 33)]), ([], [(256, 0)]),
+    ([3 * i for i in range(8)], [(248, 150)]), ([70], [(120, 50), (2, 95)]),
+    ([0, 17, 300], [(300, 10), (150, 0)]),
+])
+def test_fused_mixed_steps_match_op_by_op(bf16_llm_d64, contexts, chunks):
+    """Same hidden states and cache writes for steps of prefill chunks, with and without decodes
+    before them: chunks with and without context, across blocks, past (Mistral) the window of
+    96, on the GEMV (1-4 rows) and the tile GEMM (up to 456 rows); past keys are random."""
+    runner = bf16_llm_d64.llm_engine.runner
+    model, fused = runner.model.model, runner.fused_layers
+    caches = runner.cache.kv_caches
+    for k, v in caches:
+        k.normal_()
+        v.normal_()
+    before = [(k.clone(), v.clone()) for k, v in caches]
+    rng = random.Random(len(contexts) + len(chunks))
+    metadata, positions = _mixed_step(runner, contexts, chunks, rng)
+    ids = torch.tensor([rng.randrange(100, 49152) for _ in range(positions.shape[0])])
+    assert metadata.paged_prefills is not None and fused.accepts(metadata, positions.shape[0])
+    results = []
+    with torch.inference_mode(), forward_context(ForwardContext(metadata, caches)):
+        for use_fused in (False, True):
+            for (k, v), (k0, v0) in zip(caches, before):
+                k.copy_(k0)
+                v.copy_(v0)
+            model.fused_layers = fused if use_fused else None
+            hidden = model(ids, positions)                                   # (T, hidden)
+            results.append((hidden, [(k.clone(), v.clone()) for k, v in caches]))
+    model.fused_layers = fused
+    (ref, ref_caches), (got, got_caches) = results
+    torch.testing.assert_close(got.float(), ref.float(), rtol=2 ** -6, atol=2 ** -6)
+    assert (got != ref).float().mean() < 0.05
+    for (k, v), (rk, rv) in zip(got_caches, ref_caches):
+        torch.testing.assert_close(k, rk, rtol=2 ** -6, atol=2 ** -6)
+        torch.testing.assert_close(v, rv, rtol=2 ** -6, atol=2 ** -6)
+
+
+class _Recording:
+    """Wraps the C layers and records, per step they run, whether it held prefill chunks."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.steps = inner, []
+        self.max_tokens = inner.max_tokens
+
+    def accepts(self, metadata, num_tokens: int) -> bool:
+        return self.inner.accepts(metadata, num_tokens)
+
+    def __call__(self, hidden, cos, sin, metadata, kv_caches) -> None:
+        self.steps.append(metadata.paged_prefills is not None)
+        self.inner(hidden, cos, sin, metadata, kv_caches)
+
+
+def test_engine_runs_chunked_prefill_through_fused_layers(bf16_llm_d64):
+    """Chunked generations (budget 64, prompts up to 150 tokens) run their prefill chunks and
+    mixed steps on the C layers, and give the op-by-op path's tokens."""
+    runner = bf16_llm_d64.llm_engine.runner
+    fused = runner.fused_layers
+    prompts = [{"prompt_token_ids": p} for p in random_prompts([3, 150, 17, 90, 8, 61, 120], seed=7)]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    outputs = []
+    for use_fused in (False, True):
+        recording = _Recording(fused) if use_fused else None
+        runner.fused_layers = runner.model.model.fused_layers = recording
+        outputs.append([o.outputs[0].token_ids for o in bf16_llm_d64.generate(prompts, params, use_tqdm=False)])
+    runner.fused_layers = runner.model.model.fused_layers = fused
+    assert sum(recording.steps) >= 5 and not all(recording.steps)
+    assert outputs[0] == outputs[1]

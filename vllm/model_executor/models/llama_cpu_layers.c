@@ -1,0 +1,148 @@
+/*
+ * One Llama-family decoder layer for a bf16 step on CPU (decodes, prefill chunks or both), in
+ * one call.
+ *
+ * At batch 1 a layer is ~7 MB of weights streamed in ~0.3 ms by the GEMV kernel; run as torch
+ * ops, the norms, rotary, residual adds, cache write and attention between the four GEMVs cost
+ * as much again in dispatch. A prefill chunk's layer is mostly products, but its ~15 torch and
+ * ctypes calls still cost ~0.15 ms. Here those steps are C on the step's rows, and the products
+ * and attention are the engine's kernels, passed in as function pointers (each kernel keeps one
+ * source): cpu_gemv.c (up to 4 rows), cpu_tile_gemm.c (more; SiLU-and-multiply in gate_up's
+ * epilogue there), cpu_paged_decode.c and cpu_paged_prefill.c.
+ *
+ * Every intermediate is rounded to bf16 where the torch layer rounds it (eager bf16 ops), so
+ * the two paths differ only in the order of a norm's float32 sum and in the exp of SiLU (both
+ * within float32's rounding, so a bf16 result moves by one unit at most, and rarely).
+ *
+ *   hidden += o_proj(attention(rope(q), rope(k) -> cache, v -> cache))   q, k, v = qkv(norm(hidden))
+ *   hidden += down(silu(gate) * up)                                      gate, up = gate_up(norm(hidden))
+ *
+ * A step's tokens: its decodes first (one token per sequence), then its prefill chunks.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#include "bf16.h"
+#include "layer_ops.h"
+
+typedef int (*gemv_fn)(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
+                       int64_t m, int64_t n, int64_t k);
+typedef int (*tile_gemm_fn)(const uint16_t *x, const uint16_t *tiles, const uint16_t *bias,
+                            uint16_t *y, int64_t m, int64_t n, int64_t k);
+typedef int (*decode_attend_fn)(const uint16_t *query, const uint16_t *key_cache,
+                                const uint16_t *value_cache, const int64_t *block_tables,
+                                const int64_t *seq_lens, uint16_t *out, int64_t num_seqs,
+                                int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                int64_t block_size, int64_t max_blocks, int64_t window, float scale);
+typedef int (*prefill_attend_fn)(const uint16_t *query, const uint16_t *key_cache,
+                                 const uint16_t *value_cache, const int64_t *block_tables,
+                                 const int64_t *token_offsets, const int64_t *query_lens,
+                                 const int64_t *context_lens, uint16_t *out, int64_t query_stride,
+                                 int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                                 int64_t head_dim, int64_t block_size, int64_t max_blocks,
+                                 int64_t window, float scale);
+
+/* A layer's weights (contiguous, nn.Linear's (out, in) layout; biases may be NULL), their copies
+ * in the tile layout (NULL: none), and sizes. */
+struct layer_weights {
+    const uint16_t *input_norm, *qkv, *qkv_bias, *o, *o_bias;
+    const uint16_t *post_norm, *gate_up, *gate_up_bias, *down, *down_bias;
+    const uint16_t *qkv_tiles, *o_tiles, *gate_up_tiles, *down_tiles;
+    int64_t hidden, heads, kv_heads, head_dim, intermediate;
+    float eps, scale;
+};
+
+/* What every layer of a step shares: T tokens, the first `decodes` of them one per sequence,
+ * then `prefills` chunks. */
+struct layer_step {
+    int64_t tokens;
+    const uint16_t *cos, *sin;    /* (T, D): rows of the tokens' positions; sin's first half negated */
+    const int64_t *slots;         /* (T,): cache slot of each token's key and value; < 0: none */
+    int64_t decodes;
+    const int64_t *decode_block_tables;  /* (decodes, decode_max_blocks) */
+    const int64_t *seq_lens;             /* (decodes,): keys per sequence, its token included */
+    int64_t decode_max_blocks;
+    int64_t prefills;
+    const int64_t *prefill_block_tables;  /* (prefills, prefill_max_blocks) */
+    const int64_t *token_offsets, *query_lens, *context_lens;  /* (prefills,) each */
+    int64_t prefill_max_blocks;
+    int64_t block_size, window;
+    int64_t gemv_rows;            /* up to this many rows the GEMV, above it the tile GEMM */
+    gemv_fn gemv;
+    tile_gemm_fn tile_gemm;       /* NULL: none */
+    tile_gemm_fn tile_gemm_silu_mul;  /* gate_up's product with SiLU-and-multiply as its epilogue */
+    decode_attend_fn attend_decodes;
+    prefill_attend_fn attend_prefills;  /* NULL: none (then the step has no prefills) */
+};
+
+/* The scratch rows one layer needs for T tokens, in bf16 elements. */
+static int64_t widest_row(const struct layer_weights *L) {
+    const int64_t qkv_size = (L->heads + 2 * L->kv_heads) * L->head_dim;
+    return qkv_size > 2 * L->intermediate ? qkv_size : 2 * L->intermediate;
+}
+
+int64_t llama_layer_workspace(const struct layer_weights *L, int64_t tokens) {
+    return tokens * (2 * L->hidden + widest_row(L) + L->intermediate + 2 * L->heads * L->head_dim);
+}
+
+/* y (m, n) = x (m, k) @ W^T + bias, on the kernel for m rows. */
+static int project(const struct layer_step *S, const uint16_t *x, const uint16_t *w,
+                   const uint16_t *tiles, const uint16_t *bias, uint16_t *y, int64_t m, int64_t n,
+                   int64_t k) {
+    if (m <= S->gemv_rows) return S->gemv(x, w, bias, y, m, n, k);
+    return tiles != NULL && S->tile_gemm != NULL ? S->tile_gemm(x, tiles, bias, y, m, n, k) : 1;
+}
+
+/* hidden: (T, hidden) bf16, updated in place; caches: (num_blocks, block_size, KVH, D);
+ * workspace: llama_layer_workspace(L, T) elements. */
+int llama_layer(const struct layer_weights *L, const struct layer_step *S, uint16_t *hidden,
+                uint16_t *key_cache, uint16_t *value_cache, uint16_t *workspace) {
+    const int64_t t = S->tokens, h = L->hidden, d = L->head_dim, inter = L->intermediate;
+    const int64_t q_size = L->heads * d, kv_size = L->kv_heads * d, qkv_size = q_size + 2 * kv_size;
+    uint16_t *normed = workspace, *proj = normed + t * h, *wide = proj + t * h;
+    uint16_t *act = wide + t * widest_row(L), *query = act + t * inter, *attn = query + t * q_size;
+    int status = 0;
+
+    #pragma omp parallel for schedule(static) if (t >= 8)
+    for (int64_t r = 0; r < t; ++r) rms_norm_row(hidden + r * h, L->input_norm, normed + r * h, h, L->eps);
+    status |= project(S, normed, L->qkv, L->qkv_tiles, L->qkv_bias, wide, t, qkv_size, h);      /* (T, q + 2 kv) */
+    #pragma omp parallel for schedule(static) if (t >= 8)
+    for (int64_t r = 0; r < t; ++r) {
+        const uint16_t *row = wide + r * qkv_size, *cos = S->cos + r * d, *sin = S->sin + r * d;
+        for (int64_t head = 0; head < L->heads; ++head)
+            rotate(row + head * d, cos, sin, query + (r * L->heads + head) * d, d);
+        if (S->slots[r] < 0) continue;  /* the sentinel slot: nothing to keep */
+        uint16_t *k_dst = key_cache + S->slots[r] * kv_size, *v_dst = value_cache + S->slots[r] * kv_size;
+        for (int64_t head = 0; head < L->kv_heads; ++head)
+            rotate(row + q_size + head * d, cos, sin, k_dst + head * d, d);
+        memcpy(v_dst, row + q_size + kv_size, sizeof(uint16_t) * kv_size);
+    }
+    if (S->decodes > 0)  /* (decodes, H, D) */
+        status |= S->attend_decodes(query, key_cache, value_cache, S->decode_block_tables, S->seq_lens, attn,
+                                    S->decodes, L->heads, L->kv_heads, d, S->block_size,
+                                    S->decode_max_blocks, S->window, L->scale);
+    if (S->prefills > 0)  /* the chunks' rows of (T, H, D) */
+        status |= S->attend_prefills == NULL ? 1 : S->attend_prefills(
+            query, key_cache, value_cache, S->prefill_block_tables, S->token_offsets, S->query_lens,
+            S->context_lens, attn, q_size, S->prefills, L->heads, L->kv_heads, d, S->block_size,
+            S->prefill_max_blocks, S->window, L->scale);
+    status |= project(S, attn, L->o, L->o_tiles, L->o_bias, proj, t, h, q_size);               /* (T, hidden) */
+
+    #pragma omp parallel for schedule(static) if (t >= 8)
+    for (int64_t r = 0; r < t; ++r) {
+        add_into(hidden + r * h, proj + r * h, h);
+        rms_norm_row(hidden + r * h, L->post_norm, normed + r * h, h, L->eps);
+    }
+    /* (T, I) in one pass where the tile GEMM runs gate_up and its gate and up blocks pair up */
+    if (t > S->gemv_rows && L->gate_up_tiles != NULL && S->tile_gemm_silu_mul != NULL && inter % 16 == 0) {
+        status |= S->tile_gemm_silu_mul(normed, L->gate_up_tiles, L->gate_up_bias, act, t, 2 * inter, h);
+    } else {
+        status |= project(S, normed, L->gate_up, L->gate_up_tiles, L->gate_up_bias, wide, t, 2 * inter, h);  /* (T, 2I) */
+        #pragma omp parallel for schedule(static) if (t >= 8)
+        for (int64_t r = 0; r < t; ++r) silu_mul_row(wide + r * 2 * inter, act + r * inter, inter);
+    }
+    status |= project(S, act, L->down, L->down_tiles, L->down_bias, proj, t, h, inter);           /* (T, hidden) */
+    #pragma omp parallel for schedule(static) if (t >= 8)
+    for (int64_t r = 0; r < t; ++r) add_into(hidden + r * h, proj + r * h, h);
+    return status;
+}

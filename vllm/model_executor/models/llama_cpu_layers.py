@@ -1,0 +1,168 @@
+"""The C path of a Llama model's decoder layers for bf16 steps on CPU (llama_cpu_layers.c).
+
+A batch-1 decode step on CPU is bound by reading the weights (~10 ms for SmolLM2 at ~25 GB/s),
+but run op by op its layers spend ~5 ms more between the GEMVs: norms, rotary, residual adds,
+the cache write and attention, each a dispatch. A prefill chunk's layers are mostly products,
+yet their ~15 torch and ctypes calls a layer still add up to a few ms a step. `FusedLayers`
+runs each layer as one C call instead, for a step of decodes, prefill chunks or both whose
+attention the C kernels take whole (no metadata groups) and whose rows the GEMV or the tile
+GEMM take (up to PACKED_MAX_ROWS). It uses the same kernels as the op-by-op path and rounds to
+bf16 where it does.
+
+Built through `LlamaForCausalLM.enable_fused_layers`, which the CPU model runner calls for bf16
+models when the kernels are available; with VLLM_CPU_C_KERNELS=0 or without a compiler the
+op-by-op path runs every step. Captured graphs keep the torch layers.
+"""
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+
+from vllm.attention.backends.metadata import AttentionMetadata
+from vllm.attention.ops import cpu_paged_decode, cpu_paged_prefill
+from vllm.model_executor.layers import cpu_gemv, cpu_tile_gemm
+from vllm.model_executor.layers.linear import PACKED_MAX_ROWS
+from vllm.platforms.c_build import load_c_library
+
+_SOURCE = Path(__file__).with_name("llama_cpu_layers.c")
+_ptr, _i64 = ctypes.c_void_p, ctypes.c_int64
+
+
+class _Layer(ctypes.Structure):
+    """struct layer_weights of llama_cpu_layers.c, field for field."""
+    _fields_ = [(name, _ptr) for name in ("input_norm", "qkv", "qkv_bias", "o", "o_bias", "post_norm",
+                                          "gate_up", "gate_up_bias", "down", "down_bias",
+                                          "qkv_tiles", "o_tiles", "gate_up_tiles", "down_tiles")] + \
+               [(name, _i64) for name in ("hidden", "heads", "kv_heads", "head_dim", "intermediate")] + \
+               [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+
+
+class _Step(ctypes.Structure):
+    """struct layer_step of llama_cpu_layers.c, field for field."""
+    _fields_ = [("tokens", _i64), ("cos", _ptr), ("sin", _ptr), ("slots", _ptr),
+                ("decodes", _i64), ("decode_block_tables", _ptr), ("seq_lens", _ptr), ("decode_max_blocks", _i64),
+                ("prefills", _i64), ("prefill_block_tables", _ptr), ("token_offsets", _ptr),
+                ("query_lens", _ptr), ("context_lens", _ptr), ("prefill_max_blocks", _i64),
+                ("block_size", _i64), ("window", _i64), ("gemv_rows", _i64), ("gemv", _ptr),
+                ("tile_gemm", _ptr), ("tile_gemm_silu_mul", _ptr), ("attend_decodes", _ptr),
+                ("attend_prefills", _ptr)]
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    lib = load_c_library(_SOURCE, "the layers run op by op")
+    if lib is not None:
+        lib.llama_layer.argtypes = [ctypes.POINTER(_Layer), ctypes.POINTER(_Step), _ptr, _ptr, _ptr, _ptr]
+        lib.llama_layer.restype = ctypes.c_int
+        lib.llama_layer_workspace.argtypes = [ctypes.POINTER(_Layer), _i64]
+        lib.llama_layer_workspace.restype = _i64
+    return lib
+
+
+def _tiles(linear: torch.nn.Module) -> torch.Tensor | None:
+    return getattr(linear, "tiled", None)
+
+
+def _address(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class FusedLayers:
+    """Runs all decoder layers of a `LlamaModel` for a step, one C call per layer.
+
+    Holds pointers to the layers' weights: the model's parameters must not be replaced or moved
+    after it is built (the runner builds it once the weights are loaded and packed).
+    """
+
+    def __init__(self, model: torch.nn.Module, lib: ctypes.CDLL, gemv: int, attend_decodes: int,
+                 attend_prefills: int | None) -> None:
+        self._lib = lib
+        self._gemv, self._attend_decodes, self._attend_prefills = gemv, attend_decodes, attend_prefills
+        self.takes_prefills = attend_prefills is not None  # else only steps of decodes
+        self._gemv_rows = cpu_gemv.max_rows()
+        linears = [m for layer in model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                         layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+        # Above the GEMV's rows, only if every product has its tile copy (Linear.pack).
+        self._tile_gemm = cpu_tile_gemm.kernel_address()
+        self._tile_gemm_silu_mul = cpu_tile_gemm.kernel_address(silu_mul=True)
+        tiled = self._tile_gemm is not None and all(_tiles(m) is not None for m in linears)
+        self.max_tokens = PACKED_MAX_ROWS if tiled else self._gemv_rows
+        self._layers = []
+        for layer in model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            for t in (attn.qkv_proj.weight, attn.o_proj.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight):
+                assert t.dtype == torch.bfloat16 and t.is_contiguous()
+            self._layers.append(_Layer(
+                _address(layer.input_layernorm.weight), _address(attn.qkv_proj.weight),
+                _address(attn.qkv_proj.bias), _address(attn.o_proj.weight), _address(attn.o_proj.bias),
+                _address(layer.post_attention_layernorm.weight), _address(mlp.gate_up_proj.weight),
+                _address(mlp.gate_up_proj.bias), _address(mlp.down_proj.weight), _address(mlp.down_proj.bias),
+                _address(_tiles(attn.qkv_proj)), _address(_tiles(attn.o_proj)),
+                _address(_tiles(mlp.gate_up_proj)), _address(_tiles(mlp.down_proj)),
+                layer.input_layernorm.weight.shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                mlp.intermediate_size, layer.input_layernorm.eps, attn.scale))
+        assert all(layer.input_layernorm.eps == layer.post_attention_layernorm.eps for layer in model.layers)
+        # Keeps the pointed-to weights and tile copies alive.
+        self._tensors = list(model.parameters()) + [_tiles(m) for m in linears]
+        self._workspace = torch.empty(0, dtype=torch.bfloat16)  # grown to the largest step's need
+
+    @classmethod
+    def build(cls, model: torch.nn.Module, block_size: int) -> "FusedLayers | None":
+        """For a loaded bf16 `LlamaModel` on CPU whose cache has `block_size`; None where the
+        decode kernels cannot be built here (without the prefill kernel, only steps of decodes)."""
+        if next(model.parameters()).dtype != torch.bfloat16:
+            return None
+        attn, cpu = model.layers[0].self_attn, torch.device("cpu")
+        shape = (attn.num_heads, attn.num_kv_heads, attn.head_dim)
+        if not cpu_paged_decode.is_available(cpu, torch.bfloat16, *shape):
+            return None
+        lib, gemv = _library(), cpu_gemv.kernel_address()
+        attend_decodes = cpu_paged_decode.kernel_address(torch.bfloat16)
+        if lib is None or gemv is None or attend_decodes is None:
+            return None
+        attend_prefills = (cpu_paged_prefill.kernel_address()
+                           if cpu_paged_prefill.is_available(cpu, torch.bfloat16, *shape, block_size) else None)
+        return cls(model, lib, gemv, attend_decodes, attend_prefills)
+
+    def accepts(self, metadata: AttentionMetadata, num_tokens: int) -> bool:
+        """Whether the C kernels take all of the step: its attention (no groups, no padding) and
+        its rows."""
+        if metadata.groups or metadata.num_real_tokens != num_tokens or num_tokens > self.max_tokens:
+            return False
+        if metadata.paged_prefills is not None and not self.takes_prefills:
+            return False
+        return metadata.paged_decodes is not None or metadata.paged_prefills is not None
+
+    def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 metadata: AttentionMetadata, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """hidden: (T, hidden) bf16, updated in place by every layer; cos/sin: (T, 1, D)."""
+        assert hidden.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()
+        num_tokens = hidden.shape[0]
+        decodes, prefills = metadata.paged_decodes, metadata.paged_prefills
+        windows = {p.sliding_window for p in (decodes, prefills) if p is not None}
+        assert len(windows) == 1, "decodes and prefills share the model's window"
+        step = _Step(num_tokens, cos.data_ptr(), sin.data_ptr(), metadata.slot_mapping.data_ptr(),
+                     block_size=kv_caches[0][0].shape[1], window=windows.pop() or 0,
+                     gemv_rows=self._gemv_rows, gemv=self._gemv, tile_gemm=self._tile_gemm,
+                     tile_gemm_silu_mul=self._tile_gemm_silu_mul, attend_decodes=self._attend_decodes,
+                     attend_prefills=self._attend_prefills)
+        if decodes is not None:
+            step.decodes = decodes.seq_lens.shape[0]
+            step.decode_block_tables, step.seq_lens = decodes.block_tables.data_ptr(), decodes.seq_lens.data_ptr()
+            step.decode_max_blocks = decodes.block_tables.shape[1]
+        if prefills is not None:
+            step.prefills = prefills.query_lens.shape[0]
+            step.prefill_block_tables = prefills.block_tables.data_ptr()
+            step.token_offsets, step.query_lens = prefills.token_offsets.data_ptr(), prefills.query_lens.data_ptr()
+            step.context_lens = prefills.context_lens.data_ptr()
+            step.prefill_max_blocks = prefills.block_tables.shape[1]
+        need = self._lib.llama_layer_workspace(ctypes.byref(self._layers[0]), num_tokens)
+        if self._workspace.numel() < need:
+            self._workspace = torch.empty(need, dtype=torch.bfloat16)
+        run, step_ref = self._lib.llama_layer, ctypes.byref(step)
+        out, workspace = hidden.data_ptr(), self._workspace.data_ptr()
+        for layer, (k, v) in zip(self._layers, kv_caches, strict=True):
+            status = run(ctypes.byref(layer), step_ref, out, k.data_ptr(), v.data_ptr(), workspace)
+            assert status == 0, "a kernel rejected its sizes; build() checks them"
