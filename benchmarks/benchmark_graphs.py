@@ -3,9 +3,10 @@
 For each mode (eager, graphs) it builds an engine with the given config and measures:
   * warm-up: graphs captured and seconds (graph mode), compiles after warm-up (must be 0);
   * decode: tokens/s of --decode-batch sequences decoding together (after their prefill). On a
-    CPU with the C kernels, steps of up to 32 decodes run each layer as one C call in both modes
-    (no graph), so the graphs show from batch 64 on;
-  * prefill: tokens/s of one --prefill-len prompt, chunked at the step budget;
+    CPU with the C kernels, steps of only decodes run each layer as one C call in both modes (no
+    graph), so the two modes differ there only by noise;
+  * prefill: tokens/s of one --prefill-len prompt, chunked at the step budget (eager: the C
+    layers where they take the step; graphs: the captured torch layers);
   * padding overhead of the bucketed steps.
 
     python benchmarks/benchmark_graphs.py                      # default config, SmolLM2-135M bf16

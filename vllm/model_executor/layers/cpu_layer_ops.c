@@ -7,7 +7,7 @@
  * own dispatch. On (256, 576) rows the norm takes 21 us against torch's 78, and 27 with the
  * add; the rotary embedding of 256 rows of 12 heads 27 us against 83; SiLU-and-multiply on
  * (264, 2 x 1536) 98 us against 161. Rounding follows torch's eager bf16 ops
- * (vllm/platforms/layer_ops.h, shared with the fused decode layer).
+ * (vllm/platforms/layer_ops.h, shared with the C decoder layer, llama_cpu_layers.c).
  *
  * Layouts: rows of x and y contiguous; rotary's x rows `x_stride` elements apart (q and k
  * inside a qkv row), its heads contiguous, its output (rows, heads, d) contiguous.
