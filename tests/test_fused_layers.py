@@ -15,7 +15,7 @@ from vllm.platforms.cpu import cpu_flags
 BLOCK = 16
 
 pytestmark = pytest.mark.skipif("avx512_bf16" not in cpu_flags(),
-                                reason="the C GEMV, and so the fused layers, need AVX512-BF16")
+                                reason="the C GEMV, and so the C layers, need AVX512-BF16")
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "mistral"])
@@ -24,40 +24,39 @@ def bf16_llm(request, tiny_checkpoints) -> LLM:
                num_gpu_blocks_override=512, enforce_eager=True)
 
 
-def _decode_step(runner, contexts: list[int], rng: random.Random):
-    """Metadata for one decode per context length, on distinct random blocks."""
+def _step(runner, contexts: list[int], chunks: list[tuple[int, int]], rng: random.Random):
+    """Metadata and positions for one decode per context length, then one prefill chunk per
+    (query_len, context_len), on distinct random blocks."""
     blocks = list(range(1, runner.cache.kv_caches[0][0].shape[0]))
     rng.shuffle(blocks)
-    spans, slots = [], []
-    for i, ctx in enumerate(contexts):
-        table = [blocks.pop() for _ in range(ctx // BLOCK + 1)]
-        spans.append(SeqSpan(i, 1, ctx, table))
-        slots.append(table[ctx // BLOCK] * BLOCK + ctx % BLOCK)
-    return build_attention_metadata(spans, len(spans), slots, BLOCK, runner.heads_per_kv,
-                                    runner.sliding_window, runner.cache.pad_block, torch.device("cpu"),
-                                    torch.bfloat16, split_prefill=True, paged_decode=True)
+    spans, slots, positions = [], [], []
+    for query_len, ctx in [(1, c) for c in contexts] + chunks:
+        table = [blocks.pop() for _ in range((ctx + query_len - 1) // BLOCK + 1)]
+        spans.append(SeqSpan(len(positions), query_len, ctx, table))
+        for pos in range(ctx, ctx + query_len):
+            positions.append(pos)
+            slots.append(table[pos // BLOCK] * BLOCK + pos % BLOCK)
+    metadata = build_attention_metadata(spans, len(contexts), slots, BLOCK, runner.heads_per_kv,
+                                        runner.sliding_window, runner.cache.pad_block, torch.device("cpu"),
+                                        torch.bfloat16, split_prefill=True, paged_decode=True,
+                                        paged_prefill=runner.paged_prefill)
+    return metadata, torch.tensor(positions)
 
 
-@pytest.mark.parametrize("contexts", [[0], [37], [5, 200, 16], [130, 1, 64, 300],
-                                      [3, 90, 17, 250, 64, 0, 33],
-                                      [11 * i % 170 for i in range(16)], [7 * i % 150 for i in range(32)]])
-def test_fused_layers_match_op_by_op(bf16_llm, contexts):
-    """Same hidden states and the same cache writes, for 1-32 decodes (the GEMV up to 4 rows, the
-    tile GEMM above) at contexts that cross blocks and (Mistral) the sliding window of 96; past
-    keys are random."""
-    runner = bf16_llm.llm_engine.runner
+def _assert_fused_matches_op_by_op(runner, contexts: list[int], chunks: list[tuple[int, int]],
+                                   rng: random.Random) -> None:
+    """Runs one step (see _step) through the op-by-op layers and through the C layers, from the
+    same random caches: the hidden states and the cache writes must agree."""
     model, fused = runner.model.model, runner.fused_layers
-    assert fused is not None and fused.max_tokens >= len(contexts)
+    metadata, positions = _step(runner, contexts, chunks, rng)
+    ids = torch.tensor([rng.randrange(100, 49152) for _ in range(positions.shape[0])])
+    assert fused.accepts(metadata, positions.shape[0])
+    assert (metadata.paged_prefills is not None) == bool(chunks)
     caches = runner.cache.kv_caches
     for k, v in caches:
         k.normal_()
         v.normal_()
     before = [(k.clone(), v.clone()) for k, v in caches]
-    rng = random.Random(len(contexts))
-    metadata = _decode_step(runner, contexts, rng)
-    ids = torch.tensor([rng.randrange(100, 49152) for _ in contexts])
-    positions = torch.tensor(contexts)
-    assert fused.accepts(metadata, len(contexts))
     results = []
     with torch.inference_mode(), forward_context(ForwardContext(metadata, caches)):
         for use_fused in (False, True):
@@ -75,6 +74,18 @@ def test_fused_layers_match_op_by_op(bf16_llm, contexts):
     for (k, v), (rk, rv) in zip(got_caches, ref_caches):
         torch.testing.assert_close(k, rk, rtol=2 ** -6, atol=2 ** -6)
         torch.testing.assert_close(v, rv, rtol=2 ** -6, atol=2 ** -6)
+
+
+@pytest.mark.parametrize("contexts", [[0], [37], [5, 200, 16], [130, 1, 64, 300],
+                                      [3, 90, 17, 250, 64, 0, 33],
+                                      [11 * i % 170 for i in range(16)], [7 * i % 150 for i in range(32)]])
+def test_fused_decode_steps_match_op_by_op(bf16_llm, contexts):
+    """Same hidden states and the same cache writes, for 1-32 decodes (the GEMV up to 4 rows, the
+    tile GEMM above) at contexts that cross blocks and (Mistral) the sliding window of 96; past
+    keys are random."""
+    runner = bf16_llm.llm_engine.runner
+    assert runner.fused_layers is not None and runner.fused_layers.max_tokens >= len(contexts)
+    _assert_fused_matches_op_by_op(runner, contexts, [], random.Random(len(contexts)))
 
 
 def test_engine_decodes_through_fused_layers(bf16_llm):
@@ -106,24 +117,6 @@ def bf16_llm_d64(request, tokenizer_dir, tmp_path_factory) -> LLM:
     return llm
 
 
-def _mixed_step(runner, contexts: list[int], chunks: list[tuple[int, int]], rng: random.Random):
-    """Metadata and positions for one decode per context length, then one prefill chunk per
-    (query_len, context_len), on distinct random blocks."""
-    blocks = list(range(1, runner.cache.kv_caches[0][0].shape[0]))
-    rng.shuffle(blocks)
-    spans, slots, positions = [], [], []
-    for query_len, ctx in [(1, c) for c in contexts] + chunks:
-        table = [blocks.pop() for _ in range((ctx + query_len - 1) // BLOCK + 1)]
-        spans.append(SeqSpan(len(positions), query_len, ctx, table))
-        for pos in range(ctx, ctx + query_len):
-            positions.append(pos)
-            slots.append(table[pos // BLOCK] * BLOCK + pos % BLOCK)
-    metadata = build_attention_metadata(spans, len(contexts), slots, BLOCK, runner.heads_per_kv,
-                                        runner.sliding_window, runner.cache.pad_block, torch.device("cpu"),
-                                        torch.bfloat16, split_prefill=True, paged_decode=True, paged_prefill=True)
-    return metadata, torch.tensor(positions)
-
-
 @pytest.mark.parametrize("contexts,chunks", [
     ([], [(37, 0)]), ([], [(1, 60)]), ([5, 200], [(40, 0), (100, 33)]), ([], [(256, 0)]),
     ([3 * i for i in range(8)], [(248, 150)]), ([70], [(120, 50), (2, 95)]),
@@ -134,32 +127,7 @@ def test_fused_mixed_steps_match_op_by_op(bf16_llm_d64, contexts, chunks):
     before them: chunks with and without context, across blocks, past (Mistral) the window of
     96, on the GEMV (1-4 rows) and the tile GEMM (up to 456 rows); past keys are random."""
     runner = bf16_llm_d64.llm_engine.runner
-    model, fused = runner.model.model, runner.fused_layers
-    caches = runner.cache.kv_caches
-    for k, v in caches:
-        k.normal_()
-        v.normal_()
-    before = [(k.clone(), v.clone()) for k, v in caches]
-    rng = random.Random(len(contexts) + len(chunks))
-    metadata, positions = _mixed_step(runner, contexts, chunks, rng)
-    ids = torch.tensor([rng.randrange(100, 49152) for _ in range(positions.shape[0])])
-    assert metadata.paged_prefills is not None and fused.accepts(metadata, positions.shape[0])
-    results = []
-    with torch.inference_mode(), forward_context(ForwardContext(metadata, caches)):
-        for use_fused in (False, True):
-            for (k, v), (k0, v0) in zip(caches, before):
-                k.copy_(k0)
-                v.copy_(v0)
-            model.fused_layers = fused if use_fused else None
-            hidden = model(ids, positions)                                   # (T, hidden)
-            results.append((hidden, [(k.clone(), v.clone()) for k, v in caches]))
-    model.fused_layers = fused
-    (ref, ref_caches), (got, got_caches) = results
-    torch.testing.assert_close(got.float(), ref.float(), rtol=2 ** -6, atol=2 ** -6)
-    assert (got != ref).float().mean() < 0.05
-    for (k, v), (rk, rv) in zip(got_caches, ref_caches):
-        torch.testing.assert_close(k, rk, rtol=2 ** -6, atol=2 ** -6)
-        torch.testing.assert_close(v, rv, rtol=2 ** -6, atol=2 ** -6)
+    _assert_fused_matches_op_by_op(runner, contexts, chunks, random.Random(len(contexts) + len(chunks)))
 
 
 class _Recording:
