@@ -82,7 +82,7 @@ class HPUModelRunner:
         # metadata must carry the decodes for the paged kernel.
         self.fused_layers = None  # llama_cpu_layers.FusedLayers
         if self.paged_decode and hasattr(model, "enable_fused_layers"):
-            self.fused_layers = model.enable_fused_layers(config.cache.block_size)
+            self.fused_layers = model.enable_fused_layers()
         self._default_generator = torch.Generator().manual_seed(config.model.seed)
         self._generators: dict[str, torch.Generator] = {}
 

@@ -154,11 +154,11 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)                                # (T, hidden)
 
-    def enable_fused_layers(self, block_size: int) -> FusedLayers | None:
+    def enable_fused_layers(self) -> FusedLayers | None:
         """CPU, bf16: from now on eager steps that the C kernels take run each layer as one C
-        call, where the kernels build here. Call once the weights are loaded (and packed), with
-        the KV cache's block size; returns the C path."""
-        self.model.fused_layers = FusedLayers.build(self.model, block_size)
+        call, where the kernels build here. Call once the weights are loaded (and packed);
+        returns the C path."""
+        self.model.fused_layers = FusedLayers.build(self.model)
         return self.model.fused_layers
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -109,22 +109,21 @@ class FusedLayers:
         self._workspace = torch.empty(0, dtype=torch.bfloat16)  # grown to the largest step's need
 
     @classmethod
-    def build(cls, model: torch.nn.Module, block_size: int) -> "FusedLayers | None":
-        """For a loaded bf16 `LlamaModel` on CPU whose cache has `block_size`; None where the
-        decode kernels cannot be built here (without the prefill kernel, only steps of decodes)."""
+    def build(cls, model: torch.nn.Module) -> "FusedLayers | None":
+        """For a loaded bf16 `LlamaModel` on CPU; None where the decode kernels cannot be built
+        here (without the prefill kernel, only steps of decodes). Steps carry prefill chunks for
+        the prefill kernel only where it takes the model's shapes (cpu_paged_prefill.is_available)."""
         if next(model.parameters()).dtype != torch.bfloat16:
             return None
-        attn, cpu = model.layers[0].self_attn, torch.device("cpu")
-        shape = (attn.num_heads, attn.num_kv_heads, attn.head_dim)
-        if not cpu_paged_decode.is_available(cpu, torch.bfloat16, *shape):
+        attn = model.layers[0].self_attn
+        if not cpu_paged_decode.is_available(torch.device("cpu"), torch.bfloat16, attn.num_heads,
+                                             attn.num_kv_heads, attn.head_dim):
             return None
         lib, gemv = _library(), cpu_gemv.kernel_address()
         attend_decodes = cpu_paged_decode.kernel_address(torch.bfloat16)
         if lib is None or gemv is None or attend_decodes is None:
             return None
-        attend_prefills = (cpu_paged_prefill.kernel_address()
-                           if cpu_paged_prefill.is_available(cpu, torch.bfloat16, *shape, block_size) else None)
-        return cls(model, lib, gemv, attend_decodes, attend_prefills)
+        return cls(model, lib, gemv, attend_decodes, cpu_paged_prefill.kernel_address())
 
     def accepts(self, metadata: AttentionMetadata, num_tokens: int) -> bool:
         """Whether the C kernels take all of the step: its attention (no groups, no padding) and
