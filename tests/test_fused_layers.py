@@ -10,6 +10,8 @@ from tests.utils import build_tiny_checkpoint, random_prompts
 from vllm import LLM, SamplingParams
 from vllm.attention.backends.metadata import SeqSpan, build_attention_metadata
 from vllm.forward_context import ForwardContext, forward_context
+from vllm.model_executor.layers import cpu_gemv, cpu_tile_gemm
+from vllm.model_executor.layers.linear import PACKED_MAX_ROWS
 from vllm.platforms.cpu import cpu_flags
 
 BLOCK = 16
@@ -81,11 +83,20 @@ def _assert_fused_matches_op_by_op(runner, contexts: list[int], chunks: list[tup
                                       [11 * i % 170 for i in range(16)], [7 * i % 150 for i in range(32)]])
 def test_fused_decode_steps_match_op_by_op(bf16_llm, contexts):
     """Same hidden states and the same cache writes, for 1-32 decodes (the GEMV up to 4 rows, the
-    tile GEMM above) at contexts that cross blocks and (Mistral) the sliding window of 96; past
-    keys are random."""
+    AMX tile GEMM above) at contexts that cross blocks and (Mistral) the sliding window of 96;
+    past keys are random. Where the machine has no tile GEMM, steps past the GEMV's rows must be
+    refused (the runner then takes the op-by-op layers)."""
     runner = bf16_llm.llm_engine.runner
-    assert runner.fused_layers is not None and runner.fused_layers.max_tokens >= len(contexts)
-    _assert_fused_matches_op_by_op(runner, contexts, [], random.Random(len(contexts)))
+    fused = runner.fused_layers
+    assert fused is not None
+    tiled = cpu_tile_gemm.kernel_address() is not None
+    assert fused.max_tokens == (PACKED_MAX_ROWS if tiled else cpu_gemv.max_rows())
+    rng = random.Random(len(contexts))
+    if len(contexts) > fused.max_tokens:
+        metadata, positions = _step(runner, contexts, [], rng)
+        assert not fused.accepts(metadata, positions.shape[0])
+        return
+    _assert_fused_matches_op_by_op(runner, contexts, [], rng)
 
 
 def test_engine_decodes_through_fused_layers(bf16_llm):
