@@ -58,28 +58,34 @@ def keep_freed_memory_in_process() -> bool:
 
 class CpuPlatform(Platform):
     device_type = "cpu"
-    # Measured on the 2-core AMX machine (benchmarks/results/graphs.json): the graphs run decode
-    # and prefill 1.1-1.2x faster than eager, but a cold start compiles for 30-40 s. Eager
-    # stays the default so that an LLM starts in seconds; servers that run for long should pass
-    # enforce_eager=False.
+    # A cold start compiles for tens of seconds (benchmarks/results/graphs.json records the
+    # warm-up and how graphs compare with eager), so eager stays the default and an LLM starts
+    # in seconds; servers that run for long may pass enforce_eager=False.
     default_enforce_eager = True
-    # Inductor's C++ kernels take the size as an argument, and run as fast as kernels
-    # specialized per bucket; so the model is compiled once (31-37 s cold) instead of once per
-    # bucket (6 buckets: 107 s).
+    # Inductor's C++ kernels take the size as an argument and run as fast as kernels specialized
+    # per bucket, so the model is compiled once instead of once per bucket.
     symbolic_token_count = True
-    # Decodes of 1-4 rows run on the C GEMV (vllm/model_executor/layers/cpu_gemv.c), 1.4x
-    # faster than at 16 rows on oneDNN, so small buckets pay; 2, not 1, because dynamo gives
+    # Every step is padded to a captured bucket or runs eagerly: the parameter guards can go.
+    skip_guards_after_warmup = True
+    # Decodes of a few rows run on the C GEMV (vllm/model_executor/layers/cpu_gemv.c), faster
+    # than oneDNN at larger padded sizes, so small buckets pay; 2, not 1, because dynamo gives
     # size 1 a graph of its own while 2 shares the symbolic one.
     min_token_bucket = 2
 
     def __init__(self) -> None:
+        super().__init__()
         # bf16 runs on AMX/AVX512-bf16 tiles at several times the fp32 rate; without them fp32 is
         # the safer default.
         self.default_dtype = torch.bfloat16 if cpu_has_amx_bf16() else torch.float32
         keep_freed_memory_in_process()
 
-    def compile_fn(self):
+    def attention_backend(self, config, sliding_window):
+        from vllm.attention.backends.cpu_attn import CpuAttentionBackend
+
+        return CpuAttentionBackend(config, sliding_window, self.device)
+
+    def capture_model(self, model):
         # Inductor generates C++ kernels that fuse the norms, rotary and activation element-wise
-        # ops around the GEMMs. Shapes are static except the token dimension, which the runner
-        # marks dynamic.
-        return functools.partial(torch.compile, dynamic=False, fullgraph=True)
+        # ops around the GEMMs; attention is an opaque op inside the one graph. Shapes are static
+        # except the token dimension, which the runner marks dynamic.
+        return torch.compile(model, dynamic=False, fullgraph=True)

@@ -1,8 +1,19 @@
-"""What the engine needs to know about the device it runs on."""
+"""What the engine needs to know about the device it runs on.
+
+The platform is the one place that knows the device: which attention backend runs there, how the
+model and smaller regions are captured as graphs, and which fused kernels the device stack
+offers. General code (runner, model, layers) asks the platform or the backend it chose, never the
+device type.
+"""
 
 from collections.abc import Callable
 
 import torch
+from torch import nn
+
+from vllm.attention.backends.abstract import AttentionBackend
+from vllm.compilation.regions import RegionStats
+from vllm.config import EngineConfig
 
 
 class Platform:
@@ -16,8 +27,15 @@ class Platform:
     # True: one compiled graph whose token dimension is symbolic serves every bucket.
     # False: one static graph per bucket, as device graph runtimes need.
     symbolic_token_count: bool = False
+    # After warm-up, run only the guards that tell the captured graphs apart (dynamo raises
+    # instead of compiling an unwarmed shape). Where an unwarmed shape must still run, counted
+    # and logged (RegionStats), the guards stay.
+    skip_guards_after_warmup: bool = False
     # Smallest token bucket unless VLLM_TOKEN_BUCKET_MIN says otherwise (vllm/worker/bucketing.py).
     min_token_bucket: int = 16
+
+    def __init__(self) -> None:
+        self.region_stats = RegionStats()
 
     @property
     def device(self) -> torch.device:
@@ -29,6 +47,23 @@ class Platform:
     def mark_step(self) -> None:
         """Ends a lazily traced region (HPU lazy mode); a no-op on eager devices."""
 
-    def compile_fn(self) -> Callable[[Callable], Callable]:
-        """Returns the function that captures the model (see `symbolic_token_count`)."""
+    def attention_backend(self, config: EngineConfig, sliding_window: int | None) -> AttentionBackend:
+        """The attention backend for this device."""
         raise NotImplementedError
+
+    def capture_model(self, model: nn.Module) -> Callable:
+        """The model's forward pass as the device captures it (see `symbolic_token_count`)."""
+        raise NotImplementedError
+
+    def capture_region(self, name: str, module: nn.Module) -> Callable:
+        """`module` captured as a region of its own, its calls' signatures recorded under `name`
+        in `region_stats`. The default runs it as it is, unrecorded (nothing is compiled)."""
+        return module
+
+    def fused_sdpa(self) -> Callable | None:
+        """(q, k, v, additive mask, scale) -> attention, a fused device kernel, or None."""
+        return None
+
+    def fused_rms_norm(self) -> Callable | None:
+        """(x, weight, eps) -> RMS norm, a fused device kernel, or None."""
+        return None
