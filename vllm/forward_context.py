@@ -1,27 +1,23 @@
 """The per-step state attention reads from inside a captured graph.
 
-A captured graph is keyed by the shapes of its inputs. The attention metadata (block tables,
-masks, sequence offsets) changes shape with every step, so it must not be a graph input:
-instead the runner sets it here for the duration of one forward pass, and the attention op
-(opaque to the graph) looks it up. The KV caches travel the same way, so the graph never
-sees them as inputs it might copy.
+A captured graph is keyed by the shapes of its inputs. The attention metadata changes from step
+to step, so it must not be a graph input: instead the runner sets it here for the duration of
+one forward pass, together with the backend that reads it, and the attention op (opaque to the
+graph) looks both up.
 """
 
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
-import torch
-
-from vllm.attention.backends.metadata import AttentionMetadata
-
-KVCache = tuple[torch.Tensor, torch.Tensor]  # each (num_blocks, block_size, num_kv_heads, head_dim)
+from vllm.attention.backends.abstract import AttentionBackend
 
 
 @dataclass(frozen=True, slots=True)
 class ForwardContext:
-    metadata: AttentionMetadata
-    kv_caches: list[KVCache]  # one (key, value) pair per layer
+    metadata: Any  # the backend's metadata of this step
+    backend: AttentionBackend
 
 
 _current: ForwardContext | None = None
@@ -42,5 +38,5 @@ def forward_context(context: ForwardContext) -> Iterator[None]:
 def get_forward_context() -> ForwardContext:
     if _current is None:
         raise RuntimeError("attention ran outside a forward_context(...) block; the model runner "
-                           "sets the step's metadata and KV caches there")
+                           "sets the step's metadata and attention backend there")
     return _current

@@ -41,21 +41,25 @@ class CacheEngine:
         self.num_blocks = cache.num_blocks
         self.block_size = cache.block_size
         self.pad_block = self.num_blocks
-        shape = (model.num_layers, 2, self.num_blocks + 1, cache.block_size, model.num_kv_heads,
-                 model.head_dim)
-        self._storage = torch.zeros(shape, dtype=model.dtype, device=device)
-        self.kv_caches = [(layer[0], layer[1]) for layer in self._storage]
+        shape = (self.num_blocks + 1, cache.block_size, model.num_kv_heads, model.head_dim)
+        # Separate tensors, not views of one: a compiled graph that writes a view of a shared
+        # base through the attention op must copy the base (functionalization), every layer.
+        self.kv_caches = [(torch.zeros(shape, dtype=model.dtype, device=device),
+                           torch.zeros(shape, dtype=model.dtype, device=device))
+                          for _ in range(model.num_layers)]
+        nbytes = sum(k.nbytes + v.nbytes for k, v in self.kv_caches)
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB, %s)", self.num_blocks,
-                    cache.block_size, self._storage.nbytes / 1024**3, model.dtype)
+                    cache.block_size, nbytes / 1024**3, model.dtype)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copies the keys and values of block `src` into block `dst`, in every layer."""
         if not pairs:
             return
-        src = torch.tensor([p[0] for p in pairs], device=self._storage.device)
-        dst = torch.tensor([p[1] for p in pairs], device=self._storage.device)
-        # storage: (layers, 2, blocks, block_size, KVH, D); blocks are dimension 2.
-        self._storage.index_copy_(2, dst, self._storage.index_select(2, src))
+        device = self.kv_caches[0][0].device
+        src = torch.tensor([p[0] for p in pairs], device=device)
+        dst = torch.tensor([p[1] for p in pairs], device=device)
+        for cache in (c for pair in self.kv_caches for c in pair):  # (blocks, block_size, KVH, D)
+            cache.index_copy_(0, dst, cache.index_select(0, src))
 
     @property
     def pad_slot(self) -> int:

@@ -1,23 +1,29 @@
-"""Paged attention for a mixed step: prefill chunks and decodes in one flattened token dimension.
+"""The CPU attention backend: paged attention for a mixed step of prefill chunks and decodes.
 
 Every token of the step first writes its key/value into the paged cache (through
-`slot_mapping`); the step's sequences are then attended in the groups of its metadata
-(vllm/attention/backends/metadata.py), one vectorized call per group. A prefill chunk attends
-to its own tokens causally (no cache read, no mask) and, if earlier chunks exist, to their
-cached keys without a causal mask (all of them precede the chunk); the two partial softmaxes
-are merged through their log-sum-exp. With a sliding window the prefill group uses one
-explicit mask over the gathered cache instead. Grouped-query attention folds the query heads
-that share a KV head into the query axis wherever no causal structure is needed, so K/V are
-not repeated there. On CPU the C kernels bypass the groups and read the cache in place: all
-decodes go to vllm/attention/ops/cpu_paged_decode.c, and all prefill chunks (context and own
-keys in one pass, no merge) to vllm/attention/ops/cpu_paged_prefill.c.
+`slot_mapping`). Where the C kernels build, they read the cache in place: all decodes go to
+vllm/attention/ops/cpu_paged_decode.c, and all prefill chunks (context and own keys in one pass)
+to vllm/attention/ops/cpu_paged_prefill.c. Elsewhere the step's sequences are attended in the
+groups of its metadata (vllm/attention/backends/cpu_metadata.py), one vectorized call per group:
+a prefill chunk attends to its own tokens causally (no cache read, no mask) and, if earlier
+chunks exist, to their cached keys without a causal mask (all of them precede the chunk); the
+two partial softmaxes are merged through their log-sum-exp. With a sliding window the prefill
+group uses one explicit mask over the gathered cache instead. Grouped-query attention folds the
+query heads that share a KV head into the query axis wherever no causal structure is needed, so
+K/V are not repeated there.
+
+Shapes are exact: a captured CPU graph treats attention as an opaque op and its token count as
+symbolic, so nothing here needs padding beyond the runner's token bucket.
 """
 
 import torch
 import torch.nn.functional as F
 
-from vllm.attention.backends.metadata import AttentionGroup, AttentionMetadata
+from vllm.attention.backends.abstract import AttentionBackend, StepBatch
+from vllm.attention.backends.cpu_metadata import AttentionGroup, AttentionMetadata, build_attention_metadata
 from vllm.attention.ops import cpu_kv_cache, cpu_paged_decode, cpu_paged_prefill
+from vllm.config import EngineConfig
+from vllm.model_executor.layers.linear import can_pack, pack_linear_weights
 
 
 def write_to_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
@@ -145,3 +151,46 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         else:
             out.index_copy_(0, g.scatter_index.view(-1), o.reshape(-1, num_heads, head_dim))
     return out[:num_tokens]
+
+
+class CpuAttentionBackend(AttentionBackend):
+    """The C kernels where they build for the model's shapes and dtype, torch groups elsewhere.
+
+    For bf16 it also prepares the model: linear weights packed for the C GEMV and tile GEMM, the
+    element-wise C ops turned on, and, where the decode kernel builds, the decoder layers in C
+    for the eager steps whose attention the kernels take whole.
+    """
+
+    def __init__(self, config: EngineConfig, sliding_window: int | None, device: torch.device) -> None:
+        super().__init__(config, sliding_window, device)
+        shapes = (self.num_heads, self.num_kv_heads, self.head_dim)
+        self.paged_decode = cpu_paged_decode.is_available(device, self.dtype, *shapes)
+        self.paged_prefill = cpu_paged_prefill.is_available(device, self.dtype, *shapes, self.block_size)
+        self.fused_layers = None  # llama_cpu_layers.FusedLayers, set by prepare_model
+
+    def prepare_model(self, model: torch.nn.Module) -> None:
+        if not can_pack(self.dtype):
+            return
+        pack_linear_weights(model)
+        for module in model.modules():
+            if hasattr(module, "c_kernels"):
+                module.c_kernels = True
+        # Steps of only decodes take the C layers in graph mode too (nothing for a graph to
+        # remove); their metadata must then carry the decodes for the paged kernel.
+        if self.paged_decode and hasattr(model, "enable_fused_layers"):
+            self.fused_layers = model.enable_fused_layers()
+
+    def runs_eagerly(self, num_decodes: int, num_tokens: int) -> bool:
+        return self.fused_layers is not None and num_decodes == num_tokens <= self.fused_layers.max_tokens
+
+    def build_metadata(self, batch: StepBatch) -> AttentionMetadata:
+        return build_attention_metadata(
+            batch.spans, batch.num_decodes, batch.slot_mapping, self.block_size, self.heads_per_kv,
+            self.sliding_window, self.pad_block, self.device, self.dtype, split_prefill=True,
+            paged_decode=self.paged_decode, paged_prefill=self.paged_prefill)
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                key_cache: torch.Tensor, value_cache: torch.Tensor, metadata: AttentionMetadata,
+                scale: float) -> torch.Tensor:
+        write_to_kv_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
+        return paged_attention(query, key, value, key_cache, value_cache, metadata, scale)

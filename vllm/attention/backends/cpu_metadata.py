@@ -1,4 +1,4 @@
-"""The attention metadata of one step: which tokens attend to which cached keys, as tensors.
+"""The CPU backend's metadata of one step: which tokens attend to which cached keys, as tensors.
 
 The runner describes each sequence of a step by a `SeqSpan` (where its tokens sit in the flat
 token dimension, how many cached keys precede them, its block table);
@@ -15,12 +15,14 @@ prefill chunks of very different lengths; see `_bands`):
 On CPU the C kernels take the place of the groups and read the cache in place: `PagedDecodes`
 hands all decodes to vllm/attention/ops/cpu_paged_decode.c, and `PagedPrefills` all prefill
 chunks to vllm/attention/ops/cpu_paged_prefill.c. How the groups are attended:
-vllm/attention/backends/hpu_attn.py.
+vllm/attention/backends/cpu_attn.py.
 """
 
 from dataclasses import dataclass
 
 import torch
+
+from vllm.attention.backends.abstract import SeqSpan
 
 
 @dataclass(slots=True)
@@ -84,16 +86,6 @@ class AttentionMetadata:
     num_real_tokens: int                # the sequences' tokens; bucket padding follows them
     paged_decodes: PagedDecodes | None = None    # set: the decodes are here, not in `groups`
     paged_prefills: PagedPrefills | None = None  # set: the prefill chunks are here, not in `groups`
-
-
-@dataclass(frozen=True, slots=True)
-class SeqSpan:
-    """Where one sequence's tokens sit in the step: flat offset, query length, cached context."""
-
-    token_offset: int
-    query_len: int
-    context_len: int
-    block_table: list[int]
 
 
 def _cdiv(a: int, b: int) -> int:

@@ -2,7 +2,7 @@
 
 import torch
 
-from vllm.attention.backends.metadata import SeqSpan
+from vllm.attention.backends.abstract import SeqSpan
 
 
 def reference_paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

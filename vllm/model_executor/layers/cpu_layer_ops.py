@@ -2,8 +2,10 @@
 norm (alone or after the residual add), the rotary embedding and SiLU-and-multiply, one pass
 each instead of 7 (8 with the add), 4 and 2 torch ops.
 
-Used by the eager path only (`usable`): inside a captured graph the compiler fuses the torch
-ops itself. Where the library cannot be built, or with VLLM_CPU_C_KERNELS=0, the torch ops run.
+Modules with a C path carry `c_kernels`, which the CPU attention backend turns on for bf16
+models (vllm/attention/backends/cpu_attn.py). Used by the eager path only (`usable`): inside a
+captured graph the compiler fuses the torch ops itself. Where the library cannot be built, or
+with VLLM_CPU_C_KERNELS=0, the torch ops run.
 """
 
 import ctypes
@@ -30,9 +32,9 @@ def _library() -> ctypes.CDLL | None:
 
 
 def usable(x: torch.Tensor) -> bool:
-    """Whether `x`'s element-wise steps run here: bf16 on CPU, outside a captured graph."""
-    return (x.dtype == torch.bfloat16 and x.device.type == "cpu" and not torch.compiler.is_compiling()
-            and _library() is not None)
+    """Whether `x`'s element-wise steps run here: bf16, outside a captured graph. Callers ask
+    only where the CPU backend turned their `c_kernels` on, so `x` is in host memory."""
+    return x.dtype == torch.bfloat16 and not torch.compiler.is_compiling() and _library() is not None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -112,7 +112,8 @@ def _tile_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 def silu_mul_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x: (T, in), weight: (2 I, in), gate's rows then up's -> silu(gate) * up, (T, I)."""
     act = _tile_silu_mul(x, weight, bias)
-    return act if act is not None else silu_and_mul(_linear(x, weight, bias))
+    # Packed layers exist only on the CPU backend, whose C element-wise ops are then on.
+    return act if act is not None else silu_and_mul(_linear(x, weight, bias), c_kernels=True)
 
 
 @silu_mul_linear_op.register_fake

@@ -49,9 +49,11 @@ class RotaryEmbedding(nn.Module):
         return self.cos[positions].unsqueeze(1), self.signed_sin[positions].unsqueeze(1)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """x: (T, heads, D), queries and keys side by side; cos/signed_sin: (T, 1, D)."""
-    if cpu_layer_ops.usable(x) and cos.dtype == x.dtype:
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
+                 c_kernels: bool = False) -> torch.Tensor:
+    """x: (T, heads, D), queries and keys side by side; cos/signed_sin: (T, 1, D). `c_kernels`:
+    the CPU backend's C pass may run (cpu_layer_ops)."""
+    if c_kernels and cpu_layer_ops.usable(x) and cos.dtype == x.dtype:
         return cpu_layer_ops.rotary(x, cos, signed_sin)  # same roundings, one pass
     rotated_half = torch.roll(x, x.shape[-1] // 2, dims=-1)               # (x2, x1): signs in the table
     return x * cos + rotated_half * signed_sin

@@ -3,7 +3,8 @@
 Inputs are `input_ids`/`positions` of shape (num_tokens,) holding every sequence of the step
 back to back; only attention knows where one sequence ends, through its metadata. Parameter
 names are Hugging Face's, except that q/k/v and gate/up are fused into one matmul each;
-`load_weights` maps the separate checkpoint tensors onto the shards of the fused ones.
+`load_weights` maps the separate checkpoint tensors onto the shards of the fused ones. Each
+attention layer holds its slice of the paged KV cache once the runner binds it (`bind_kv_caches`).
 """
 
 from collections.abc import Iterable
@@ -46,6 +47,11 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(self.q_size, config.hidden_size,
                                 bias=getattr(config, "attention_bias", False) and config.model_type != "qwen2")
         self.scale = self.head_dim ** -0.5
+        self.c_kernels = False  # the CPU backend's element-wise C ops (cpu_layer_ops)
+        # (num_blocks + 1, block_size, KVH, D) each, bound by the runner: buffers, so that a
+        # captured graph takes them as inputs it writes (the attention op declares it).
+        self.register_buffer("key_cache", None, persistent=False)
+        self.register_buffer("value_cache", None, persistent=False)
 
     def project(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -55,14 +61,15 @@ class LlamaAttention(nn.Module):
         # q and k sit side by side: one rotation serves both.
         qk = qkv[:, :self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads,
                                                      self.head_dim)        # (T, H + KVH, D)
-        q, k = apply_rotary(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
+        q, k = apply_rotary(qk, cos, sin, self.c_kernels).split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
         return q, k, v                                                      # (T, H | KVH, D)
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """hidden: (T, hidden) -> (T, hidden); K/V go to this layer's paged cache."""
         q, k, v = self.project(hidden, cos, sin)
-        return self.o_proj(attention(q, k, v, self.layer_index, self.scale))    # (T, hidden)
+        out = attention(q, k, v, self.key_cache, self.value_cache, self.scale)  # (T, H * D)
+        return self.o_proj(out)                                                 # (T, hidden)
 
 
 class LlamaMLP(nn.Module):
@@ -74,11 +81,12 @@ class LlamaMLP(nn.Module):
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.c_kernels = False  # the CPU backend's element-wise C ops (cpu_layer_ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         act = silu_mul_linear(self.gate_up_proj, x)                            # (T, I) or None
         if act is None:
-            act = silu_and_mul(self.gate_up_proj(x))                            # (T, I)
+            act = silu_and_mul(self.gate_up_proj(x), self.c_kernels)           # (T, I)
         return self.down_proj(act)                                              # (T, hidden)
 
 
@@ -119,14 +127,15 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: (T,) -> final hidden states (T, hidden).
 
-        Attention reads the step's metadata and KV caches from the current forward_context.
+        Attention reads the step's metadata and backend from the current forward_context.
         """
         hidden = self.embed_tokens(input_ids)                                   # (T, hidden)
         cos, sin = self.rotary(positions)                                       # (T, 1, D) each
         if self.fused_layers is not None and not torch.compiler.is_compiling():
             context = get_forward_context()
             if self.fused_layers.accepts(context.metadata, input_ids.shape[0]):
-                self.fused_layers(hidden, cos, sin, context.metadata, context.kv_caches)
+                kv_caches = [(layer.self_attn.key_cache, layer.self_attn.value_cache) for layer in self.layers]
+                self.fused_layers(hidden, cos, sin, context.metadata, kv_caches)
                 return self.norm(hidden)
         residual = None
         for layer in self.layers:
@@ -153,6 +162,12 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)                                # (T, hidden)
+
+    def bind_kv_caches(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Gives each layer its (key, value) cache, one pair per layer in order."""
+        assert len(kv_caches) == len(self.model.layers)
+        for layer, (key_cache, value_cache) in zip(self.model.layers, kv_caches):
+            layer.self_attn.key_cache, layer.self_attn.value_cache = key_cache, value_cache
 
     def enable_fused_layers(self) -> FusedLayers | None:
         """CPU, bf16: from now on eager steps that the C kernels take run each layer as one C

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from vllm.attention.backends.metadata import AttentionMetadata
+from vllm.attention.backends.cpu_metadata import AttentionMetadata
 from vllm.attention.ops import cpu_paged_decode, cpu_paged_prefill
 from vllm.model_executor.layers import cpu_gemv, cpu_tile_gemm
 from vllm.model_executor.layers.linear import PACKED_MAX_ROWS
