@@ -1,13 +1,14 @@
-"""Token-count buckets: the few static shapes every step is padded to, so graphs are reused.
+"""Buckets: the few sizes a per-step dimension is padded to, so that captured graphs are reused.
 
-Only one dimension is bucketed: the step's flattened token count. Attention, whose inputs vary
-with the number of sequences and their lengths, is an op the captured graphs do not trace, so
-the Habana fork's (batch size x sequence length) and (batch size x blocks) grids collapse into
-one short list. Environment overrides, in the style of the Habana fork:
+The token buckets bound the step's flattened token count; every platform that captures graphs
+uses them. Where a device compiles per shape (Gaudi), the attention backend pads its own
+per-step tensors to buckets of their own, built with the helpers here
+(vllm/attention/backends/hpu_metadata.py). Environment overrides of the token buckets, in the
+style of the Habana fork:
 
     VLLM_EXPONENTIAL_BUCKETING  "true" (default): min, 2*min, 4*min, ... up to max
                                 "false": linear: min, then multiples of step, up to max
-    VLLM_TOKEN_BUCKET_MIN       smallest bucket (default: the platform's `min_token_bucket`, 16
+    VLLM_TOKEN_BUCKET_MIN       smallest bucket (default: the platform's `min_token_bucket`, 128
                                 on HPU, 2 on CPU)
     VLLM_TOKEN_BUCKET_STEP      linear step (default 128)
     VLLM_TOKEN_BUCKET_MAX       largest bucket (default and upper bound: max_num_batched_tokens)
@@ -76,3 +77,28 @@ def find_bucket(buckets: list[int], num_tokens: int) -> int | None:
     """The smallest bucket holding `num_tokens`, or None if it exceeds the largest."""
     i = bisect.bisect_left(buckets, num_tokens)
     return buckets[i] if i < len(buckets) else None
+
+
+def exponential_buckets(lo: int, hi: int) -> list[int]:
+    """lo, 2 lo, 4 lo, ... and finally hi itself; [] when hi < lo."""
+    if hi < lo:
+        return []
+    return generate_buckets(BucketConfig(min=lo, step=DEFAULT_STEP, max=hi))
+
+
+def pad_to_bucket(buckets: list[int], n: int) -> int:
+    """The smallest bucket holding `n`; a ValueError naming the largest if none does."""
+    bucket = find_bucket(buckets, n)
+    if bucket is None:
+        raise ValueError(f"{n} exceeds the largest bucket ({buckets[-1] if buckets else 0})")
+    return bucket
+
+
+def reachable(buckets: list[int], limit: int) -> list[int]:
+    """The buckets a value of at most `limit` can be padded to."""
+    out = []
+    for b in buckets:
+        out.append(b)
+        if b >= limit:
+            break
+    return out

@@ -12,16 +12,16 @@ then padded up to the token bucket whose graphs were captured at warm-up:
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+from torch import nn
 from torch._dynamo.utils import counters as dynamo_counters
 
-from vllm.attention.backends.metadata import AttentionMetadata, SeqSpan, build_attention_metadata
-from vllm.attention.ops import cpu_paged_decode, cpu_paged_prefill
+from vllm.attention.backends.abstract import SeqSpan, StepBatch
 from vllm.config import EngineConfig
 from vllm.core.scheduler_output import SchedulerOutput
 from vllm.forward_context import ForwardContext, forward_context
-from vllm.model_executor.layers.linear import can_pack, pack_linear_weights
 from vllm.model_executor.layers.logprobs import compute_logprobs
 from vllm.model_executor.layers.sampler import sample_with_processors
 from vllm.platforms import Platform
@@ -46,16 +46,34 @@ def _mark_token_count_dynamic(input_ids: torch.Tensor, positions: torch.Tensor) 
         torch._dynamo.maybe_mark_dynamic(t, 0)
 
 
+class LogitsHead(nn.Module):
+    """The rows of the step's hidden states that are sampled or scored, through the lm_head."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """hidden: (T, hidden), rows: (R,) int64 -> (R, vocab) float32."""
+        return self.model.compute_logits(hidden.index_select(0, rows))
+
+
 @dataclass(slots=True)
 class ModelInputs:
-    input_ids: torch.Tensor       # (padded_tokens,) int64
-    positions: torch.Tensor       # (padded_tokens,) int64
-    metadata: AttentionMetadata
-    logits_indices: torch.Tensor  # (num_sampling_seqs,) int64: rows of the hidden states to sample
+    input_ids: torch.Tensor  # (padded_tokens,) int64
+    positions: torch.Tensor  # (padded_tokens,) int64
+    metadata: Any            # the attention backend's
+    # Hidden-state rows to take logits of: first the last token of every sampling sequence (in
+    # step order), then every prompt-logprob row; padded by the backend (`padded_rows`).
+    logits_rows: torch.Tensor
+    num_sampled: int         # of the rows, how many sample
+    num_rows: int            # real rows before padding
 
 
 class HPUModelRunner:
-    """Owns the model, the KV cache, the captured graphs and the per-request random generators."""
+    """Owns the model, the KV cache, the attention backend, the captured graphs and the
+    per-request random generators. Asks the platform's attention backend for everything that
+    depends on the device."""
 
     def __init__(self, config: EngineConfig, platform: Platform, model: torch.nn.Module,
                  eos_token_id: int | None = None) -> None:
@@ -64,48 +82,39 @@ class HPUModelRunner:
         self.platform = platform
         self.device = platform.device
         self.model = model
-        if platform.device_type == "cpu" and can_pack(config.model.dtype):
-            pack_linear_weights(model)
         self.cache = CacheEngine(config.model, config.cache, self.device)
-        num_heads = config.model.hf_config.num_attention_heads
-        self.heads_per_kv = num_heads // config.model.num_kv_heads
-        # CPU: decodes and prefill chunks read their keys in place through C kernels, when they
-        # build here (the prefill one needs AMX, bf16 and head_dim 64).
-        self.paged_decode = cpu_paged_decode.is_available(self.device, config.model.dtype, num_heads,
-                                                          config.model.num_kv_heads, config.model.head_dim)
-        self.paged_prefill = cpu_paged_prefill.is_available(
-            self.device, config.model.dtype, num_heads, config.model.num_kv_heads, config.model.head_dim,
-            config.cache.block_size)
-        self.sliding_window = getattr(model, "sliding_window", None)
-        # CPU bf16: eager steps whose attention the C kernels take run each layer as one C call.
-        # Steps of only decodes do so in graph mode too (nothing for a graph to remove); their
-        # metadata must carry the decodes for the paged kernel.
-        self.fused_layers = None  # llama_cpu_layers.FusedLayers
-        if self.paged_decode and hasattr(model, "enable_fused_layers"):
-            self.fused_layers = model.enable_fused_layers()
+        model.bind_kv_caches(self.cache.kv_caches)
+        buckets = []
+        if not config.enforce_eager:
+            buckets = generate_buckets(
+                bucket_config_from_env(config.scheduler.max_num_batched_tokens, platform.min_token_bucket))
+        self.attn_backend = platform.attention_backend(config, getattr(model, "sliding_window", None))
+        self.attn_backend.prepare_model(model)
         self._default_generator = torch.Generator().manual_seed(config.model.seed)
         self._generators: dict[str, torch.Generator] = {}
 
-        self.graph_stats = GraphStats(enabled=not config.enforce_eager)
+        self.graph_stats = GraphStats(enabled=not config.enforce_eager, buckets=buckets,
+                                      region_stats=platform.region_stats)
+        self._logits = LogitsHead(model)
         if self.graph_stats.enabled:
-            self.graph_stats.buckets = generate_buckets(
-                bucket_config_from_env(config.scheduler.max_num_batched_tokens, platform.min_token_bucket))
             from torch._dynamo import config as dynamo_config
 
             # A captured function keeps up to one graph per bucket, and the cache is per function
             # for the whole process (engines of other models add theirs); past the limit dynamo
             # would quietly run eager.
-            dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 8 * len(self.graph_stats.buckets))
-            # The whole forward pass is one graph; attention inside it is an opaque op that reads
-            # the step's metadata from the forward context (vllm/attention/layer.py).
-            self._compiled_model = platform.compile_fn()(model)
+            dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 8 * len(buckets))
+            # The whole forward pass; attention inside it is an opaque op that reads the step's
+            # metadata from the forward context (vllm/attention/layer.py).
+            self._compiled_model = platform.capture_model(model)
+            self._logits = platform.capture_region("logits", self._logits)
         self._warmed_up = False
 
     # ---------------------------------------------------------------- warm-up
 
     @torch.inference_mode()
     def warmup(self) -> None:
-        """Runs every bucket, largest first, so that no step compiles later.
+        """Runs every bucket, largest first, with every shape the attention backend and the
+        per-step row tensors can take at that size, so that no step compiles later.
 
         With a symbolic token count (CPU) the first bucket compiles the one graph that the others
         reuse; otherwise each bucket captures its own.
@@ -114,26 +123,32 @@ class HPUModelRunner:
             return
         start = time.perf_counter()
         before = _compiled_graph_count()
-        pad_slot = self.cache.pad_slot
+        backend = self.attn_backend
         for size in reversed(self.graph_stats.buckets):
-            # Padding only: attention has no sequence to attend for, the graph sees the shapes.
-            metadata = build_attention_metadata([], 0, [pad_slot] * size, self.cache.block_size,
-                                                self.heads_per_kv, self.sliding_window,
-                                                self.cache.pad_block, self.device)
             # Two tensors: the same one twice would be captured as aliased inputs.
             ids = torch.zeros(size, dtype=torch.int64, device=self.device)
             positions = torch.zeros(size, dtype=torch.int64, device=self.device)
             if self.platform.symbolic_token_count and size == self.graph_stats.buckets[-1]:
                 _mark_token_count_dynamic(ids, positions)
-            with forward_context(ForwardContext(metadata, self.cache.kv_caches)):
-                self._compiled_model(ids, positions)
+            for metadata in backend.warmup_metadata(size):
+                with forward_context(ForwardContext(metadata, backend)):
+                    hidden = self._compiled_model(ids, positions)                   # (size, hidden)
+                self.platform.mark_step()
+            backend.warmup_regions(size, *self.cache.kv_caches[0])
+            for num_rows in backend.row_buckets(size):
+                self._logits(hidden, torch.zeros(num_rows, dtype=torch.int64, device=self.device))
+                self.platform.mark_step()
             self.platform.synchronize()
+        for num_copies in backend.copy_buckets():
+            self._copy_blocks([(self.cache.pad_block, self.cache.pad_block)] * num_copies)
+        self.platform.region_stats.freeze()
         stats = self.graph_stats
-        stats.graphs_compiled_at_warmup = _compiled_graph_count() - before
+        stats.dynamo_graphs_at_warmup = _compiled_graph_count() - before
+        stats.device_graphs = self.platform.region_stats.counts
         stats.warmup_seconds = time.perf_counter() - start
         self._warmed_up = True
-        logger.info("Warm-up compiled %d graphs for %d token buckets %s in %.1f s",
-                    stats.graphs_compiled_at_warmup, len(self.graph_stats.buckets), self.graph_stats.buckets,
+        logger.info("Warm-up compiled %d graphs %s for %d token buckets %s in %.1f s",
+                    stats.graphs_compiled_at_warmup, stats.device_graphs or "", len(stats.buckets), stats.buckets,
                     stats.warmup_seconds)
 
     # ---------------------------------------------------------------- inputs
@@ -144,7 +159,8 @@ class HPUModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         spans: list[SeqSpan] = []
-        logits_indices: list[int] = []
+        sampled: list[int] = []
+        scored: list[int] = []  # prompt-logprob rows
         for s in step.scheduled:
             offset = len(input_ids)
             input_ids.extend(s.token_ids)
@@ -154,22 +170,26 @@ class HPUModelRunner:
                 slots.append(table[pos // block_size] * block_size + pos % block_size)
             spans.append(SeqSpan(offset, s.num_tokens, s.context_len, table))
             if s.sample:
-                logits_indices.append(offset + s.num_tokens - 1)
+                sampled.append(offset + s.num_tokens - 1)
+            if s.prompt_logprob_targets:
+                first = offset + s.prompt_logprobs_start - s.start_position
+                scored.extend(range(first, first + len(s.prompt_logprob_targets)))
         num_pad = padded_size - len(input_ids)
         assert num_pad >= 0
         input_ids.extend([0] * num_pad)
         positions.extend([0] * num_pad)
         slots.extend([self.cache.pad_slot] * num_pad)
-        metadata = build_attention_metadata(
-            spans, step.num_decodes, slots, block_size, self.heads_per_kv, self.sliding_window,
-            self.cache.pad_block, self.device, self.config.model.dtype,
-            split_prefill=self.device.type == "cpu", paged_decode=self.paged_decode,
-            paged_prefill=self.paged_prefill)
+        metadata = self.attn_backend.build_metadata(StepBatch(spans, step.num_decodes, positions, slots))
+        rows = sampled + scored
+        padded_rows = self.attn_backend.padded_rows(len(rows), padded_size) if rows else 0
         return ModelInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=self.device),
             positions=torch.tensor(positions, dtype=torch.int64, device=self.device),
             metadata=metadata,
-            logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=self.device),
+            logits_rows=torch.tensor(rows + [0] * (padded_rows - len(rows)), dtype=torch.int64,
+                                     device=self.device),
+            num_sampled=len(sampled),
+            num_rows=len(rows),
         )
 
     def _padded_size(self, num_tokens: int) -> int | None:
@@ -191,30 +211,41 @@ class HPUModelRunner:
         for request_id in step.finished_request_ids:
             self._generators.pop(request_id, None)
         # Before any KV write of this step: forked samples take their copy of the last block.
-        self.cache.copy_blocks(step.blocks_to_copy)
+        self._copy_blocks(step.blocks_to_copy)
         if step.is_empty:
             return ModelRunnerOutput()
         num_tokens = step.num_batched_tokens
-        if self.fused_layers is not None and step.num_decodes == num_tokens <= self.fused_layers.max_tokens:
-            self.graph_stats.fused_decode_steps += 1
-            bucket = None  # one C call per layer, unpadded (LlamaModel.forward)
+        if self.attn_backend.runs_eagerly(step.num_decodes, num_tokens):
+            self.graph_stats.eager_steps += 1
+            bucket = None
         else:
             bucket = self._padded_size(num_tokens)
         inputs = self.prepare_inputs(step, bucket or num_tokens)
         if bucket is not None:
             self.graph_stats.real_tokens += num_tokens
             self.graph_stats.padded_tokens += bucket - num_tokens
-        hidden = self._forward(inputs, eager=bucket is None)
+        hidden = self._forward(inputs, eager=bucket is None)                        # (T, hidden)
         output = ModelRunnerOutput()
-        if any(s.sample for s in step.scheduled):
-            self._sample(step, hidden[inputs.logits_indices], output)
-        if any(s.prompt_logprob_targets for s in step.scheduled):
-            self._prompt_logprobs(step, hidden, output)
+        if inputs.num_rows:
+            logits = self._logits(hidden, inputs.logits_rows)                        # (R, vocab) fp32
+            self.platform.mark_step()
+            logits = logits.cpu()[:inputs.num_rows]  # sliced on the host: no shape from the step
+            if inputs.num_sampled:
+                self._sample(step, logits[:inputs.num_sampled], output)
+            if inputs.num_rows > inputs.num_sampled:
+                self._prompt_logprobs(step, logits[inputs.num_sampled:], output)
         return output
 
-    def _sample(self, step: SchedulerOutput, hidden: torch.Tensor, output: ModelRunnerOutput) -> None:
-        """hidden: (S, hidden), the last token of each sampling sequence, in step order."""
-        logits = self.model.compute_logits(hidden).cpu()                       # (S, vocab) fp32
+    def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        if not pairs:
+            return
+        pad = self.cache.pad_block
+        self.cache.copy_blocks(pairs + [(pad, pad)] * (self.attn_backend.padded_copies(len(pairs)) - len(pairs)))
+        self.platform.mark_step()
+
+    def _sample(self, step: SchedulerOutput, logits: torch.Tensor, output: ModelRunnerOutput) -> None:
+        """logits: (S, vocab) float32 on the host, the last token of each sampling sequence, in
+        step order."""
         rows, ids, params, prompts, outs = [], [], [], [], []
         for row, s in enumerate(x for x in step.scheduled if x.sample):
             # Forked samples draw from their parent's row: one prompt, n next tokens.
@@ -237,35 +268,35 @@ class HPUModelRunner:
                                        [params[i].logprobs for i in wanted])
             output.logprobs.update((ids[i], e) for i, e in zip(wanted, entries, strict=True))
 
-    def _prompt_logprobs(self, step: SchedulerOutput, hidden: torch.Tensor,
+    def _prompt_logprobs(self, step: SchedulerOutput, logits: torch.Tensor,
                          output: ModelRunnerOutput) -> None:
-        """hidden: (T, hidden), every token of the step."""
-        offset = 0
+        """logits: (L, vocab) float32 on the host, the prompt-logprob rows of the step's
+        sequences, in step order (see prepare_inputs)."""
+        row = 0
         for s in step.scheduled:
             targets = s.prompt_logprob_targets
             if targets:
-                row = offset + s.prompt_logprobs_start - s.start_position
-                logits = self.model.compute_logits(hidden[row:row + len(targets)])    # (L, V)
-                entries = compute_logprobs(logits, list(targets),
+                entries = compute_logprobs(logits[row:row + len(targets)], list(targets),
                                            [s.sampling_params.prompt_logprobs] * len(targets))
                 output.prompt_logprobs[s.request_id] = (s.prompt_logprobs_start, entries)
-            offset += s.num_tokens
+                row += len(targets)
 
     def _forward(self, inputs: ModelInputs, eager: bool) -> torch.Tensor:
         captured = self.graph_stats.enabled and not eager
         before = _compiled_graph_count()
-        with forward_context(ForwardContext(inputs.metadata, self.cache.kv_caches)):
+        with forward_context(ForwardContext(inputs.metadata, self.attn_backend)):
             if captured:
                 # After warm-up every step is padded to a captured bucket, so only the guards
                 # that tell the buckets apart (the token count) need to run, not the hundreds
                 # on parameters.
-                with torch.compiler.set_stance(skip_guard_eval_unsafe=self._warmed_up):
+                skip = self._warmed_up and self.platform.skip_guards_after_warmup
+                with torch.compiler.set_stance(skip_guard_eval_unsafe=skip):
                     hidden = self._compiled_model(inputs.input_ids, inputs.positions)  # (T, hidden)
             else:
                 hidden = self.model(inputs.input_ids, inputs.positions)              # (T, hidden)
         self.platform.mark_step()  # HPU lazy mode: flush the step's ops; no-op elsewhere
         if captured and self._warmed_up and _compiled_graph_count() != before:
-            self.graph_stats.compiles_after_warmup += _compiled_graph_count() - before
+            self.graph_stats.dynamo_compiles_after_warmup += _compiled_graph_count() - before
             logger.warning("A graph was compiled after warm-up (%d tokens)", inputs.input_ids.shape[0])
         return hidden
 
