@@ -6,8 +6,9 @@ import shutil
 import pytest
 import torch
 
-from vllm.attention.backends.hpu_attn import paged_attention, write_to_kv_cache
-from vllm.attention.backends.metadata import SeqSpan, build_attention_metadata
+from vllm.attention.backends.cpu_attn import paged_attention, write_to_kv_cache
+from vllm.attention.backends.abstract import SeqSpan
+from vllm.attention.backends.cpu_metadata import build_attention_metadata
 from vllm.attention.ops import cpu_kv_cache, cpu_paged_decode, cpu_paged_prefill
 from vllm.attention.ops.reference import reference_paged_attention
 from vllm.platforms.cpu import cpu_flags

@@ -8,7 +8,8 @@ import torch
 
 from tests.utils import build_tiny_checkpoint, random_prompts
 from vllm import LLM, SamplingParams
-from vllm.attention.backends.metadata import SeqSpan, build_attention_metadata
+from vllm.attention.backends.abstract import SeqSpan
+from vllm.attention.backends.cpu_metadata import build_attention_metadata
 from vllm.forward_context import ForwardContext, forward_context
 from vllm.model_executor.layers import cpu_gemv, cpu_tile_gemm
 from vllm.model_executor.layers.linear import PACKED_MAX_ROWS
@@ -38,10 +39,10 @@ def _step(runner, contexts: list[int], chunks: list[tuple[int, int]], rng: rando
         for pos in range(ctx, ctx + query_len):
             positions.append(pos)
             slots.append(table[pos // BLOCK] * BLOCK + pos % BLOCK)
-    metadata = build_attention_metadata(spans, len(contexts), slots, BLOCK, runner.heads_per_kv,
-                                        runner.sliding_window, runner.cache.pad_block, torch.device("cpu"),
+    metadata = build_attention_metadata(spans, len(contexts), slots, BLOCK, runner.attn_backend.heads_per_kv,
+                                        runner.attn_backend.sliding_window, runner.cache.pad_block, torch.device("cpu"),
                                         torch.bfloat16, split_prefill=True, paged_decode=True,
-                                        paged_prefill=runner.paged_prefill)
+                                        paged_prefill=runner.attn_backend.paged_prefill)
     return metadata, torch.tensor(positions)
 
 
@@ -49,7 +50,7 @@ def _assert_fused_matches_op_by_op(runner, contexts: list[int], chunks: list[tup
                                    rng: random.Random) -> None:
     """Runs one step (see _step) through the op-by-op layers and through the C layers, from the
     same random caches: the hidden states and the cache writes must agree."""
-    model, fused = runner.model.model, runner.fused_layers
+    model, fused = runner.model.model, runner.attn_backend.fused_layers
     metadata, positions = _step(runner, contexts, chunks, rng)
     ids = torch.tensor([rng.randrange(100, 49152) for _ in range(positions.shape[0])])
     assert fused.accepts(metadata, positions.shape[0])
@@ -60,7 +61,7 @@ def _assert_fused_matches_op_by_op(runner, contexts: list[int], chunks: list[tup
         v.normal_()
     before = [(k.clone(), v.clone()) for k, v in caches]
     results = []
-    with torch.inference_mode(), forward_context(ForwardContext(metadata, caches)):
+    with torch.inference_mode(), forward_context(ForwardContext(metadata, runner.attn_backend)):
         for use_fused in (False, True):
             for (k, v), (k0, v0) in zip(caches, before):
                 k.copy_(k0)
@@ -81,13 +82,13 @@ def _assert_fused_matches_op_by_op(runner, contexts: list[int], chunks: list[tup
 @pytest.mark.parametrize("contexts", [[0], [37], [5, 200, 16], [130, 1, 64, 300],
                                       [3, 90, 17, 250, 64, 0, 33],
                                       [11 * i % 170 for i in range(16)], [7 * i % 150 for i in range(32)]])
-def test_fused_decode_steps_match_op_by_op(bf16_llm, contexts):
+def test_eager_steps_match_op_by_op(bf16_llm, contexts):
     """Same hidden states and the same cache writes, for 1-32 decodes (the GEMV up to 4 rows, the
     AMX tile GEMM above) at contexts that cross blocks and (Mistral) the sliding window of 96;
     past keys are random. Where the machine has no tile GEMM, steps past the GEMV's rows must be
     refused (the runner then takes the op-by-op layers)."""
     runner = bf16_llm.llm_engine.runner
-    fused = runner.fused_layers
+    fused = runner.attn_backend.fused_layers
     assert fused is not None
     tiled = cpu_tile_gemm.kernel_address() is not None
     assert fused.max_tokens == (PACKED_MAX_ROWS if tiled else cpu_gemv.max_rows())
@@ -103,16 +104,16 @@ def test_engine_decodes_through_fused_layers(bf16_llm):
     """Whole generations of 2 and 9 prompts: their decode steps take the C layers, and the tokens
     are those of the op-by-op path (the tiny models' logits are far from ties)."""
     runner = bf16_llm.llm_engine.runner
-    fused = runner.fused_layers
+    fused = runner.attn_backend.fused_layers
     prompts = [{"prompt_token_ids": p} for p in random_prompts([3, 40, 17, 90, 8, 61, 5, 70, 30], seed=5)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     outputs = []
     for use_fused in (False, True):
-        runner.fused_layers = runner.model.model.fused_layers = fused if use_fused else None
-        before = runner.graph_stats.fused_decode_steps
+        runner.attn_backend.fused_layers = runner.model.model.fused_layers = fused if use_fused else None
+        before = runner.graph_stats.eager_steps
         outputs.append([o.outputs[0].token_ids for o in bf16_llm.generate(prompts[:2], params, use_tqdm=False)
                         + bf16_llm.generate(prompts, params, use_tqdm=False)])
-        assert (runner.graph_stats.fused_decode_steps > before) == use_fused
+        assert (runner.graph_stats.eager_steps > before) == use_fused
     assert outputs[0] == outputs[1]
 
 
@@ -123,7 +124,7 @@ def bf16_llm_d64(request, tokenizer_dir, tmp_path_factory) -> LLM:
                                  hidden_size=256)
     llm = LLM(path, dtype="bfloat16", max_model_len=512, block_size=BLOCK, num_gpu_blocks_override=512,
               enforce_eager=True, enable_chunked_prefill=True, max_num_batched_tokens=64)
-    if not llm.llm_engine.runner.fused_layers.takes_prefills:
+    if not llm.llm_engine.runner.attn_backend.fused_layers.takes_prefills:
         pytest.skip("the C prefill kernel needs AMX")
     return llm
 
@@ -160,14 +161,14 @@ def test_engine_runs_chunked_prefill_through_fused_layers(bf16_llm_d64):
     """Chunked generations (budget 64, prompts up to 150 tokens) run their prefill chunks and
     mixed steps on the C layers, and give the op-by-op path's tokens."""
     runner = bf16_llm_d64.llm_engine.runner
-    fused = runner.fused_layers
+    fused = runner.attn_backend.fused_layers
     prompts = [{"prompt_token_ids": p} for p in random_prompts([3, 150, 17, 90, 8, 61, 120], seed=7)]
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     outputs = []
     for use_fused in (False, True):
         recording = _Recording(fused) if use_fused else None
-        runner.fused_layers = runner.model.model.fused_layers = recording
+        runner.attn_backend.fused_layers = runner.model.model.fused_layers = recording
         outputs.append([o.outputs[0].token_ids for o in bf16_llm_d64.generate(prompts, params, use_tqdm=False)])
-    runner.fused_layers = runner.model.model.fused_layers = fused
+    runner.attn_backend.fused_layers = runner.model.model.fused_layers = fused
     assert sum(recording.steps) >= 5 and not all(recording.steps)
     assert outputs[0] == outputs[1]
