@@ -75,7 +75,7 @@ def measure(args: argparse.Namespace, enforce_eager: bool) -> dict:
     stats = engine.graph_stats
     result.update(buckets=stats.buckets, graphs_compiled_at_warmup=stats.graphs_compiled_at_warmup,
                   warmup_seconds=stats.warmup_seconds, compiles_after_warmup=stats.compiles_after_warmup,
-                  unwarmed_steps=stats.unwarmed_steps, fused_decode_steps=stats.fused_decode_steps,
+                  unwarmed_steps=stats.unwarmed_steps, eager_steps=stats.eager_steps,
                   padding_overhead=stats.padding_overhead)
     return result
 
