@@ -12,7 +12,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None = None
     logprobs: list | None = None
-    finish_reason: str | None = None  # "stop", "length" or "abort"; None while running
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error"; None while running
     stop_reason: int | str | None = None  # the stop token id that ended it, if any
 
     def finished(self) -> bool:
@@ -28,5 +28,6 @@ class RequestOutput:
     finished: bool
     prompt_logprobs: list | None = None
     metrics: RequestMetrics | None = None
-    # Why the engine refused the request (finish_reason "length" without any output), else None.
+    # Why the engine refused the request (finish_reason "length" without any output) or gave up
+    # on it (finish_reason "error": its steps kept failing), else None.
     error: str | None = field(default=None)

@@ -13,6 +13,7 @@ class SequenceStatus(enum.Enum):
     FINISHED_LENGTH = enum.auto()    # max_tokens or max_model_len reached
     FINISHED_ABORTED = enum.auto()
     FINISHED_IGNORED = enum.auto()   # could never be scheduled (too long for the model or cache)
+    FINISHED_ERROR = enum.auto()     # its steps kept failing (see LLMEngine.step)
 
     @property
     def finished(self) -> bool:
@@ -25,6 +26,7 @@ class SequenceStatus(enum.Enum):
             SequenceStatus.FINISHED_LENGTH: "length",
             SequenceStatus.FINISHED_ABORTED: "abort",
             SequenceStatus.FINISHED_IGNORED: "length",
+            SequenceStatus.FINISHED_ERROR: "error",
         }.get(self)
 
 
@@ -60,11 +62,12 @@ class Sequence:
     # logprobs); unlike num_computed_tokens, preemption keeps it, so none is computed twice.
     num_prompt_logprob_positions: int = 0
     num_preemptions: int = 0
+    num_failed_steps: int = 0  # steps with this request that failed and were taken back
     # Incremental detokenization state (see engine/detokenizer.py).
     output_text: str = ""
     prefix_offset: int = 0
     read_offset: int = 0
-    # Why the request was ignored, for FINISHED_IGNORED.
+    # Why the request was ignored or failed, for FINISHED_IGNORED and FINISHED_ERROR.
     error: str | None = None
     stop_reason: int | str | None = None
     # Parallel sampling (n > 1): the other samples of this prompt, forked from this sequence

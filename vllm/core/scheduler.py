@@ -8,6 +8,7 @@ requests in arrival order. Imports no torch.
 
 import logging
 from collections import deque
+from dataclasses import dataclass, field
 
 from vllm.config import SchedulerConfig
 from vllm.core.block_manager import BlockManager
@@ -15,6 +16,16 @@ from vllm.core.scheduler_output import ScheduledSequence, SchedulerOutput
 from vllm.sequence import Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _StepLog:
+    """What `schedule()` advanced for one step, so that `undo()` can take it back."""
+
+    output: SchedulerOutput | None = None
+    # (sequence, num_computed_tokens, num_prompt_logprob_positions) before the step took tokens.
+    taken: list[tuple[Sequence, int, int]] = field(default_factory=list)
+    admitted: list[Sequence] = field(default_factory=list)  # in admission order
 
 
 class Scheduler:
@@ -32,6 +43,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._finished_since_last_step: list[str] = []
         self._blocks_to_copy: list[tuple[int, int]] = []
+        self._log = _StepLog()
         self.num_preemptions = 0
 
     # ---------------------------------------------------------------- requests in and out
@@ -98,6 +110,8 @@ class Scheduler:
     # ---------------------------------------------------------------- the step
 
     def schedule(self) -> SchedulerOutput:
+        """The next step. It counts as computed at once; `undo()` takes it back if it fails."""
+        self._log = _StepLog()
         if self.config.enable_chunked_prefill:
             out = self._schedule_chunked()
         else:
@@ -108,7 +122,30 @@ class Scheduler:
         self._blocks_to_copy = []
         assert out.num_batched_tokens <= self.config.max_num_batched_tokens
         assert self._num_seats() <= self.config.max_num_seqs
+        self._log.output = out
         return out
+
+    def undo(self, step: SchedulerOutput) -> None:
+        """Takes back `step`, the last one scheduled, whose forward pass or sampling failed: its
+        requests count as computed what they did before it, the requests it admitted wait again
+        at the head of the queue (without blocks), and its block copies and finished ids go to
+        the next step. Its KV writes need no undoing: they lie past every request's computed
+        tokens, so the retry overwrites them. Preemptions stay: those requests recompute anyway.
+        """
+        log = self._log
+        assert log.output is step, "undo() of a step other than the last one scheduled"
+        self._log = _StepLog()
+        for seq, num_computed, num_logprob_positions in log.taken:
+            seq.num_computed_tokens = num_computed
+            seq.num_prompt_logprob_positions = num_logprob_positions
+        for seq in reversed(log.admitted):
+            self.running.remove(seq)
+            self.block_manager.free(seq.request_id)
+            seq.status = SequenceStatus.WAITING
+            seq.num_computed_tokens = 0
+            self.waiting.appendleft(seq)
+        self._finished_since_last_step[:0] = step.finished_request_ids
+        self._blocks_to_copy[:0] = step.blocks_to_copy
 
     def _schedule_chunked(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
@@ -217,6 +254,7 @@ class Scheduler:
         """Hands the next `num_tokens` of `seq` to this step and counts them as computed."""
         assert 0 < num_tokens <= seq.num_uncomputed_tokens
         start = seq.num_computed_tokens
+        self._log.taken.append((seq, start, seq.num_prompt_logprob_positions))
         seq.num_computed_tokens += num_tokens
         sample = seq.num_computed_tokens == seq.num_tokens
         # Positions of this chunk that predict a prompt token (p predicts token p + 1), skipping
@@ -245,6 +283,7 @@ class Scheduler:
         self.waiting.popleft()
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
+        self._log.admitted.append(seq)
 
     def _preempt(self, seq: Sequence) -> None:
         logger.debug("Preempting request %s by recompute", seq.request_id)

@@ -5,6 +5,7 @@ import logging
 from collections.abc import AsyncIterator
 
 from vllm.engine.arg_utils import EngineArgs
+from vllm.engine.exceptions import EngineDeadError
 from vllm.engine.llm_engine import LLMEngine
 from vllm.inputs import PromptType
 from vllm.outputs import RequestOutput
@@ -21,7 +22,7 @@ _END_OF_STREAM = None
 StreamItem = RequestOutput | BaseException | None
 
 
-class AsyncEngineDeadError(RuntimeError):
+class AsyncEngineDeadError(EngineDeadError):
     """The background loop has stopped on an error; the engine serves no more requests."""
 
 
@@ -38,6 +39,9 @@ class AsyncLLMEngine:
     - `_streams` maps every request id whose stream is open to its queue; an id leaves it when its
       finished output is queued, when it is aborted, or when the loop fails.
     - A stream ends after its finished output, after an abort, or with the loop's error.
+    A step that fails is the `LLMEngine`'s to handle: it takes the step back, and its requests
+    run it again or end with a finished output whose `finish_reason` is "error"; other streams
+    go on. Only an error that escapes `step()` (the engine is then dead) ends the loop.
     """
 
     def __init__(self, engine: LLMEngine) -> None:

@@ -1,9 +1,10 @@
 """The synchronous engine: requests in, one scheduled forward pass per `step()`, outputs out."""
 
+import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from vllm.config import EngineConfig
@@ -12,6 +13,8 @@ from vllm.core.scheduler import Scheduler
 from vllm.core.scheduler_output import SchedulerOutput
 from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.detokenizer import detokenize_incrementally
+from vllm.engine.exceptions import EngineDeadError
+from vllm.engine.interrupts import deferred_interrupts
 from vllm.inputs import PromptType, parse_prompt
 from vllm.logprobs import Logprob
 from vllm.model_executor.layers.logprobs import TokenLogprobs
@@ -36,9 +39,22 @@ class EngineStats:
     num_decode_tokens: int = 0
     num_mixed_steps: int = 0  # steps that ran decodes and prefill chunks together
     num_preemptions: int = 0
+    num_failed_steps: int = 0  # steps whose forward pass or sampling raised (taken back)
 
 
 class LLMEngine:
+    """Requests in, one scheduled forward pass per `step()`, outputs out.
+
+    A step happens or it does not. If its forward pass or sampling raises, the scheduler takes it
+    back (`Scheduler.undo`) and its requests run it again; a request that was in
+    `MAX_FAILED_STEPS` failed steps finishes instead, with `finish_reason="error"` and the error
+    in `RequestOutput.error`. The log says which requests took which way. A KeyboardInterrupt
+    during the forward pass takes the step back too, then propagates; elsewhere in the step it
+    waits for the engine's state to be whole. Any other failure leaves that state unknown: the
+    engine is then dead and raises `EngineDeadError`, now and on every later call.
+    """
+
+    MAX_FAILED_STEPS = 2
     def __init__(self, config: EngineConfig, tokenizer, runner: HPUModelRunner) -> None:
         self.config = config
         self.tokenizer = tokenizer
@@ -50,6 +66,7 @@ class LLMEngine:
         self._pending_outputs: list[RequestOutput] = []  # requests finished outside a step
         self.stats = EngineStats()
         self.eos_token_id = tokenizer.eos_token_id
+        self._dead_error: BaseException | None = None
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
@@ -76,16 +93,10 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                     arrival_time: float | None = None) -> None:
         """Queues a request. Raises ValueError, changing nothing, on bad input."""
+        self._check_alive()
         if not isinstance(request_id, str):
             raise ValueError(f"request_id must be a string, got {type(request_id).__name__}")
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        max_logprobs = self.config.model.max_logprobs
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(params, name)
-            if value is not None and value > max_logprobs:
-                raise ValueError(f"{name}={value} exceeds max_logprobs={max_logprobs} "
-                                 "(an engine argument)")
+        self.validate_sampling_params(params)
         text, token_ids = parse_prompt(prompt, self.tokenizer)
         ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
         if request_id in self.requests or any(i in self._seqs for i in ids):
@@ -98,27 +109,45 @@ class LLMEngine:
         seqs[0].pending_forks = seqs[1:]
         group = SequenceGroup(request_id, seqs,
                               prompt_logprobs=None if params.prompt_logprobs is None else [None])
-        self.scheduler.add(seqs[0])
-        if seqs[0].is_finished:  # refused: it could never run
-            for seq in seqs:
-                seq.status, seq.error = seqs[0].status, seqs[0].error
-                seq.metrics.finished_time = time.monotonic()
-            self._pending_outputs.append(self._make_output(group))
-            return
-        self.requests[request_id] = group
-        self._seqs.update((seq.request_id, (seq, group)) for seq in seqs)
+        with self._guard():
+            self.scheduler.add(seqs[0])
+            if seqs[0].is_finished:  # refused: it could never run
+                for seq in seqs:
+                    seq.status, seq.error = seqs[0].status, seqs[0].error
+                    seq.metrics.finished_time = time.monotonic()
+                self._pending_outputs.append(self._make_output(group))
+                return
+            self.requests[request_id] = group
+            self._seqs.update((seq.request_id, (seq, group)) for seq in seqs)
+
+    def validate_sampling_params(self, params: SamplingParams) -> None:
+        """Raises ValueError if this engine cannot serve `params` (SamplingParams checks the rest
+        itself)."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        max_logprobs = self.config.model.max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > max_logprobs:
+                raise ValueError(f"{name}={value} exceeds max_logprobs={max_logprobs} "
+                                 "(an engine argument)")
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
-        """Stops requests (unknown or finished ids are ignored); their KV blocks are free at once."""
-        ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        for rid in ids:
-            group = self.requests.get(rid)
-            if group is None:
-                continue
-            for seq in group.seqs:
-                if not seq.is_finished:
-                    self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
-            self._forget(group)
+        """Stops requests (unknown or finished ids are ignored); their KV blocks are free at once,
+        and outputs of theirs not yet returned by `step()` are dropped. A no-op on a dead engine."""
+        if self._dead_error is not None:
+            return
+        ids = {request_id} if isinstance(request_id, str) else set(request_id)
+        with self._guard():
+            self._pending_outputs = [o for o in self._pending_outputs if o.request_id not in ids]
+            for rid in ids:
+                group = self.requests.get(rid)
+                if group is None:
+                    continue
+                for seq in group.seqs:
+                    if not seq.is_finished:
+                        self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+                self._forget(group)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -129,13 +158,37 @@ class LLMEngine:
     # ---------------------------------------------------------------- the step
 
     def step(self) -> list[RequestOutput]:
-        """Schedules and runs one forward pass; returns the outputs of requests that changed."""
+        """Schedules and runs one forward pass; returns the outputs of requests that changed
+        (see the class docstring for what happens when it fails)."""
+        self._check_alive()
+        step, result, committed = None, None, False
+        try:
+            with self._guard():
+                step = self.scheduler.schedule()
+            # From here the step counts as computed: until its outputs are in, an escape takes it back.
+            if not step.is_empty or step.blocks_to_copy:
+                result = self.runner.execute_model(step)
+            with self._guard():
+                committed = True
+                if result is not None:
+                    self._process(step, result)
+        except BaseException as error:
+            if step is None or committed:
+                raise
+            with self._guard():
+                self.scheduler.undo(step)
+                if isinstance(error, Exception):
+                    self._fail_step(step, error)
+            if not isinstance(error, Exception):
+                logger.warning("Step interrupted (%s); its %d request(s) will run it again",
+                               type(error).__name__, len(step.scheduled))
+                raise
         outputs, self._pending_outputs = self._pending_outputs, []
-        step = self.scheduler.schedule()
-        if step.is_empty and not step.blocks_to_copy:
-            return outputs
+        return outputs
+
+    def _process(self, step: SchedulerOutput, result: ModelRunnerOutput) -> None:
+        """Takes the step's sampled tokens and logprobs into its requests; queues their outputs."""
         now = time.monotonic()
-        result = self.runner.execute_model(step)
         self._count(step)
         changed: dict[str, SequenceGroup] = {}
         for scheduled in step.scheduled:
@@ -152,10 +205,58 @@ class LLMEngine:
                 self._append_token(self._seqs[sid][0], sid, result)
             changed[group.request_id] = group
         for group in changed.values():
-            outputs.append(self._make_output(group))
+            self._pending_outputs.append(self._make_output(group))
             if group.is_finished:
                 self._forget(group)
-        return outputs
+
+    def _fail_step(self, step: SchedulerOutput, error: Exception) -> None:
+        """After `step` was taken back: its requests run it again, except those in their
+        MAX_FAILED_STEPS-th failed step, which finish with the error."""
+        self.stats.num_failed_steps += 1
+        retried: dict[str, SequenceGroup] = {}
+        failed: dict[str, SequenceGroup] = {}
+        for scheduled in step.scheduled:
+            seq, group = self._seqs[scheduled.request_id]
+            seq.num_failed_steps += 1
+            if seq.num_failed_steps >= self.MAX_FAILED_STEPS:
+                failed[group.request_id] = group
+            else:
+                retried[group.request_id] = group
+        reason = f"{type(error).__name__}: {error}"
+        now = time.monotonic()
+        for group in failed.values():
+            retried.pop(group.request_id, None)
+            for seq in group.seqs:
+                seq.error = f"{self.MAX_FAILED_STEPS} steps with this request failed, the last with {reason}"
+                if not seq.is_finished:
+                    seq.metrics.finished_time = now
+                    self.scheduler.finish(seq, SequenceStatus.FINISHED_ERROR)
+            self._pending_outputs.append(self._make_output(group))
+            self._forget(group)
+        logger.error("A step failed (%s); taken back. Requests that run it again: %s; requests "
+                     "finished with the error: %s", reason, sorted(retried) or "none",
+                     sorted(failed) or "none", exc_info=error)
+
+    @contextlib.contextmanager
+    def _guard(self) -> Iterator[None]:
+        """Around every change of the engine's state: Ctrl-C waits for the block's end, and an
+        exception, which leaves that state unknown, makes the engine dead."""
+        with deferred_interrupts():
+            try:
+                yield
+            except Exception as error:
+                self._dead_error = error
+                logger.exception("The engine's state is unknown after this error; it is now dead")
+                raise EngineDeadError(f"the engine is dead after {type(error).__name__}: {error}") from error
+
+    def _check_alive(self) -> None:
+        if self._dead_error is not None:
+            raise EngineDeadError(f"the engine died earlier of {type(self._dead_error).__name__}: "
+                                  f"{self._dead_error}") from self._dead_error
+
+    @property
+    def is_dead(self) -> bool:
+        return self._dead_error is not None
 
     def _append_token(self, seq: Sequence, sid: str, result: ModelRunnerOutput) -> None:
         now = time.monotonic()
@@ -169,7 +270,8 @@ class LLMEngine:
             seq.cumulative_logprob += entry.logprob
         status = self._stop_status(seq, token)
         new_text = detokenize_incrementally(self.tokenizer, seq, final=status is not None)
-        if status is None and self._hit_stop_string(seq, new_text):
+        # A stop string completed by the last allowed token wins over the length limit, as in vLLM.
+        if status in (None, SequenceStatus.FINISHED_LENGTH) and self._hit_stop_string(seq, new_text):
             status = SequenceStatus.FINISHED_STOPPED
         if status is not None:
             seq.metrics.finished_time = now

@@ -42,14 +42,25 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
-        # Validate every prompt before adding any, so a bad one leaves the engine untouched.
+        # Validate every request before adding any, so a bad one leaves the engine untouched.
+        engine = self.llm_engine
+        for p in params:
+            engine.validate_sampling_params(p)
         for prompt in prompts:
-            parse_prompt(prompt, self.llm_engine.tokenizer)
+            parse_prompt(prompt, engine.tokenizer)
 
         ids = [str(next(self._request_counter)) for _ in prompts]
-        for rid, prompt, p in zip(ids, prompts, params, strict=True):
-            self.llm_engine.add_request(rid, prompt, p)
-        return self._run_engine(ids, use_tqdm)
+        added: list[str] = []
+        try:
+            for rid, prompt, p in zip(ids, prompts, params, strict=True):
+                engine.add_request(rid, prompt, p)
+                added.append(rid)
+            return self._run_engine(ids, use_tqdm)
+        except BaseException:
+            # Whatever escapes (Ctrl-C, a dead engine), nothing of this call stays queued or
+            # holds KV blocks, so the next call starts clean.
+            engine.abort_request(added)
+            raise
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
@@ -71,11 +82,12 @@ class LLM:
 
     def _run_engine(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
+        wanted = set(ids)  # a shared engine may return outputs of requests added by others
         engine = self.llm_engine
         with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm) as bar:
             while len(finished) < len(ids):
                 for out in engine.step():
-                    if out.finished:
+                    if out.finished and out.request_id in wanted:
                         finished[out.request_id] = out
                         bar.update(1)
                 if not engine.has_unfinished_requests() and len(finished) < len(ids):

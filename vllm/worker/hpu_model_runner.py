@@ -230,10 +230,21 @@ class HPUModelRunner:
             logits = self._logits(hidden, inputs.logits_rows)                        # (R, vocab) fp32
             self.platform.mark_step()
             logits = logits.cpu()[:inputs.num_rows]  # sliced on the host: no shape from the step
-            if inputs.num_sampled:
-                self._sample(step, logits[:inputs.num_sampled], output)
-            if inputs.num_rows > inputs.num_sampled:
-                self._prompt_logprobs(step, logits[inputs.num_sampled:], output)
+            # A step that fails is run again (LLMEngine.step): seeded samples must draw the same.
+            sampled = [rid for s in step.scheduled if s.sample for rid in (s.request_id, *(f for f, _ in s.forks))]
+            states = {rid: self._generators[rid].get_state() for rid in sampled if rid in self._generators}
+            try:
+                if inputs.num_sampled:
+                    self._sample(step, logits[:inputs.num_sampled], output)
+                if inputs.num_rows > inputs.num_sampled:
+                    self._prompt_logprobs(step, logits[inputs.num_sampled:], output)
+            except BaseException:
+                for rid in sampled:
+                    if rid in states:
+                        self._generators[rid].set_state(states[rid])
+                    else:
+                        self._generators.pop(rid, None)  # made in this step: starts from its seed again
+                raise
         return output
 
     def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
