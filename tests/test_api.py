@@ -55,6 +55,18 @@ def test_bad_prompt_rejects_the_whole_batch_before_anything_runs(llm):
         llm.generate({"prompt_token_ids": [10**9]}, use_tqdm=False)
 
 
+@pytest.mark.parametrize("prompt, message", [
+    ({"prompt": None}, "must be a string, got NoneType"),
+    ("a lone surrogate \ud800 here", "not valid Unicode: surrogates not allowed at character 17"),
+    ({"prompt_token_ids": None}, "must be a list of ints, got NoneType"),
+    (["a list of strings"], "got list"),
+])
+def test_malformed_prompts_raise_a_value_error_naming_the_problem(llm, prompt, message):
+    with pytest.raises(ValueError, match=message):
+        llm.generate([prompt], use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
 def test_abort_frees_blocks(llm):
     engine = llm.llm_engine
     engine.add_request("a", {"prompt_token_ids": random_prompts([100])[0]}, SamplingParams(max_tokens=50))

@@ -60,6 +60,7 @@ def _is_kind(s, kind: str) -> bool:
         "middle_chunk": s.start_position > 0 and not s.sample,
         "last_chunk": s.start_position > 0 and s.sample and s.num_tokens > 1,
         "sampling": s.sample,
+        "sampling_decode": s.sample and s.num_tokens == 1,
         "fork": bool(s.forks),
     }[kind]
 
@@ -99,7 +100,7 @@ class Fault:
         sample_fn = runner._sample
         self._patches = [(runner, "execute_model"), (runner, "_sample")]
         runner.execute_model = execute_model
-        if self.kind == "sampling":
+        if self.kind.startswith("sampling"):
             runner._sample = sample
         else:
             self._hook = runner.model.model.layers[1].register_forward_pre_hook(lambda *a: self._raise())
@@ -108,7 +109,7 @@ class Fault:
     def __exit__(self, *exc) -> None:
         for obj, name in self._patches:
             obj.__dict__.pop(name, None)
-        if self.kind != "sampling":
+        if not self.kind.startswith("sampling"):
             self._hook.remove()
 
 
@@ -283,12 +284,13 @@ def test_bad_request_in_a_batch_queues_nothing(llm, reference):
     assert [[c.token_ids for c in o.outputs] for o in outs] == reference
 
 
-def test_seeded_sampling_is_unchanged_by_a_fault_in_the_sampler(llm):
+@pytest.mark.parametrize("kind", ["sampling", "sampling_decode"])  # first token, a later one
+def test_seeded_sampling_is_unchanged_by_a_fault_in_the_sampler(llm, kind):
     params = SamplingParams(temperature=1.0, seed=3, max_tokens=6, ignore_eos=True)
     prompt = {"prompt_token_ids": random_prompts([40], seed=4)[0]}
     want = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
     offset = int(llm.generate("warm", SamplingParams(max_tokens=1), use_tqdm=False)[0].request_id) + 1
-    with Fault(llm, "sampling", str(offset), times=1) as fault:
+    with Fault(llm, kind, str(offset), times=1) as fault:
         got = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
     assert fault.failed_steps and got == want
 

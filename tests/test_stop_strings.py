@@ -66,3 +66,15 @@ def test_no_match_runs_to_max_tokens(llm, free_run):
     full, _ = free_run
     out = _gen(llm, stop=["\x00never\x00"])
     assert out.text == full.text and out.finish_reason == "length" and out.stop_reason is None
+
+
+def test_stop_completed_by_the_last_allowed_token_wins_over_the_length(llm, free_run):
+    full, pieces = free_run
+    # A token whose own text first occurs where it is, so the stop completes with that token.
+    i = next(i for i in range(2, len(pieces))
+             if len(pieces[i]) > len(pieces[i - 1]) and full.text.find(pieces[i][len(pieces[i - 1]):]) == len(pieces[i - 1]))
+    stop = pieces[i][len(pieces[i - 1]):]
+    params = SamplingParams(temperature=0, max_tokens=i + 1, ignore_eos=True, stop=[stop])
+    out = llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == pieces[i - 1] and out.token_ids == full.token_ids[:i + 1]
