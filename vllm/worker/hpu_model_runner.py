@@ -29,6 +29,7 @@ from vllm.worker.bucketing import bucket_config_from_env, find_bucket, generate_
 from vllm.worker.cache_engine import CacheEngine
 from vllm.worker.graph_stats import GraphStats
 from vllm.worker.runner_output import ModelRunnerOutput
+from vllm.worker.step_checks import check_step
 
 logger = logging.getLogger(__name__)
 
@@ -208,6 +209,7 @@ class HPUModelRunner:
     @torch.inference_mode()
     def execute_model(self, step: SchedulerOutput) -> ModelRunnerOutput:
         """Runs the step; samples for each request whose chunk reached its end (and its forks)."""
+        check_step(step, self.cache.num_blocks, self.cache.block_size)
         for request_id in step.finished_request_ids:
             self._generators.pop(request_id, None)
         # Before any KV write of this step: forked samples take their copy of the last block.

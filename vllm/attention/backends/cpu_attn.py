@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from vllm.attention.backends.abstract import AttentionBackend, StepBatch
 from vllm.attention.backends.cpu_metadata import AttentionGroup, AttentionMetadata, build_attention_metadata
+from vllm.attention.backends.cpu_metadata_checks import check_metadata
 from vllm.attention.ops import cpu_kv_cache, cpu_paged_decode, cpu_paged_prefill
 from vllm.config import EngineConfig
 from vllm.model_executor.layers.linear import can_pack, pack_linear_weights
@@ -184,10 +185,12 @@ class CpuAttentionBackend(AttentionBackend):
         return self.fused_layers is not None and num_decodes == num_tokens <= self.fused_layers.max_tokens
 
     def build_metadata(self, batch: StepBatch) -> AttentionMetadata:
-        return build_attention_metadata(
+        metadata = build_attention_metadata(
             batch.spans, batch.num_decodes, batch.slot_mapping, self.block_size, self.heads_per_kv,
             self.sliding_window, self.pad_block, self.device, self.dtype, split_prefill=True,
             paged_decode=self.paged_decode, paged_prefill=self.paged_prefill)
+        check_metadata(metadata, self.pad_block + 1, self.block_size)  # the C kernels trust it
+        return metadata
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 key_cache: torch.Tensor, value_cache: torch.Tensor, metadata: AttentionMetadata,

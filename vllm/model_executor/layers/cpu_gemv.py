@@ -42,6 +42,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> to
     x = x.contiguous()
     (m, k), n = x.shape, weight.shape[0]
     assert weight.shape[1] == k
+    if bias is not None and bias.shape != (n,):  # the kernel reads n values of it
+        raise ValueError(f"bias of shape {tuple(bias.shape)} for a product of {n} outputs")
     y = x.new_empty(m, n)
     status = lib.gemv_bf16(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
                            y.data_ptr(), m, n, k)

@@ -78,6 +78,8 @@ def _call(kernel, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     x = x.contiguous()
     (m, k), n = x.shape, packed.shape[0]
     assert packed.shape[1] == k
+    if bias is not None and bias.shape != (n,):  # the kernel reads n values of it
+        raise ValueError(f"bias of shape {tuple(bias.shape)} for a product of {n} outputs")
     y = x.new_empty(m, columns)                                                # (M, columns)
     status = kernel(x.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(),
                     y.data_ptr(), m, n, k)

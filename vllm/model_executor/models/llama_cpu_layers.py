@@ -92,8 +92,12 @@ class FusedLayers:
         self._layers = []
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            for t in (attn.qkv_proj.weight, attn.o_proj.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight):
-                assert t.dtype == torch.bfloat16 and t.is_contiguous()
+            for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                assert linear.weight.dtype == torch.bfloat16 and linear.weight.is_contiguous()
+                # The C layer reads one bias value per output row of the weight.
+                if linear.bias is not None and linear.bias.shape != linear.weight.shape[:1]:
+                    raise ValueError(f"bias of shape {tuple(linear.bias.shape)} for a weight of "
+                                     f"shape {tuple(linear.weight.shape)}")
             self._layers.append(_Layer(
                 _address(layer.input_layernorm.weight), _address(attn.qkv_proj.weight),
                 _address(attn.qkv_proj.bias), _address(attn.o_proj.weight), _address(attn.o_proj.bias),
