@@ -4,6 +4,10 @@ Each kernel is one self-contained C file (no torch headers, so a build takes abo
 compiled with the system compiler into VLLM_CACHE_ROOT (default ~/.cache/vllm), once per
 source, compiler flags and CPU. Without a compiler, if the build fails, or with
 VLLM_CPU_C_KERNELS=0, `load_c_library` returns None and the caller keeps its torch path.
+
+VLLM_C_SANITIZE=address builds them with AddressSanitizer and UndefinedBehaviorSanitizer instead
+(into a cache directory of their own), for tests: the process must then start with the ASan
+runtime preloaded (LD_PRELOAD=$(cc -print-file-name=libasan.so)), and the first error aborts it.
 """
 
 import ctypes
@@ -33,13 +37,25 @@ def c_kernels_enabled() -> bool:
     return flag == "1"
 
 
-def _compile(compiler: str, source: Path, library: Path) -> str | None:
+_SANITIZE_FLAGS = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer",
+                   "-g", "-O1"]
+
+
+def sanitizer_flags() -> list[str]:
+    """Extra compiler flags that VLLM_C_SANITIZE asks for (none by default)."""
+    mode = os.environ.get("VLLM_C_SANITIZE", "")
+    if mode not in ("", "address"):
+        raise ValueError(f"VLLM_C_SANITIZE={mode!r} must be empty or 'address'")
+    return _SANITIZE_FLAGS if mode else []
+
+
+def _compile(compiler: str, source: Path, library: Path, flags: list[str]) -> str | None:
     """Builds `source` into `library`; returns the compiler's complaint if it fails."""
     library.parent.mkdir(parents=True, exist_ok=True)
     # Build beside the target, then rename: processes building at once never load a half file.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=library.parent)
     os.close(fd)
-    result = subprocess.run([compiler, *_FLAGS, str(source), "-o", tmp, "-lm"],
+    result = subprocess.run([compiler, *flags, str(source), "-o", tmp, "-lm"],
                             capture_output=True, text=True)
     if result.returncode != 0:
         os.unlink(tmp)
@@ -59,12 +75,13 @@ def load_c_library(source: Path, fallback: str) -> ctypes.CDLL | None:
     # Shared headers, and headers beside the source (a kernel split into parts), key the build.
     headers = sorted({*_INCLUDE.glob("*.h"), *source.parent.glob("*.h")})
     text = source.read_bytes() + b"".join(h.read_bytes() for h in headers)
-    build = " ".join([compiler, *_FLAGS, *sorted(cpu_flags())])
+    flags = _FLAGS + sanitizer_flags()  # the later -O wins
+    build = " ".join([compiler, *flags, *sorted(cpu_flags())])
     key = hashlib.sha256(text + build.encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("VLLM_CACHE_ROOT", Path.home() / ".cache" / "vllm")) / "kernels"
-    library = cache / f"{source.stem}_{key}.so"
+    cache = Path(os.environ.get("VLLM_CACHE_ROOT", Path.home() / ".cache" / "vllm"))
+    library = cache / ("kernels-sanitized" if sanitizer_flags() else "kernels") / f"{source.stem}_{key}.so"
     try:
-        error = None if library.exists() else _compile(compiler, source, library)
+        error = None if library.exists() else _compile(compiler, source, library, flags)
         lib = None if error else ctypes.CDLL(str(library))
     except OSError as e:  # cache not writable, library not loadable
         error = str(e)

@@ -1,0 +1,50 @@
+"""The kernel tests under AddressSanitizer and UndefinedBehaviorSanitizer.
+
+A subprocess builds the C kernels with VLLM_C_SANITIZE=address (vllm/platforms/c_build.py) and
+runs the tests that drive them: the kernels against their references, the attention kernels on
+model shapes, the whole-layer C path, and the step checks with every out-of-range value (which
+must be refused before a kernel touches memory). Any out-of-bounds access or undefined behaviour
+aborts the subprocess. Paths for an ISA this CPU lacks skip there as they do anywhere.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TESTS = ["tests/test_c_kernels.py", "tests/test_attention.py", "tests/test_step_checks.py",
+         "tests/test_fused_layers.py", "-k", "not test_fused_layers or llama"]  # the fused layers of one model
+
+
+def _asan_runtime(tmp_path: Path) -> str | None:
+    """The compiler's ASan runtime, if it can build a sanitized library at all; else None."""
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        return None
+    runtime = subprocess.run([compiler, "-print-file-name=libasan.so"], capture_output=True,
+                             text=True).stdout.strip()
+    source = tmp_path / "probe.c"
+    source.write_text("int probe(int *p, int i) { return p[i] << 1; }\n")
+    built = subprocess.run([compiler, "-fsanitize=address,undefined", "-shared", "-fPIC", str(source),
+                            "-o", str(tmp_path / "probe.so")], capture_output=True)
+    if built.returncode != 0 or not os.path.isabs(runtime) or not os.path.exists(runtime):
+        return None
+    return runtime
+
+
+def test_kernel_tests_pass_with_sanitized_kernels(tmp_path):
+    runtime = _asan_runtime(tmp_path)
+    if runtime is None:
+        pytest.skip("the C compiler cannot build with -fsanitize=address,undefined")
+    env = {**os.environ, "VLLM_C_SANITIZE": "address", "LD_PRELOAD": runtime,
+           # Python and torch keep memory until exit on purpose: leaks are not what is checked.
+           "ASAN_OPTIONS": "detect_leaks=0", "UBSAN_OPTIONS": "print_stacktrace=1"}
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *TESTS],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    report = result.stdout[-4000:] + result.stderr[-4000:]
+    assert result.returncode == 0, report
+    assert " passed" in result.stdout and "ERROR: AddressSanitizer" not in report, report
