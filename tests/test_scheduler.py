@@ -238,20 +238,21 @@ def test_preempted_request_goes_to_the_head_of_the_waiting_queue():
 
 
 def test_a_decode_preempts_a_newer_partial_prefill():
-    # 2 blocks of 8 tokens: a holds one, b's first chunk takes the other.
+    # 2 blocks of 8 tokens: a holds one; b's whole prompt fits in the other, so b is admitted,
+    # and its first chunk takes it.
     eng = FakeEngine(budget=4, max_num_seqs=2, max_model_len=16, num_blocks=2, block_size=8,
                      max_num_partial_prefills=2)
     a = eng.add("a", 7, max_tokens=5)
     assert calls(eng.step()) == [("a", 4, 0)]
     assert calls(eng.step()) == [("a", 3, 4)]
-    b = eng.add("b", 12, max_tokens=1)
+    b = eng.add("b", 8, max_tokens=1)
     assert calls(eng.step()) == [("a", 1, 7), ("b", 3, 0)]
     out = eng.step()  # a's position 8 needs a second block: b loses its chunk
     assert calls(out) == [("a", 1, 8)] and out.preempted_request_ids == ["b"]
     assert b.num_computed_tokens == 0 and eng.bm.block_table("b") == []
     eng.run()
     later = [c for o in eng.outputs[4:] for c in calls(o) if c[0] == "b"]
-    assert later == [("b", 4, 0), ("b", 4, 4), ("b", 4, 8)]  # a is done: b gets the whole budget
+    assert later == [("b", 4, 0), ("b", 4, 4)]  # a is done: b gets the whole budget
     assert a.status is b.status is SequenceStatus.FINISHED_LENGTH
 
 

@@ -45,6 +45,8 @@ class Scheduler:
         self._blocks_to_copy: list[tuple[int, int]] = []
         self._log = _StepLog()
         self.num_preemptions = 0
+        # Blocks kept free when admitting, for the running requests to grow into (vLLM's 1%).
+        self._watermark_blocks = block_manager.num_blocks // 100
 
     # ---------------------------------------------------------------- requests in and out
 
@@ -184,7 +186,7 @@ class Scheduler:
                and self._num_seats() + self.waiting[0].num_seats <= self.config.max_num_seqs):
             seq = self.waiting[0]
             chunk = self._chunk_size(seq, budget)
-            if not self.block_manager.can_grow(seq.request_id, chunk):
+            if not self.block_manager.can_grow(seq.request_id, chunk) or not self._has_room_for(seq):
                 break  # new requests never preempt running ones
             self._admit(seq)
             self.block_manager.grow(seq.request_id, chunk)
@@ -233,6 +235,16 @@ class Scheduler:
         if self.config.long_prefill_token_threshold > 0:
             chunk = min(chunk, self.config.long_prefill_token_threshold)
         return chunk
+
+    def _has_room_for(self, seq: Sequence) -> bool:
+        """Whether a waiting request may start: the blocks of all its known tokens fit, beside a
+        watermark, as in vLLM. Admitted on its first chunk's blocks alone, a long prompt would
+        take the blocks the running decodes grow into, and be preempted when they do, again
+        and again. With nothing running, any request that fits the cache may start."""
+        if not self.running:
+            return True
+        missing = self.block_manager.num_missing_blocks(seq.request_id, seq.num_tokens)
+        return missing + self._watermark_blocks <= self.block_manager.num_free_blocks
 
     def _reserve(self, seq: Sequence, num_tokens: int, scheduled_ids: set[str],
                  preempted: list[str]) -> bool:
@@ -286,7 +298,11 @@ class Scheduler:
         self._log.admitted.append(seq)
 
     def _preempt(self, seq: Sequence) -> None:
-        logger.debug("Preempting request %s by recompute", seq.request_id)
+        if self.num_preemptions % 50 == 0:  # the first, then every 50th, as vLLM does
+            logger.warning("Request %s is preempted (recomputed later): the KV cache is full. "
+                           "Preemptions cost throughput; a larger cache (kv_cache_memory_bytes) or "
+                           "fewer concurrent sequences (max_num_seqs) avoid them. Preemptions so "
+                           "far: %d", seq.request_id, self.num_preemptions + 1)
         self.running.remove(seq)
         self.block_manager.free(seq.request_id)
         seq.status = SequenceStatus.WAITING
