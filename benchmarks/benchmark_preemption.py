@@ -1,0 +1,84 @@
+"""Preemption in a tight KV cache: eight long requests where the cache holds two at a time.
+
+--num-prompts prompts of about --input-len random token ids each generate --output-len greedy
+tokens (ignore_eos) with block size 16 and a 256-token step budget, once in a cache of
+--tight-blocks blocks (130: two 864-token requests at a time) and once in one with room for all
+(--roomy-blocks). Reports, for each, the wall time of `LLM.generate` (after a warm-up call),
+preemptions (total and per request), steps and computed tokens, and whether the two runs' tokens
+are identical. The ratio of the wall times is the figure of interest: without thrash, the tight
+cache costs only the decodes it cannot batch.
+
+    python benchmarks/benchmark_preemption.py --save-result      # benchmarks/results/preemption.json
+    python benchmarks/benchmark_preemption.py --model /path/to/tiny --dtype float32
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import common  # noqa: E402
+
+
+def run(args: argparse.Namespace, num_blocks: int, prompts: list[dict]) -> tuple[dict, list]:
+    from vllm import SamplingParams
+
+    llm, _ = common.build_llm(args, block_size=16, max_num_batched_tokens=256,
+                              num_gpu_blocks_override=num_blocks)
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    llm.generate(prompts[:1], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
+    before = common.stats_snapshot(engine)
+    preemptions = engine.stats.num_preemptions
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    stats = common.stats_diff(before, common.stats_snapshot(engine))
+    preempted = engine.stats.num_preemptions - preemptions
+    result = {"num_blocks": num_blocks, "seconds": seconds, "preemptions": preempted,
+              "preemptions_per_request": preempted / len(prompts), **stats}
+    print(f"{num_blocks:5d} blocks: {seconds:7.2f} s, {preempted} preemptions, "
+          f"{stats.get('num_steps')} steps")
+    return result, [o.outputs[0].token_ids for o in outs]
+
+
+def main(args: argparse.Namespace) -> dict:
+    print(args)
+    common.apply_threads(args)
+    rng = random.Random(args.seed)
+    tokenizer = common.load_hf_tokenizer(args.model, args.tokenizer)
+    vocab, special = common.tokenizer_vocab(tokenizer)
+    prompts = [{"prompt_token_ids": common.random_token_ids(rng, args.input_len + rng.randrange(8), vocab, special)}
+               for _ in range(args.num_prompts)]
+    roomy, roomy_tokens = run(args, args.roomy_blocks, prompts)
+    tight, tight_tokens = run(args, args.tight_blocks, prompts)
+    results = {
+        "args": common.args_dict(args),
+        "machine": common.machine_info(),
+        "roomy": roomy,
+        "tight": tight,
+        "wall_time_ratio": tight["seconds"] / roomy["seconds"],
+        "outputs_identical": tight_tokens == roomy_tokens,
+    }
+    print(f"tight/roomy wall time: {results['wall_time_ratio']:.2f}x, preemptions per request "
+          f"{tight['preemptions_per_request']:.2f}, outputs identical: {results['outputs_identical']}")
+    common.save_results(results, args.output_json, args.save_result, "preemption")
+    return results
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    common.add_engine_args(parser)
+    parser.add_argument("--num-prompts", type=int, default=8)
+    parser.add_argument("--input-len", type=int, default=800, help="each prompt adds 0-7 tokens to it")
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--tight-blocks", type=int, default=130)
+    parser.add_argument("--roomy-blocks", type=int, default=1024)
+    parser.add_argument("--output-json", type=str, default=None)
+    parser.add_argument("--save-result", action="store_true")
+    main(parser.parse_args())
