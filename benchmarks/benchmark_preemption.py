@@ -28,8 +28,9 @@ import common  # noqa: E402
 def run(args: argparse.Namespace, num_blocks: int, prompts: list[dict]) -> tuple[dict, list]:
     from vllm import SamplingParams
 
+    # The cache must hold one request of max_model_len: 2048 fits the tight one's 2080 tokens.
     llm, _ = common.build_llm(args, block_size=16, max_num_batched_tokens=256,
-                              num_gpu_blocks_override=num_blocks)
+                              num_gpu_blocks_override=num_blocks, max_model_len=args.max_model_len or 2048)
     engine = llm.llm_engine
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate(prompts[:1], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
