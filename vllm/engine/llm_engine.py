@@ -54,7 +54,9 @@ class LLMEngine:
     engine is then dead and raises `EngineDeadError`, now and on every later call.
     """
 
+    # Failed steps a request may be in; the last one finishes it with the error.
     MAX_FAILED_STEPS = 2
+
     def __init__(self, config: EngineConfig, tokenizer, runner: HPUModelRunner) -> None:
         self.config = config
         self.tokenizer = tokenizer
@@ -63,7 +65,7 @@ class LLMEngine:
                                                                   config.cache.block_size))
         self.requests: dict[str, SequenceGroup] = {}  # by user request id
         self._seqs: dict[str, tuple[Sequence, SequenceGroup]] = {}  # by sample (scheduler) id
-        self._pending_outputs: list[RequestOutput] = []  # requests finished outside a step
+        self._pending_outputs: list[RequestOutput] = []  # for the caller of the next step()
         self.stats = EngineStats()
         self.eos_token_id = tokenizer.eos_token_id
         self._dead_error: BaseException | None = None
