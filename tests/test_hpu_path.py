@@ -102,9 +102,10 @@ def _audited_engine(hpu, lazy: bool, path: str, monkeypatch) -> tuple[LLM, Segme
         monkeypatch.setattr(HpuPlatform, "capture_region", lambda self, name, m: (
             audit.audited(capture_region(self, name, m)) if name == "logits" else capture_region(self, name, m)))
         monkeypatch.setattr(CacheEngine, "copy_blocks", audit.audited(CacheEngine.copy_blocks))
-    # A cache of 40 blocks of 16 for up to 8 sequences of up to 256 tokens forces preemption;
+    # A cache of 16 blocks of 16 for up to 8 sequences of up to 256 tokens forces preemption (a
+    # request starts when its prompt fits, and the running ones outgrow the rest);
     # two partial prefills give steps with several chunks.
-    llm = LLM(path, device="hpu", dtype="float32", max_model_len=256, block_size=16, num_gpu_blocks_override=40,
+    llm = LLM(path, device="hpu", dtype="float32", max_model_len=256, block_size=16, num_gpu_blocks_override=16,
               max_num_batched_tokens=64, max_num_seqs=8, max_num_partial_prefills=2, enforce_eager=False)
     return llm, audit
 
