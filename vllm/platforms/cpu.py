@@ -24,6 +24,13 @@ def cpu_has_amx_bf16() -> bool:
     return "amx_bf16" in cpu_flags()
 
 
+def cpu_has_native_bf16_dot() -> bool:
+    """Whether the CPU computes bf16 dot products natively: AMX tiles (Intel Sapphire Rapids and
+    later) or AVX512-BF16's dot-product instructions (AMD Zen 4/5, Intel Cooper Lake). oneDNN's
+    bf16 GEMMs run there at a multiple of the fp32 rate; elsewhere they convert to fp32 first."""
+    return bool({"amx_bf16", "avx512_bf16"} & cpu_flags())
+
+
 logger = logging.getLogger(__name__)
 
 # glibc mallopt parameters
@@ -74,9 +81,9 @@ class CpuPlatform(Platform):
 
     def __init__(self) -> None:
         super().__init__()
-        # bf16 runs on AMX/AVX512-bf16 tiles at several times the fp32 rate; without them fp32 is
-        # the safer default.
-        self.default_dtype = torch.bfloat16 if cpu_has_amx_bf16() else torch.float32
+        # dtype="auto": bf16 where the CPU has native bf16 dot products, fp32 elsewhere (AVX2-only
+        # CPUs emulate bf16 and gain nothing over fp32 but its rounding).
+        self.default_dtype = torch.bfloat16 if cpu_has_native_bf16_dot() else torch.float32
         keep_freed_memory_in_process()
 
     def attention_backend(self, config, sliding_window):
