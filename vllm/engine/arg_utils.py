@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 from vllm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, resolve_dtype
 from vllm.engine.cli_args import add_dataclass_args, arg, from_namespace
-from vllm.model_executor.model_loader import ModelSource, load_hf_config, resolve_model_source
+from vllm.model_executor.model_loader import (ModelSource, load_generation_config, load_hf_config,
+                                             resolve_model_source)
 from vllm.platforms import Platform
 
 logger = logging.getLogger(__name__)
@@ -66,6 +67,12 @@ class EngineArgs:
     max_model_len: int | None = arg(
         None, "longest prompt + output (default: the model's max_position_embeddings)")
     max_logprobs: int = arg(20, "largest logprobs / prompt_logprobs a request may ask for")
+    generation_config: str = arg(
+        "auto", "default sampling parameters: auto: the model's generation_config.json; vllm: "
+        "SamplingParams' own; or a directory holding the generation_config.json to use. The "
+        "config's EOS ids end generation in every case")
+    override_generation_config: dict = arg(
+        {}, "generation config fields over the loaded ones, e.g. '{\"temperature\": 0.5}'")
     quantization: str | None = arg(
         None, "weight quantization; only unquantized checkpoints are supported yet (GGUF files "
         "are dequantized when loaded)", aliases=["-q"])
@@ -152,6 +159,15 @@ class EngineArgs:
                         "kv_cache_memory_bytes (or VLLM_CPU_KVCACHE_SPACE GiB)",
                         self.gpu_memory_utilization, platform.device_type)
 
+    def _load_generation_config(self, source: ModelSource, hf_config) -> dict:
+        if self.generation_config in ("auto", "vllm"):
+            return load_generation_config(source.directory, hf_config)
+        directory = os.path.expanduser(self.generation_config)
+        if not os.path.isfile(os.path.join(directory, "generation_config.json")):
+            raise ValueError(f"generation_config={self.generation_config!r} is not 'auto', 'vllm' "
+                             "or a directory holding a generation_config.json")
+        return load_generation_config(directory, hf_config)
+
     def create_engine_config(self, platform: Platform) -> tuple[EngineConfig, ModelSource, ModelSource]:
         """Returns the config plus the model and tokenizer sources."""
         self._check_single_device()
@@ -186,7 +202,14 @@ class EngineArgs:
         model_config = ModelConfig(
             model=source.display_name, tokenizer=tokenizer_source.display_name, hf_config=hf_config,
             dtype=dtype, max_model_len=max_model_len, seed=self.seed, gguf_file=source.gguf_file,
-            max_logprobs=self.max_logprobs)
+            max_logprobs=self.max_logprobs, generation_config=self.generation_config,
+            generation_config_fields=self._load_generation_config(source, hf_config),
+            override_generation_config=dict(self.override_generation_config))
+        defaults = model_config.get_diff_sampling_param()
+        if defaults:
+            logger.info("Default sampling parameters from the model's generation config: %s "
+                        "(requests without SamplingParams use them; generation_config='vllm' "
+                        "keeps SamplingParams' defaults)", defaults)
         cache_config = CacheConfig(
             block_size=self.block_size,
             kv_cache_memory_bytes=self.kv_cache_memory_bytes or kv_cache_bytes_from_env(),

@@ -87,6 +87,10 @@ class LLMEngine:
                 raise ValueError(f"{name}={value} exceeds max_logprobs={max_logprobs} "
                                  "(an engine argument)")
         text, token_ids = parse_prompt(prompt, self.tokenizer)
+        if set(self.config.model.eos_token_ids) - {self.eos_token_id}:  # they stop it too
+            params = params.clone()
+            params.update_from_generation_config(self.config.model.generation_config_fields,
+                                                 self.eos_token_id)
         ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
         if request_id in self.requests or any(i in self._seqs for i in ids):
             raise ValueError(f"request_id {request_id!r} is already in use")

@@ -10,7 +10,8 @@ from vllm.model_executor.model_loader.hf_weights import iter_hf_weights
 from vllm.model_executor.model_loader.source import ModelSource, resolve_model_source
 from vllm.model_executor.models.registry import resolve_model_class
 
-__all__ = ["ModelSource", "resolve_model_source", "load_hf_config", "load_tokenizer", "load_model"]
+__all__ = ["ModelSource", "resolve_model_source", "load_hf_config", "load_generation_config",
+           "load_tokenizer", "load_model"]
 
 
 def load_hf_config(source: ModelSource):
@@ -20,6 +21,19 @@ def load_hf_config(source: ModelSource):
         return AutoConfig.from_pretrained(source.directory, **source.hf_kwargs())
     except (OSError, KeyError) as e:
         raise ValueError(f"cannot read the model config of {source.display_name}: {e}") from e
+
+
+def load_generation_config(directory: str, hf_config) -> dict:
+    """The values of `directory`'s generation_config.json that differ from transformers'
+    defaults; without that file, the generation fields of the model config (its EOS ids), as
+    transformers derives them."""
+    from transformers import GenerationConfig
+
+    try:
+        config = GenerationConfig.from_pretrained(directory, local_files_only=True)
+    except OSError:
+        config = GenerationConfig.from_model_config(hf_config)
+    return config.to_diff_dict()
 
 
 def load_tokenizer(source: ModelSource):
