@@ -55,13 +55,14 @@ class LLMEngine:
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
         platform = get_platform(args.device)
         config, source, tokenizer_source = args.create_engine_config(platform)
+        # Before the weights load: a cache that cannot hold one sequence fails at once.
+        config.cache.num_blocks = determine_num_blocks(config.model, config.cache)
         start = time.perf_counter()
         tokenizer = load_tokenizer(tokenizer_source)
         model = load_model(source, config.model.hf_config, config.model.dtype,
                            config.model.max_model_len, platform.device)
         logger.info("Loaded %s (%s) in %.1f s", source.display_name, config.model.dtype,
                     time.perf_counter() - start)
-        config.cache.num_blocks = determine_num_blocks(config.model, config.cache)
         runner = HPUModelRunner(config, platform, model, eos_token_id=tokenizer.eos_token_id)
         runner.warmup()
         return cls(config, tokenizer, runner)

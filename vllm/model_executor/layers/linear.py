@@ -74,10 +74,15 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch
 class Linear(nn.Linear):
     """`nn.Linear` that, after `pack()`, runs up to PACKED_MAX_ROWS rows on a packed weight copy."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
-        super().__init__(in_features, out_features, bias=bias)
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__(in_features, out_features, bias=bias, dtype=dtype)
         self.packed = False
         self.tiled: torch.Tensor | None = None  # the AMX tile copy of the weight, after pack()
+
+    def reset_parameters(self) -> None:
+        """Leaves the weights uninitialised: the model's load_weights writes every parameter, so
+        a random initialisation would be time spent for nothing."""
 
     def pack(self) -> None:
         assert can_pack(self.weight.dtype) and self.weight.device.type == "cpu"

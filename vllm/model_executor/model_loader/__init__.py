@@ -47,7 +47,8 @@ def load_tokenizer(source: ModelSource):
 
 def load_model(source: ModelSource, hf_config, dtype: torch.dtype, max_position: int,
                device: torch.device) -> nn.Module:
-    """Instantiates the model class for `hf_config` and fills it from the checkpoint."""
+    """Instantiates the model class for `hf_config` in `dtype` and fills it from the checkpoint,
+    one tensor at a time: host memory peaks at the model in `dtype` plus one checkpoint tensor."""
     model_class = resolve_model_class(hf_config)
     model = model_class(hf_config, max_position=max_position, dtype=dtype)
     if source.gguf_file:
