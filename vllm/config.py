@@ -54,6 +54,7 @@ class ModelConfig:
     seed: int = 0
     gguf_file: str | None = None  # set when `model` is a single .gguf file
     max_logprobs: int = 20  # largest `logprobs` / `prompt_logprobs` a request may ask for
+    trust_remote_code: bool = False  # transformers may run the checkpoint's own code
     # "auto": the model's generation_config.json gives the default sampling parameters; "vllm":
     # SamplingParams' own defaults; else the directory of the generation_config.json to use.
     generation_config: str = "auto"

@@ -100,7 +100,12 @@ class EngineArgs:
         None, f"sequences per step (default: {DEFAULT_MAX_NUM_SEQS}, or the token budget if "
         "smaller)")
     max_num_partial_prefills: int = arg(1, "prompts that may be partially prefilled at once")
+    max_long_partial_prefills: int = arg(
+        1, "of those, prompts longer than long_prefill_token_threshold (accepted; prompts are "
+        "admitted in arrival order, so shorter ones do not overtake long ones)")
     long_prefill_token_threshold: int = arg(0, "upper bound on one prefill chunk (0: none)")
+    disable_chunked_mm_input: bool = arg(
+        False, "keep multimodal items in one chunk (accepted; no multimodal model is supported)")
 
     # ---- parallelism (one device until the distributed executor exists)
     tensor_parallel_size: int = arg(1, "devices a layer is split across (1 only, for now)",
@@ -153,6 +158,11 @@ class EngineArgs:
         if self.swap_space != default["swap_space"]:
             logger.info("swap_space=%s does not apply: preempted requests are recomputed, never "
                         "swapped", self.swap_space)
+        if self.max_long_partial_prefills != default["max_long_partial_prefills"]:
+            logger.info("max_long_partial_prefills=%d does not apply: prompts start their "
+                        "prefill in arrival order, long or short", self.max_long_partial_prefills)
+        if self.disable_chunked_mm_input:
+            logger.info("disable_chunked_mm_input does not apply: no multimodal model is supported")
         if (self.gpu_memory_utilization != default["gpu_memory_utilization"]
                 and not platform.sizes_kv_cache_from_device_memory):
             logger.info("gpu_memory_utilization=%s does not apply on %s: the KV cache takes "
@@ -174,6 +184,9 @@ class EngineArgs:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1], "
                              f"got {self.gpu_memory_utilization}")
+        if not 1 <= self.max_long_partial_prefills <= self.max_num_partial_prefills:
+            raise ValueError(f"max_long_partial_prefills={self.max_long_partial_prefills} must be "
+                             f"in [1, max_num_partial_prefills={self.max_num_partial_prefills}]")
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
         self._log_settings_that_do_not_apply(platform)
@@ -202,7 +215,8 @@ class EngineArgs:
         model_config = ModelConfig(
             model=source.display_name, tokenizer=tokenizer_source.display_name, hf_config=hf_config,
             dtype=dtype, max_model_len=max_model_len, seed=self.seed, gguf_file=source.gguf_file,
-            max_logprobs=self.max_logprobs, generation_config=self.generation_config,
+            max_logprobs=self.max_logprobs, trust_remote_code=self.trust_remote_code,
+            generation_config=self.generation_config,
             generation_config_fields=self._load_generation_config(source, hf_config),
             override_generation_config=dict(self.override_generation_config))
         defaults = model_config.get_diff_sampling_param()
