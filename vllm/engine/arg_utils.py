@@ -212,6 +212,9 @@ class EngineArgs:
         budget = self.max_num_batched_tokens
         if budget is None:
             budget = DEFAULT_CHUNKED_BUDGET if self.enable_chunked_prefill else max(max_model_len, 2048)
+        logger.info("Using max model len %d", max_model_len)
+        if self.enable_chunked_prefill:
+            logger.info("Chunked prefill is enabled with max_num_batched_tokens=%d.", budget)
         model_config = ModelConfig(
             model=source.display_name, tokenizer=tokenizer_source.display_name, hf_config=hf_config,
             dtype=dtype, max_model_len=max_model_len, seed=self.seed, gguf_file=source.gguf_file,
