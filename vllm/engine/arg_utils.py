@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from vllm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, resolve_dtype
 from vllm.engine.cli_args import add_dataclass_args, arg, from_namespace
 from vllm.model_executor.model_loader import (ModelSource, load_generation_config, load_hf_config,
-                                             resolve_model_source)
+                                             model_weight_bytes, resolve_model_source)
 from vllm.platforms import Platform
 
 logger = logging.getLogger(__name__)
@@ -80,13 +80,15 @@ class EngineArgs:
     # ---- the KV cache
     block_size: int = arg(128, "tokens per KV cache block")
     gpu_memory_utilization: float = arg(
-        0.9, "fraction of device memory for weights, activations and KV cache (Gaudi); on CPU "
-        "the KV cache takes kv_cache_memory_bytes instead")
+        0.9, "fraction of device memory for weights, activations and KV cache; the KV cache gets "
+        "what the weights and memory already in use leave of it (Gaudi). On CPU the KV cache takes "
+        "kv_cache_memory_bytes instead")
     swap_space: float = arg(
         4, "GiB of host memory per device to swap out preempted requests' KV blocks; this engine "
         "preempts by recomputation and never swaps")
     kv_cache_memory_bytes: int | None = arg(
-        None, "bytes of KV cache over all layers (default: VLLM_CPU_KVCACHE_SPACE GiB, 2)")
+        None, "bytes of KV cache over all layers (default: from gpu_memory_utilization on Gaudi, "
+        "VLLM_CPU_KVCACHE_SPACE GiB (2) on CPU)")
     num_gpu_blocks_override: int | None = arg(None, "fixes the number of KV cache blocks")
 
     # ---- the scheduler
@@ -227,9 +229,14 @@ class EngineArgs:
             logger.info("Default sampling parameters from the model's generation config: %s "
                         "(requests without SamplingParams use them; generation_config='vllm' "
                         "keeps SamplingParams' defaults)", defaults)
+        kv_cache_bytes = self.kv_cache_memory_bytes
+        if kv_cache_bytes is None and self.num_gpu_blocks_override is None:
+            if platform.sizes_kv_cache_from_device_memory:
+                kv_cache_bytes = platform.kv_cache_budget(self.gpu_memory_utilization,
+                                                          model_weight_bytes(hf_config, dtype))
         cache_config = CacheConfig(
             block_size=self.block_size,
-            kv_cache_memory_bytes=self.kv_cache_memory_bytes or kv_cache_bytes_from_env(),
+            kv_cache_memory_bytes=kv_cache_bytes or kv_cache_bytes_from_env(),
             num_gpu_blocks_override=self.num_gpu_blocks_override)
         scheduler_config = SchedulerConfig(
             max_num_batched_tokens=budget,

@@ -44,6 +44,11 @@ class Platform:
     def device(self) -> torch.device:
         return torch.device(self.device_type)
 
+    def kv_cache_budget(self, gpu_memory_utilization: float, weight_bytes: int) -> int:
+        """Bytes for the KV cache when the user gives no kv_cache_memory_bytes, on platforms that
+        size it from device memory (`sizes_kv_cache_from_device_memory`)."""
+        raise NotImplementedError
+
     def synchronize(self) -> None:
         """Waits for queued device work (for timing)."""
 

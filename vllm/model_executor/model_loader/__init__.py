@@ -11,7 +11,7 @@ from vllm.model_executor.model_loader.source import ModelSource, resolve_model_s
 from vllm.model_executor.models.registry import resolve_model_class
 
 __all__ = ["ModelSource", "resolve_model_source", "load_hf_config", "load_generation_config",
-           "load_tokenizer", "load_model"]
+           "load_tokenizer", "load_model", "model_weight_bytes"]
 
 
 def load_hf_config(source: ModelSource):
@@ -43,6 +43,13 @@ def load_tokenizer(source: ModelSource):
         return AutoTokenizer.from_pretrained(source.directory, **source.hf_kwargs())
     except (OSError, ValueError) as e:
         raise ValueError(f"cannot load a tokenizer from {source.display_name}: {e}") from e
+
+
+def model_weight_bytes(hf_config, dtype: torch.dtype) -> int:
+    """Bytes of the model's parameters in `dtype`, counted on the meta device (nothing allocated)."""
+    with torch.device("meta"):
+        model = resolve_model_class(hf_config)(hf_config, max_position=1, dtype=dtype)
+    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 def load_model(source: ModelSource, hf_config, dtype: torch.dtype, max_position: int,
