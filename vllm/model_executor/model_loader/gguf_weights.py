@@ -58,7 +58,7 @@ def iter_gguf_weights(path: str, num_heads: int, num_kv_heads: int) -> Iterator[
         name = _hf_name(tensor.name)
         # GGUF lists dims fastest-first; numpy's shape is the reverse.
         shape = tuple(int(d) for d in reversed(tensor.shape))
-        weights = dequantize(tensor.data, tensor.tensor_type).reshape(shape).astype(np.float32, copy=False)
+        weights = dequantize(tensor.data, tensor.tensor_type).reshape(shape).astype(np.float32)
         if name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):
             weights = _unpermute_rope(weights, num_heads)
         elif name.endswith("k_proj.weight") or name.endswith("k_proj.bias"):
