@@ -1,9 +1,12 @@
 """The C path of a Llama model's decoder layers for bf16 steps on CPU (llama_cpu_layers.c).
 
-A batch-1 decode step on CPU is bound by reading the weights (~10 ms for SmolLM2 at ~25 GB/s),
-but run op by op its layers spend ~5 ms more between the GEMVs: norms, rotary, residual adds,
-the cache write and attention, each a dispatch. A prefill chunk's layers are mostly products,
-yet their ~15 torch and ctypes calls a layer still add up to a few ms a step. `FusedLayers`
+A batch-1 decode step on CPU is bound by reading the weights, but run op by op its layers
+also spend time between the GEMVs: norms, rotary, residual adds, the cache write and attention,
+each a dispatch and an allocation, which for a small model is of the order of the weight
+reading itself. A prefill chunk's layers are mostly products, yet their ~15 torch and ctypes
+calls a layer still add a fixed cost to every step. How close decodes come to the weight-reading
+bound is workload C's `C_fraction_of_memory_bandwidth` in benchmarks/results/workloads.json
+(`python benchmarks/benchmark_workloads.py --output-json benchmarks/results/workloads.json`). `FusedLayers`
 runs each layer as one C call instead, for a step of decodes, prefill chunks or both whose
 attention the C kernels take whole (no metadata groups) and whose rows the GEMV or the tile
 GEMM take (up to PACKED_MAX_ROWS). It uses the same kernels as the op-by-op path and rounds to
