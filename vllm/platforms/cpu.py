@@ -1,11 +1,11 @@
 import ctypes
 import ctypes.util
 import functools
-import logging
 import sys
 
 import torch
 
+from vllm.logger import init_logger
 from vllm.platforms.interface import Platform
 
 
@@ -24,7 +24,7 @@ def cpu_has_amx_bf16() -> bool:
     return "amx_bf16" in cpu_flags()
 
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 # glibc mallopt parameters
 _M_TRIM_THRESHOLD = -1
