@@ -42,7 +42,7 @@ _PROBE = textwrap.dedent("""
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
         tokens[dtype] = [list(o.outputs[0].token_ids) for o in outs]
     print(json.dumps({"gemv_rows": cpu_gemv.max_rows(), "tile_gemm_rows": cpu_tile_gemm.max_rows(),
-                      "paged_prefill": bool(cpu_paged_prefill._library()), "tokens": tokens}))
+                      "paged_prefill": cpu_paged_prefill.kernel_address() is not None, "tokens": tokens}))
 """)
 
 
