@@ -2,7 +2,8 @@
 
 The kernel reads each sequence's keys and values in place from the paged cache, so decodes
 need no block gather, no padding to the longest sequence and no mask. Where it cannot be
-built, or with VLLM_CPU_C_KERNELS=0, decodes take the gather + SDPA path in hpu_attn.py.
+built, or with VLLM_CPU_C_KERNELS=0, decodes take the gather + SDPA path in
+vllm/attention/backends/cpu_attn.py.
 """
 
 import ctypes

@@ -3,7 +3,7 @@
 Prefill chunks attend to their cached context and to their own keys in one pass that reads
 the paged cache in place. It takes bf16 with head_dim 64 and a block size that is a multiple
 of 16; elsewhere (and where it cannot be built, the CPU lacks AMX, or VLLM_CPU_C_KERNELS=0),
-prefills keep the gather + flash-attention path in hpu_attn.py.
+prefills keep the gather + flash-attention path in vllm/attention/backends/cpu_attn.py.
 """
 
 import ctypes
