@@ -26,10 +26,9 @@
  * and its tile work, one after the other, cost their sum. The step's softmax is therefore cut
  * into eight parts, and between them go eight pieces of tile work for the steps beside it: the
  * next step's two score tiles, the previous step's four value products (tile_work_part). The
- * AMX unit then multiplies while the vector units compute weights. SmolLM2's shapes (9 heads,
- * 3 KV heads), 512 queries after 1536 cached keys: 1.59-1.63 ms before, 1.17-1.27 after
- * (alternated), 1.06-1.16 with Q^T and the output rows through transposes in registers
- * (transpose_16x16); 4.4 ms for gathering the context and two flash-attention calls merged.
+ * AMX unit then multiplies while the vector units compute weights (whether the two overlap on
+ * a given CPU: benchmarks/benchmark_tile_load_overlap.py). Q^T and the output rows go through
+ * transposes in registers (transpose_16x16) rather than through memory.
  *
  * Layouts: query (num_tokens, num_heads, 64) with rows query_stride elements apart (q inside a
  * rotated q|k row), out (num_tokens, num_heads, 64) contiguous; caches (num_blocks, block_size,
@@ -76,9 +75,8 @@ struct task {
 /* V^T of keys [32 step, 32 step + 32) of one sequence, all KV heads: per head four tiles of
  * 16 dims x 32 keys; keys past num_keys are zero (their weights are zero, their cache rows
  * may hold anything). Each 32-bit gather takes a pair of dims of 16 keys (one block's
- * consecutive rows), and one permute of two such gathers makes each dim's row of 32 keys.
- * (Element by element, the packing took a fifth of the kernel at 248 queries after 1000 keys;
- * gathered, the kernel there takes 0.44-0.45 ms instead of 0.48-0.50.) */
+ * consecutive rows), and one permute of two such gathers makes each dim's row of 32 keys:
+ * packing element by element would be a sizeable share of the kernel for short chunks. */
 static void pack_values(const struct prefill *a, int64_t seq, int64_t step, int64_t num_keys,
                         uint16_t *vt) {
     const int64_t *table = a->block_tables + seq * a->max_blocks;
