@@ -229,18 +229,29 @@ def test_paged_decode_kernel_splits_long_sequences_over_threads(contexts, dtype,
 
 
 def _prefill_kernel_built() -> bool:
-    """The AMX prefill kernel must build wherever a C compiler and AMX are present."""
-    if shutil.which("cc") is None or "amx_bf16" not in cpu_flags():
+    """The prefill kernel must build wherever a C compiler and AVX512-BF16 are present."""
+    if shutil.which("cc") is None or not {"avx512_bf16", "avx512bw", "avx512dq"} <= cpu_flags():
         return False
     assert cpu_paged_prefill.is_available(torch.device("cpu"), torch.bfloat16, 9, 3, 64, 128)
     return True
 
 
-@pytest.mark.skipif(not _prefill_kernel_built(), reason="the prefill kernel needs a C compiler and AMX")
+@pytest.fixture(params=["amx", "avx512"])
+def prefill_copies(request):
+    """Prefills on the AMX copy where the CPU has AMX, and on the AVX512-BF16 copy that CPUs
+    without it take."""
+    if request.param == "amx" and not cpu_paged_prefill.use_amx(True):
+        pytest.skip("no AMX here")
+    cpu_paged_prefill.use_amx(request.param == "amx")
+    yield request.param
+    cpu_paged_prefill.use_amx(True)
+
+
+@pytest.mark.skipif(not _prefill_kernel_built(), reason="the prefill kernel needs a C compiler and AVX512-BF16")
 @pytest.mark.parametrize("block_size", [16, 128])
 @pytest.mark.parametrize("sliding_window", [None, 40])
 @pytest.mark.parametrize("heads", [(9, 3), (4, 4), (8, 1), (16, 2)], ids=lambda h: "q{}-kv{}".format(*h))
-def test_paged_prefill_kernel_matches_reference(block_size, sliding_window, heads):
+def test_paged_prefill_kernel_matches_reference(block_size, sliding_window, heads, prefill_copies):
     """A mixed step on both C kernels: two decodes, then chunks with and without context, of
     1-300 queries (partial 16-query blocks, steps of 32 keys cut by the diagonal and by the
     window), blocks in scrambled order, and bucket padding. Every cache slot that holds no key
