@@ -9,10 +9,10 @@
  *   O^T[d]  (16 queries) += sum over pairs j: P^T[j] . broadcast(V^T[d]'s keys 2j, 2j + 1)
  *
  * A step's 16 score rows or 16 output rows are the accumulators (16 of the 32 vector
- * registers), so each broadcast pair feeds one product and each Q^T or P^T row sixteen. The
- * values' products take the weights as bf16 pairs, as on AMX: one vdpbf16ps does the work of
- * two float32 FMAs (benchmarks/benchmark_prefill_attention.py compares both). O^T stays in
- * memory (4 KB, L1) between steps; the lazy softmax rescales it only when the maximum rises.
+ * registers), and each Q^T or P^T row feeds sixteen products. The values' products take the
+ * weights as bf16 pairs, as on AMX: one vdpbf16ps does the work of two float32 FMAs and, on
+ * the CPUs this copy is for, issues about as fast as one. O^T stays in memory (4 KB, L1)
+ * between steps; the lazy softmax rescales it only when the maximum rises.
  */
 #ifndef VLLM_CPU_PAGED_PREFILL_AVX512_H
 #define VLLM_CPU_PAGED_PREFILL_AVX512_H
