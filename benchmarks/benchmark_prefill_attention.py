@@ -13,17 +13,21 @@ the same run (torch.matmul 2048^3).
 """
 
 import argparse
+import os
 import statistics
 import sys
 import time
 
 import torch
 
-from benchmarks.common import machine_info, measure_matmul_flops, write_json
-from vllm.attention.backends.abstract import SeqSpan
-from vllm.attention.backends.cpu_attn import paged_attention
-from vllm.attention.backends.cpu_metadata import build_attention_metadata
-from vllm.attention.ops import cpu_paged_prefill
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [_HERE, os.path.dirname(_HERE)]  # common.py beside it, vllm of this checkout
+
+from common import machine_info, measure_matmul_flops, write_json  # noqa: E402
+from vllm.attention.backends.abstract import SeqSpan  # noqa: E402
+from vllm.attention.backends.cpu_attn import paged_attention  # noqa: E402
+from vllm.attention.backends.cpu_metadata import build_attention_metadata  # noqa: E402
+from vllm.attention.ops import cpu_paged_prefill  # noqa: E402
 
 HEAD_DIM = 64
 

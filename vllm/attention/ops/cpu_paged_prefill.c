@@ -203,22 +203,24 @@ static int attend_prefills(const struct prefill *a, int64_t num_seqs) {
     }
     const int64_t num_steps = first_step[num_seqs];
     int64_t *step_seq = malloc((size_t)(num_steps > 0 ? num_steps : 1) * sizeof *step_seq);
+    struct task *tasks = malloc((size_t)(num_tasks > 0 ? num_tasks : 1) * sizeof *tasks);
+    uint16_t *vt = aligned_alloc(64, (size_t)((num_steps > 0 ? num_steps : 1) * num_kv_heads * VT_STEP) * 2);
+    if (!step_seq || !tasks || !vt) {
+        free(first_step), free(step_seq), free(tasks), free(vt);
+        return 2;
+    }
     for (int64_t s = 0; s < num_seqs; ++s)
         for (int64_t i = first_step[s]; i < first_step[s + 1]; ++i) step_seq[i] = s;
-    struct task *tasks = malloc((size_t)(num_tasks > 0 ? num_tasks : 1) * sizeof *tasks);
     int64_t n = 0;
     for (int64_t s = 0; s < num_seqs; ++s)
         for (int64_t q0 = (query_lens[s] - 1) / QUERIES * QUERIES; q0 >= 0; q0 -= QUERIES)
             for (int64_t h = 0; h < num_heads; ++h) tasks[n++] = (struct task){s, h, q0};
-    uint16_t *vt = aligned_alloc(64, (size_t)((num_steps > 0 ? num_steps : 1) * num_kv_heads * VT_STEP) * 2);
-    if (!first_step || !step_seq || !tasks || !vt) {
-        free(first_step), free(step_seq), free(tasks), free(vt);
-        return 2;
-    }
-    int tiles = 0;
-    void (*attend_task)(const struct prefill *, const struct task *, const uint16_t *) = attend_task_avx512;
 #ifdef HAVE_PREFILL_AMX
-    if (amx_ready) tiles = 1, attend_task = attend_task_amx;
+    const int tiles = amx_ready;  /* then each thread configures its tiles, and releases them */
+    void (*attend_task)(const struct prefill *, const struct task *, const uint16_t *) =
+        tiles ? attend_task_amx : attend_task_avx512;
+#else
+    void (*attend_task)(const struct prefill *, const struct task *, const uint16_t *) = attend_task_avx512;
 #endif
     #pragma omp parallel
     {
@@ -238,7 +240,6 @@ static int attend_prefills(const struct prefill *a, int64_t num_seqs) {
         if (tiles) _tile_release();
 #endif
     }
-    (void)tiles;
     free(first_step), free(step_seq), free(tasks), free(vt);
     return 0;
 }
