@@ -79,5 +79,5 @@ def test_native_build_offers_what_the_cpu_has(tiny_checkpoints, tmp_path):
     result = _probe(path, tmp_path, None)
     assert (result["gemv_rows"] > 0) == ({"avx512_bf16", "avx512bw"} <= flags)
     assert (result["tile_gemm_rows"] > 0) == ("amx_bf16" in flags)
-    assert result["paged_prefill"] == ("amx_bf16" in flags)
+    assert result["paged_prefill"] == ({"avx512_bf16", "avx512bw", "avx512dq"} <= flags)
     _check_tokens(result, path)

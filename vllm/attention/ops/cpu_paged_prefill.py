@@ -1,9 +1,10 @@
-"""The C prefill-attention kernel on AMX tiles (cpu_paged_prefill.c), built on first use (vllm/platforms/c_build.py).
+"""The C prefill-attention kernel (cpu_paged_prefill.c), built on first use (vllm/platforms/c_build.py).
 
 Prefill chunks attend to their cached context and to their own keys in one pass that reads
-the paged cache in place. It takes bf16 with head_dim 64 and a block size that is a multiple
-of 16; elsewhere (and where it cannot be built, the CPU lacks AMX, or VLLM_CPU_C_KERNELS=0),
-prefills keep the gather + flash-attention path in vllm/attention/backends/cpu_attn.py.
+the paged cache in place, on AMX tiles where the CPU has them and on AVX512-BF16 dot products
+elsewhere. It takes bf16 with head_dim 64 and a block size that is a multiple of 16; elsewhere
+(and where it cannot be built, the CPU lacks AVX512-BF16, or VLLM_CPU_C_KERNELS=0), prefills
+keep the gather + flash-attention path in vllm/attention/backends/cpu_attn.py.
 """
 
 import ctypes
@@ -16,8 +17,9 @@ from vllm.platforms.c_library import CFunction, CLibrary
 _LIBRARY = CLibrary(
     Path(__file__).with_name("cpu_paged_prefill.c"), "prefills keep torch's flash attention",
     {"paged_prefill_bf16": CFunction([ctypes.c_void_p] * 8 + [ctypes.c_int64] * 8 + [ctypes.c_float]),
-     "paged_prefill_head_dim": CFunction([])},
-    supported="paged_prefill_supported")
+     "paged_prefill_head_dim": CFunction([]), "paged_prefill_use_amx": CFunction([ctypes.c_int])},
+    supported="paged_prefill_supported",
+    on_load=lambda lib: lib.paged_prefill_use_amx(1))  # AMX where the CPU and Linux allow it
 
 
 def is_available(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
@@ -27,6 +29,14 @@ def is_available(device: torch.device, dtype: torch.dtype, num_heads: int, num_k
         return False
     lib = _LIBRARY.get()
     return lib is not None and head_dim == lib.paged_prefill_head_dim()
+
+
+def use_amx(enabled: bool) -> bool:
+    """Lets prefills take the AMX copy (the default where it runs) or not, the AVX512-BF16 copy
+    that CPUs without AMX use (for tests and comparisons); returns whether AMX is now in use."""
+    lib = _LIBRARY.get()
+    assert lib is not None, "call is_available() first"
+    return bool(lib.paged_prefill_use_amx(int(enabled)))
 
 
 def paged_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
