@@ -89,7 +89,8 @@ def test_neutral_settings_are_accepted(tiny_checkpoints):
     assert config.disable_log_stats
 
 
-def test_settings_that_do_not_apply_on_cpu_are_logged(tiny_checkpoints, caplog):
+def test_settings_that_do_not_apply_on_cpu_are_logged(tiny_checkpoints, caplog, monkeypatch):
+    monkeypatch.setattr(logging.getLogger("vllm"), "propagate", True)  # to caplog's handler
     args = EngineArgs(model=tiny_checkpoints["llama"], gpu_memory_utilization=0.5, swap_space=8)
     with caplog.at_level(logging.INFO, logger="vllm.engine.arg_utils"):
         args.create_engine_config(CpuPlatform())

@@ -92,7 +92,8 @@ def test_seed_001_chunked_prefill_knobs(model):
     assert all(o.finished for o in outputs)
 
 
-def test_seed_003_server_engine_flags(model, caplog):
+def test_seed_003_server_engine_flags(model, caplog, monkeypatch):
+    monkeypatch.setattr(logging.getLogger("vllm"), "propagate", True)  # to caplog's handler
     parser = AsyncEngineArgs.add_cli_args(argparse.ArgumentParser())
     with caplog.at_level(logging.INFO):
         engine = AsyncLLMEngine.from_engine_args(AsyncEngineArgs.from_cli_args(

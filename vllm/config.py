@@ -4,11 +4,8 @@ User-facing values are checked here once, with a `ValueError` that names the fie
 the code asserts only its own invariants.
 """
 
-import logging
 from dataclasses import dataclass, field
 from typing import Any
-
-logger = logging.getLogger(__name__)
 
 # dtype names accepted from users -> torch attribute names. This module imports no torch, so
 # the scheduler (which reads SchedulerConfig) stays torch-free.

@@ -9,17 +9,17 @@ them back.
 
 import argparse
 import dataclasses
-import logging
 import os
 from dataclasses import dataclass
 
 from vllm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, resolve_dtype
 from vllm.engine.cli_args import add_dataclass_args, arg, from_namespace
+from vllm.logger import init_logger
 from vllm.model_executor.model_loader import (ModelSource, load_generation_config, load_hf_config,
                                              model_weight_bytes, resolve_model_source)
 from vllm.platforms import Platform
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 # Budget of a chunked step when none is given (the Gaudi fork's and vLLM V0's default).
 DEFAULT_CHUNKED_BUDGET = 512

@@ -24,7 +24,6 @@ def cpu_has_amx_bf16() -> bool:
     return "amx_bf16" in cpu_flags()
 
 
-<<<<<<< HEAD
 def cpu_has_native_bf16_dot() -> bool:
     """Whether the CPU computes bf16 dot products natively: AMX tiles (Intel Sapphire Rapids and
     later) or AVX512-BF16's dot-product instructions (AMD Zen 4/5, Intel Cooper Lake). oneDNN's
@@ -32,10 +31,7 @@ def cpu_has_native_bf16_dot() -> bool:
     return bool({"amx_bf16", "avx512_bf16"} & cpu_flags())
 
 
-logger = logging.getLogger(__name__)
-=======
 logger = init_logger(__name__)
->>>>>>> main
 
 # glibc mallopt parameters
 _M_TRIM_THRESHOLD = -1

