@@ -92,7 +92,9 @@ class AsyncLLMEngine:
                     return
         finally:
             if self._streams.get(request_id) is queue:  # still open: the consumer left early
-                await self.abort(request_id)
+                # Shielded: the abort must happen even if the consumer is cancelled again at
+                # this await (as under anyio's cancel scopes, which a server's disconnect uses).
+                await asyncio.shield(self.abort(request_id))
 
     async def abort(self, request_id: str) -> None:
         """Aborts the request between steps: its KV blocks are free when this returns."""

@@ -1,0 +1,177 @@
+"""The OpenAI-compatible HTTP server: a FastAPI app on one AsyncLLMEngine, served by uvicorn."""
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import os
+import signal
+import socket
+from argparse import Namespace
+from collections.abc import AsyncIterator, Awaitable
+from http import HTTPStatus
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+import vllm
+from vllm.engine.async_llm_engine import AsyncLLMEngine
+from vllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
+from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from vllm.entrypoints.openai.serving_engine import OpenAIServingError, error_response
+
+logger = logging.getLogger(__name__)
+
+
+def build_app(engine: AsyncLLMEngine, served_model_names: list[str], api_key: str | None = None) -> FastAPI:
+    """The app for `engine`; its lifespan shuts the engine down when the server stops."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        try:
+            yield
+        finally:
+            await engine.shutdown()
+
+    app = FastAPI(lifespan=lifespan)
+    app.state.engine = engine
+    completions = OpenAIServingCompletion(engine, served_model_names)
+    chat = OpenAIServingChat(engine, served_model_names)
+
+    if api_key:
+        @app.middleware("http")
+        async def check_api_key(request: Request, call_next):
+            if request.url.path.startswith("/v1") and not _has_key(request, api_key):
+                return _error(OpenAIServingError("Unauthorized: a valid API key is required",
+                                                 HTTPStatus.UNAUTHORIZED))
+            return await call_next(request)
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_request(_: Request, exc: RequestValidationError):
+        return _error(OpenAIServingError(_validation_message(exc), param=_validation_param(exc)))
+
+    @app.exception_handler(OpenAIServingError)
+    async def refused(_: Request, exc: OpenAIServingError):
+        return _error(exc)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=HTTPStatus.SERVICE_UNAVAILABLE if engine.errored else HTTPStatus.OK)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": vllm.__version__}
+
+    @app.get("/v1/models")
+    async def models():
+        return completions.show_models()
+
+    @app.post("/v1/completions")
+    async def create_completion(request: CompletionRequest, raw: Request):
+        return await _respond(raw, completions.create_completion(request))
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(request: ChatCompletionRequest, raw: Request):
+        return await _respond(raw, chat.create_chat_completion(request))
+
+    return app
+
+
+def _has_key(request: Request, api_key: str) -> bool:
+    given = request.headers.get("Authorization", "")
+    return hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode())
+
+
+def _error(exc: OpenAIServingError) -> JSONResponse:
+    return JSONResponse(exc.response().model_dump(), status_code=exc.status)
+
+
+def _validation_param(exc: RequestValidationError) -> str | None:
+    errors = exc.errors()
+    loc = [str(part) for part in errors[0].get("loc", ()) if part != "body"] if errors else []
+    return ".".join(loc) or None
+
+
+def _validation_message(exc: RequestValidationError) -> str:
+    """One line per problem, naming the field (pydantic's `loc` without the leading "body")."""
+    lines = []
+    for error in exc.errors():
+        loc = ".".join(str(part) for part in error.get("loc", ()) if part != "body")
+        message = error.get("msg", "invalid value").removeprefix("Value error, ")
+        lines.append(f"{loc}: {message}" if loc else message)
+    return "; ".join(lines) or "invalid request"
+
+
+async def _respond(raw: Request, handler: Awaitable) -> Response:
+    """Runs the handler until it has a response; a client that disconnects first cancels it, which
+    aborts its engine requests. A streamed response then stops on disconnect by itself (Starlette
+    cancels the stream, and closing the stream aborts the request)."""
+    task = asyncio.ensure_future(handler)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(raw))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        return Response(status_code=499)  # the client is gone: nobody reads this
+    result = task.result()  # raises OpenAIServingError for a refused request
+    if isinstance(result, AsyncIterator):
+        return StreamingResponse(result, media_type="text/event-stream")
+    return JSONResponse(result.model_dump())
+
+
+async def _wait_for_disconnect(raw: Request) -> None:
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
+
+
+# ---------------------------------------------------------------- running it
+
+async def serve_http(app: FastAPI, sock: socket.socket, log_level: str = "info",
+                     shutdown_timeout: float | None = None) -> None:
+    """Serves until SIGINT or SIGTERM, then stops accepting, lets in-flight requests finish for up
+    to `shutdown_timeout` seconds (aborting the rest), shuts the engine down and returns."""
+    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout,
+                            timeout_keep_alive=5)
+    server = uvicorn.Server(config)
+    # uvicorn handles the signals while it serves, then re-raises them to the handlers that were
+    # in place before, so that those run after its graceful shutdown. These mark the shutdown as
+    # asked for, so the process ends normally (exit status 0) instead of dying of the signal.
+    previous = {sig: signal.signal(sig, _log_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _log_signal(sig: int, _frame) -> None:
+    logger.info("Shut down on %s", signal.Signals(sig).name)
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before the engine loads, so a taken port fails fast."""
+    family = socket.AF_INET6 if host and ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host or "0.0.0.0", port))
+    sock.set_inheritable(True)
+    return sock
+
+
+async def run_server(args: Namespace, engine_args) -> None:
+    """`vllm serve`: binds the port, loads the engine, serves until a signal."""
+    sock = bind_socket(args.host, args.port)
+    engine = AsyncLLMEngine.from_engine_args(engine_args)
+    names = args.served_model_name or [engine_args.model or engine.engine.config.model.model]
+    api_key = args.api_key or os.environ.get("VLLM_API_KEY")
+    app = build_app(engine, names, api_key=api_key)
+    host, port = sock.getsockname()[:2]
+    logger.info("Serving %s on http://%s:%d", ", ".join(names), host, port)
+    await serve_http(app, sock, log_level=args.uvicorn_log_level, shutdown_timeout=args.shutdown_timeout)
