@@ -171,7 +171,7 @@ def test_a_bad_request_does_not_disturb_others(client, server, llm):
 
 
 def test_api_key(engine):
-    with ServerThread(build_app(engine, [MODEL], api_key="secret")) as server:
+    with ServerThread(build_app(engine, [MODEL], api_key="secret", log_stats=False)) as server:
         body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
         assert httpx2.post(f"{server.url}/v1/completions", json=body).status_code == 401
         wrong = httpx2.post(f"{server.url}/v1/completions", json=body, headers={"Authorization": "Bearer no"})

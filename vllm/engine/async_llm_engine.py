@@ -123,6 +123,14 @@ class AsyncLLMEngine:
         self._has_work.set()
         return queue
 
+    async def do_log_stats(self) -> None:
+        """Hands the engine's stat loggers its state now, between two steps."""
+        if self._lock is None or self._loop is not asyncio.get_running_loop():
+            self.engine.do_log_stats()  # no loop of ours: no step is running
+            return
+        async with self._lock:
+            self.engine.do_log_stats()
+
     # ---------------------------------------------------------------- the loop
 
     def _check_alive(self) -> None:

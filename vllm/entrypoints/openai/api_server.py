@@ -12,12 +12,14 @@ from collections.abc import AsyncIterator, Awaitable
 from http import HTTPStatus
 
 import uvicorn
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 import vllm
 from vllm.engine.async_llm_engine import AsyncLLMEngine
+from vllm.engine.metrics import LoggingStatLogger, PrometheusStatLogger, log_interval_from_env
 from vllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -26,15 +28,31 @@ from vllm.entrypoints.openai.serving_engine import OpenAIServingError, error_res
 logger = logging.getLogger(__name__)
 
 
-def build_app(engine: AsyncLLMEngine, served_model_names: list[str], api_key: str | None = None) -> FastAPI:
-    """The app for `engine`; its lifespan shuts the engine down when the server stops."""
+def build_app(engine: AsyncLLMEngine, served_model_names: list[str], api_key: str | None = None,
+              log_stats: bool = True) -> FastAPI:
+    """The app for `engine`. While it serves, the engine reports to the periodic log line and to
+    /metrics (unless not `log_stats`); when it stops, the engine is shut down."""
+    registry = CollectorRegistry()
+    config = engine.engine.config
+    loggers = {} if not log_stats else {
+        "logging": LoggingStatLogger(log_interval_from_env()),
+        "prometheus": PrometheusStatLogger(registry, served_model_names[0], config.model.max_model_len,
+                                           config.scheduler.max_num_batched_tokens)}
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
+        for name, stat_logger in loggers.items():
+            engine.engine.add_logger(name, stat_logger)
+        # The log line also comes while no step runs (an idle or stuck engine shows in the log).
+        ticker = asyncio.create_task(_log_stats_periodically(engine)) if loggers else None
         try:
             yield
         finally:
+            if ticker is not None:
+                ticker.cancel()
             await engine.shutdown()
+            for name in loggers:
+                engine.engine.remove_logger(name)
 
     app = FastAPI(lifespan=lifespan)
     app.state.engine = engine
@@ -65,6 +83,11 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str], api_key: st
     async def version() -> dict:
         return {"version": vllm.__version__}
 
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        await engine.do_log_stats()  # gauges as of now, not as of the last step
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
     @app.get("/v1/models")
     async def models():
         return completions.show_models()
@@ -78,6 +101,13 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str], api_key: st
         return await _respond(raw, chat.create_chat_completion(request))
 
     return app
+
+
+async def _log_stats_periodically(engine: AsyncLLMEngine) -> None:
+    interval = log_interval_from_env()
+    while True:
+        await asyncio.sleep(interval)
+        await engine.do_log_stats()
 
 
 def _has_key(request: Request, api_key: str) -> bool:
