@@ -135,3 +135,4 @@ class EngineConfig:
     scheduler: SchedulerConfig
     device: str = "cpu"
     enforce_eager: bool = True
+    disable_log_stats: bool = False  # read by the server's periodic statistics

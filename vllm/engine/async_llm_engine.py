@@ -12,9 +12,6 @@ from vllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-# vLLM's name for the engine arguments of the async engine; here they are the same knobs.
-AsyncEngineArgs = EngineArgs
-
 # Put in a stream to end it without an output (the request was aborted).
 _END_OF_STREAM = None
 
@@ -40,8 +37,9 @@ class AsyncLLMEngine:
     - A stream ends after its finished output, after an abort, or with the loop's error.
     """
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, log_requests: bool = False) -> None:
         self.engine = engine
+        self.log_requests = log_requests
         self._streams: dict[str, asyncio.Queue[StreamItem]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lock: asyncio.Lock | None = None
@@ -52,7 +50,8 @@ class AsyncLLMEngine:
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> "AsyncLLMEngine":
-        return cls(LLMEngine.from_engine_args(engine_args))
+        return cls(LLMEngine.from_engine_args(engine_args),
+                   log_requests=getattr(engine_args, "enable_log_requests", False))
 
     @property
     def is_running(self) -> bool:
@@ -118,6 +117,8 @@ class AsyncLLMEngine:
             if request_id in self._streams:
                 raise ValueError(f"request_id {request_id!r} is already in use")
             self.engine.add_request(request_id, prompt, params)  # raises ValueError on bad input
+            if self.log_requests:
+                logger.info("Added request %s: %s", request_id, params)
             queue: asyncio.Queue[StreamItem] = asyncio.Queue()
             self._streams[request_id] = queue
         self._has_work.set()

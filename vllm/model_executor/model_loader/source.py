@@ -14,6 +14,7 @@ class ModelSource:
 
     directory: str
     gguf_file: str | None = None
+    trust_remote_code: bool = False  # let transformers run the checkpoint's own code
 
     @property
     def display_name(self) -> str:
@@ -21,7 +22,7 @@ class ModelSource:
 
     def hf_kwargs(self) -> dict:
         """Keyword arguments for transformers' `from_pretrained` that load this source offline."""
-        kwargs: dict = {"local_files_only": True}
+        kwargs: dict = {"local_files_only": True, "trust_remote_code": self.trust_remote_code}
         if self.gguf_file:
             kwargs["gguf_file"] = self.gguf_file
         return kwargs
@@ -42,16 +43,17 @@ def default_model_path() -> str:
     return path
 
 
-def resolve_model_source(model: str | None) -> ModelSource:
+def resolve_model_source(model: str | None, *, trust_remote_code: bool = False) -> ModelSource:
     path = default_model_path() if model is None else os.path.expanduser(model)
     if os.path.isfile(path):
         if not path.endswith(".gguf"):
             raise ValueError(f"model={model!r} is a file but not a .gguf file")
-        return ModelSource(os.path.dirname(os.path.abspath(path)), os.path.basename(path))
+        return ModelSource(os.path.dirname(os.path.abspath(path)), os.path.basename(path),
+                           trust_remote_code)
     if os.path.isdir(path):
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise ValueError(f"model directory {path!r} has no config.json (is it a Hugging Face checkpoint?)")
-        return ModelSource(os.path.abspath(path))
+        return ModelSource(os.path.abspath(path), trust_remote_code=trust_remote_code)
     raise ValueError(
         f"model={model!r} is neither a local Hugging Face directory nor a .gguf file "
         "(this engine never downloads from a hub)")
