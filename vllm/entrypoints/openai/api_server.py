@@ -18,12 +18,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 import vllm
-from vllm.engine.async_llm_engine import AsyncLLMEngine
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.engine.async_llm_engine import AsyncEngineDeadError, AsyncLLMEngine
 from vllm.engine.metrics import LoggingStatLogger, PrometheusStatLogger, log_interval_from_env
 from vllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from vllm.entrypoints.openai.serving_engine import OpenAIServingError, error_response
+from vllm.entrypoints.openai.serving_engine import SSE_DONE, OpenAIServingError, error_response, sse
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +75,10 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str], api_key: st
     @app.exception_handler(OpenAIServingError)
     async def refused(_: Request, exc: OpenAIServingError):
         return _error(exc)
+
+    @app.exception_handler(AsyncEngineDeadError)
+    async def engine_dead(_: Request, exc: AsyncEngineDeadError):
+        return _error(OpenAIServingError(str(exc), HTTPStatus.SERVICE_UNAVAILABLE))
 
     @app.get("/health")
     async def health() -> Response:
@@ -152,8 +157,20 @@ async def _respond(raw: Request, handler: Awaitable) -> Response:
         return Response(status_code=499)  # the client is gone: nobody reads this
     result = task.result()  # raises OpenAIServingError for a refused request
     if isinstance(result, AsyncIterator):
-        return StreamingResponse(result, media_type="text/event-stream")
+        return StreamingResponse(_events_or_error(result), media_type="text/event-stream")
     return JSONResponse(result.model_dump())
+
+
+async def _events_or_error(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """The stream's events; a failure once the stream has started (the engine died or was shut
+    down) ends it with an error event, as vLLM's server does."""
+    try:
+        async for event in events:
+            yield event
+    except (AsyncEngineDeadError, OpenAIServingError) as e:
+        status = getattr(e, "status", HTTPStatus.SERVICE_UNAVAILABLE)
+        yield sse(error_response(str(e), status))
+        yield SSE_DONE
 
 
 async def _wait_for_disconnect(raw: Request) -> None:
@@ -167,9 +184,13 @@ async def serve_http(app: FastAPI, sock: socket.socket, log_level: str = "info",
                      shutdown_timeout: float | None = None) -> None:
     """Serves until SIGINT or SIGTERM, then stops accepting, lets in-flight requests finish for up
     to `shutdown_timeout` seconds (aborting the rest), shuts the engine down and returns."""
-    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout,
-                            timeout_keep_alive=5)
+    # uvicorn would cancel the requests still running at its timeout (and log each as a failed
+    # request); instead the engine ends them at ours, with an error the clients see.
+    config = uvicorn.Config(app, log_level=log_level, timeout_keep_alive=5,
+                            timeout_graceful_shutdown=None if shutdown_timeout is None else shutdown_timeout + 5)
     server = uvicorn.Server(config)
+    deadline = None if shutdown_timeout is None else asyncio.create_task(
+        _abort_after(server, app.state.engine, shutdown_timeout))
     # uvicorn handles the signals while it serves, then re-raises them to the handlers that were
     # in place before, so that those run after its graceful shutdown. These mark the shutdown as
     # asked for, so the process ends normally (exit status 0) instead of dying of the signal.
@@ -177,8 +198,22 @@ async def serve_http(app: FastAPI, sock: socket.socket, log_level: str = "info",
     try:
         await server.serve(sockets=[sock])
     finally:
+        if deadline is not None:
+            deadline.cancel()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+async def _abort_after(server: uvicorn.Server, engine: AsyncLLMEngine, timeout_s: float) -> None:
+    """Once the server is asked to exit, gives in-flight requests `timeout_s` seconds, then shuts
+    the engine down, which ends the streams still open with an error."""
+    while not server.should_exit:
+        await asyncio.sleep(0.1)
+    await asyncio.sleep(timeout_s)
+    if engine.num_unfinished_requests:
+        logger.warning("Aborting %d request(s) still running %.1f s after the shutdown signal",
+                       engine.num_unfinished_requests, timeout_s)
+    await engine.shutdown()
 
 
 def _log_signal(sig: int, _frame) -> None:
@@ -195,13 +230,14 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def run_server(args: Namespace, engine_args) -> None:
+async def run_server(args: Namespace, engine_args: AsyncEngineArgs) -> None:
     """`vllm serve`: binds the port, loads the engine, serves until a signal."""
     sock = bind_socket(args.host, args.port)
     engine = AsyncLLMEngine.from_engine_args(engine_args)
-    names = args.served_model_name or [engine_args.model or engine.engine.config.model.model]
+    config = engine.engine.config
+    names = args.served_model_name or [engine_args.model or config.model.model]
     api_key = args.api_key or os.environ.get("VLLM_API_KEY")
-    app = build_app(engine, names, api_key=api_key)
+    app = build_app(engine, names, api_key=api_key, log_stats=not config.disable_log_stats)
     host, port = sock.getsockname()[:2]
     logger.info("Serving %s on http://%s:%d", ", ".join(names), host, port)
     await serve_http(app, sock, log_level=args.uvicorn_log_level, shutdown_timeout=args.shutdown_timeout)
