@@ -12,7 +12,7 @@ from vllm.core.scheduler import Scheduler
 from vllm.core.scheduler_output import SchedulerOutput
 from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.detokenizer import detokenize_incrementally
-from vllm.engine.metrics_types import FinishedRequestStats, IterationStats, StatLoggerBase, Stats
+from vllm.engine.metrics_types import IterationStats, StatLoggerBase, Stats
 from vllm.inputs import PromptType, parse_prompt
 from vllm.logprobs import Logprob
 from vllm.model_executor.layers.logprobs import TokenLogprobs
@@ -112,7 +112,8 @@ class LLMEngine:
                 seq.status, seq.error = seqs[0].status, seqs[0].error
                 seq.metrics.finished_time = time.monotonic()
             self._pending_outputs.append(self._make_output(group))
-            self._record_finished(group)
+            if self.stat_loggers:
+                self._iteration.record_finished(group)
             return
         self.requests[request_id] = group
         self._seqs.update((seq.request_id, (seq, group)) for seq in seqs)
@@ -170,7 +171,11 @@ class LLMEngine:
 
     def _append_token(self, seq: Sequence, sid: str, result: ModelRunnerOutput) -> None:
         now = time.monotonic()
-        self._record_token(seq, now)
+        if self.stat_loggers:
+            self._iteration.record_token(seq, now)
+        if seq.metrics.first_token_time is None:
+            seq.metrics.first_token_time = now
+        seq.metrics.last_token_time = now
         token = result.sampled_token_ids[sid]
         seq.output_token_ids.append(token)
         entry = result.logprobs.get(sid)
@@ -254,8 +259,8 @@ class LLMEngine:
 
     def _forget(self, group: SequenceGroup) -> None:
         """The request leaves the engine (finished or aborted)."""
-        if self.requests.pop(group.request_id, None) is not None:
-            self._record_finished(group)
+        if self.requests.pop(group.request_id, None) is not None and self.stat_loggers:
+            self._iteration.record_finished(group)
         for seq in group.seqs:
             self._seqs.pop(seq.request_id, None)
 
@@ -267,9 +272,7 @@ class LLMEngine:
         s.num_mixed_steps += int(0 < step.num_decodes < len(step.scheduled))
         s.num_preemptions += len(step.preempted_request_ids)
         if self.stat_loggers:
-            self._iteration.step_num_tokens.append(step.num_batched_tokens)
-            self._iteration.prefill_chunk_tokens.extend(
-                scheduled.num_tokens for scheduled in step.scheduled[step.num_decodes:])
+            self._iteration.record_step(step)
 
     # ---------------------------------------------------------------- stats for the loggers
 
@@ -301,35 +304,6 @@ class LLMEngine:
         self._logged_stats = dataclasses.replace(self.stats)
         for stat_logger in self.stat_loggers.values():
             stat_logger.log(stats)
-
-    def _record_token(self, seq: Sequence, now: float) -> None:
-        metrics = seq.metrics
-        if metrics.first_token_time is None:
-            metrics.first_token_time = now
-            if self.stat_loggers and seq.index == 0:  # once per request, not per sample
-                self._iteration.time_to_first_tokens.append(now - metrics.arrival_time)
-                self._iteration.num_prompt_tokens += seq.num_prompt_tokens
-        elif self.stat_loggers:
-            self._iteration.inter_token_latencies.append(now - metrics.last_token_time)
-        metrics.last_token_time = now
-        if self.stat_loggers:
-            self._iteration.num_generation_tokens += 1
-
-    def _record_finished(self, group: SequenceGroup) -> None:
-        if not self.stat_loggers:
-            return
-        first, now = group.first, time.monotonic()
-        m = first.metrics
-        finished = m.finished_time or now
-        self._iteration.finished_requests.append(FinishedRequestStats(
-            finish_reason=first.status.finish_reason or "abort",
-            num_prompt_tokens=first.num_prompt_tokens,
-            num_generation_tokens=sum(len(seq.output_token_ids) for seq in group.seqs),
-            e2e_latency=finished - m.arrival_time,
-            queue_time=None if m.first_scheduled_time is None else m.first_scheduled_time - m.arrival_time,
-            prefill_time=(None if m.first_token_time is None or m.first_scheduled_time is None
-                          else m.first_token_time - m.first_scheduled_time),
-            decode_time=None if m.first_token_time is None else finished - m.first_token_time))
 
 
 def _sample_params(params: SamplingParams, index: int) -> SamplingParams:

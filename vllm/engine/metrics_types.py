@@ -1,8 +1,12 @@
 """What the engine reports to its stat loggers (the log line, Prometheus): one `Stats` per call of
 `LLMEngine.do_log_stats`, holding the state now and what happened since the previous call."""
 
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+
+from vllm.core.scheduler_output import SchedulerOutput
+from vllm.sequence import Sequence, SequenceGroup
 
 
 @dataclass
@@ -20,7 +24,8 @@ class FinishedRequestStats:
 
 @dataclass
 class IterationStats:
-    """Events since the previous `Stats`: the engine appends to it as they happen."""
+    """Events since the previous `Stats`: the engine records them as they happen (only while a
+    stat logger is attached)."""
 
     num_prompt_tokens: int = 0  # prompts whose first token came (counted once, even if recomputed)
     num_generation_tokens: int = 0
@@ -29,6 +34,35 @@ class IterationStats:
     time_to_first_tokens: list[float] = field(default_factory=list)
     inter_token_latencies: list[float] = field(default_factory=list)
     finished_requests: list[FinishedRequestStats] = field(default_factory=list)
+
+    def record_step(self, step: SchedulerOutput) -> None:
+        self.step_num_tokens.append(step.num_batched_tokens)
+        self.prefill_chunk_tokens.extend(s.num_tokens for s in step.scheduled[step.num_decodes:])
+
+    def record_token(self, seq: Sequence, now: float) -> None:
+        """A token for `seq` at `now`, before its metrics take the time in."""
+        self.num_generation_tokens += 1
+        metrics = seq.metrics
+        if metrics.first_token_time is None:
+            if seq.index == 0:  # once per request, not per sample
+                self.time_to_first_tokens.append(now - metrics.arrival_time)
+                self.num_prompt_tokens += seq.num_prompt_tokens
+        else:
+            self.inter_token_latencies.append(now - metrics.last_token_time)
+
+    def record_finished(self, group: SequenceGroup) -> None:
+        first = group.first
+        m = first.metrics
+        finished = m.finished_time or time.monotonic()
+        self.finished_requests.append(FinishedRequestStats(
+            finish_reason=first.status.finish_reason or "abort",
+            num_prompt_tokens=first.num_prompt_tokens,
+            num_generation_tokens=sum(len(seq.output_token_ids) for seq in group.seqs),
+            e2e_latency=finished - m.arrival_time,
+            queue_time=None if m.first_scheduled_time is None else m.first_scheduled_time - m.arrival_time,
+            prefill_time=(None if m.first_token_time is None or m.first_scheduled_time is None
+                          else m.first_token_time - m.first_scheduled_time),
+            decode_time=None if m.first_token_time is None else finished - m.first_token_time))
 
 
 @dataclass
