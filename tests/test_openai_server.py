@@ -108,9 +108,13 @@ def test_n_seed_logprobs_and_stop(client, llm):
                                           max_tokens=5, temperature=0, logprobs=True, top_logprobs=2)
     content = chat.choices[0].logprobs.content
     assert len(content) == chat.usage.completion_tokens and all(len(c.top_logprobs) == 2 for c in content)
-    # A stop string that the stream must not leak even when split over tokens.
-    full = llm.generate(PROMPTS[2], SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)[0].outputs[0].text
-    stop = full[5:9]
+    # A stop string split over two tokens: the stream must not send its first part early.
+    ref = llm.generate(PROMPTS[2], SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)[0].outputs[0]
+    full, tok = ref.text, llm.get_tokenizer()
+    ends = [len(tok.decode(ref.token_ids[:j], skip_special_tokens=True)) for j in range(1, 20)]
+    end = next(e for a, e, b in zip(ends, ends[1:], ends[2:]) if e - a >= 2 and b - e >= 2 and e >= 4)
+    stop = full[end - 2:end + 2]
+    assert full.index(stop) == end - 2
     streamed = "".join(c.choices[0].text for c in client.completions.create(
         model=MODEL, prompt=PROMPTS[2], max_tokens=20, temperature=0, stop=[stop], stream=True))
     assert streamed == full[:full.index(stop)]
@@ -137,6 +141,7 @@ def test_models_health_version(server):
     ({"model": "gpt-4", "prompt": "hi"}, 404, ["gpt-4", "does not exist"]),
     ({"model": MODEL, "prompt": "hi " * 300}, 400, ["256", "301"]),  # prompt over max_model_len
     ({"model": MODEL, "prompt": "hi", "max_tokens": 300}, 400, ["256", "300"]),
+    ({"model": MODEL, "prompt": "hi", "logprobs": 50}, 400, ["logprobs=50", "max_logprobs"]),  # the engine's check
 ])
 def test_bad_completion_requests(server, engine, body, status, words):
     kwargs = {"content": body, "headers": {"Content-Type": "application/json"}} if isinstance(body, str) \

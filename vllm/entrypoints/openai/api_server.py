@@ -126,7 +126,9 @@ def _error(exc: OpenAIServingError) -> JSONResponse:
 
 def _validation_param(exc: RequestValidationError) -> str | None:
     errors = exc.errors()
-    loc = [str(part) for part in errors[0].get("loc", ()) if part != "body"] if errors else []
+    if not errors or errors[0].get("type") == "json_invalid":
+        return None
+    loc = [str(part) for part in errors[0].get("loc", ()) if part != "body"]
     return ".".join(loc) or None
 
 
@@ -134,6 +136,9 @@ def _validation_message(exc: RequestValidationError) -> str:
     """One line per problem, naming the field (pydantic's `loc` without the leading "body")."""
     lines = []
     for error in exc.errors():
+        if error.get("type") == "json_invalid":
+            lines.append(f"the body is not valid JSON ({error.get('ctx', {}).get('error', 'decode error')})")
+            continue
         loc = ".".join(str(part) for part in error.get("loc", ()) if part != "body")
         message = error.get("msg", "invalid value").removeprefix("Value error, ")
         lines.append(f"{loc}: {message}" if loc else message)

@@ -117,19 +117,20 @@ class OpenAIServing:
         request the engine refuses (it can never run) is a 400 before any response starts."""
         streams = [self.engine.generate(p.as_engine_prompt(), params, f"{request_id}-{i}")
                    for i, p in enumerate(prompts)]
-        try:
-            firsts = await asyncio.gather(*(anext(s) for s in streams))
-        except ValueError as e:
-            await _close_all(streams)
-            raise OpenAIServingError(str(e)) from None
-        except BaseException:
-            await _close_all(streams)
-            raise
-        refused = next((f for f in firsts if f.finished and f.error is not None), None)
-        if refused is not None:
-            await _close_all(streams)
-            raise OpenAIServingError(refused.error)
-        return [_prepend(first, stream) for first, stream in zip(firsts, streams)]
+        firsts = await asyncio.gather(*(anext(s) for s in streams), return_exceptions=True)
+        error = next((f for f in firsts if isinstance(f, BaseException)), None)
+        refused = next((f for f in firsts if not isinstance(f, BaseException)
+                        and f.finished and f.error is not None), None)
+        if error is None and refused is None:
+            return [_prepend(first, stream) for first, stream in zip(firsts, streams)]
+        await _close_all(streams)  # aborts the prompts that did start
+        if isinstance(error, ValueError):
+            raise OpenAIServingError(str(error)) from None
+        if isinstance(error, StopAsyncIteration):
+            raise OpenAIServingError("the request was aborted", HTTPStatus.SERVICE_UNAVAILABLE)
+        if error is not None:
+            raise error
+        raise OpenAIServingError(refused.error)
 
 
 async def _close_all(streams: list[AsyncIterator]) -> None:
