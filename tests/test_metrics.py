@@ -27,7 +27,7 @@ class Recorder(StatLoggerBase):
 @pytest.fixture(scope="module")
 def llm(tiny_checkpoints):
     return LLM(tiny_checkpoints["llama"], dtype="float32", max_model_len=256, block_size=16,
-               max_num_batched_tokens=32, max_num_seqs=8, enforce_eager=True)
+               max_num_batched_tokens=32, max_num_seqs=8, enforce_eager=True, kv_cache_memory_bytes=32 * 2**20)
 
 
 def test_engine_stats_add_up(llm):

@@ -15,7 +15,7 @@ from vllm import LLM, AsyncLLMEngine, EngineArgs, SamplingParams
 from vllm.entrypoints.openai.api_server import build_app
 
 ENGINE_KWARGS = dict(dtype="float32", max_model_len=256, block_size=16, max_num_batched_tokens=64,
-                     max_num_seqs=8, enforce_eager=True)
+                     max_num_seqs=8, enforce_eager=True, kv_cache_memory_bytes=32 * 2**20)
 PROMPTS = ["Hello there", "The capital of France is", "1, 2, 3,"]
 MODEL = "tiny-llama"
 
@@ -211,7 +211,7 @@ def test_disconnect_aborts_and_frees_blocks(server, engine):
 def test_default_model_greedy_equals_llm_generate():
     """SmolLM2 (the default model): the server's greedy texts, whole and streamed, and its chat
     reply equal what LLM.generate and LLM.chat return on the same engine."""
-    llm = LLM(max_model_len=512, max_num_batched_tokens=64, block_size=16)
+    llm = LLM(max_model_len=512, max_num_batched_tokens=64, block_size=16, kv_cache_memory_bytes=64 * 2**20)
     prompts = ["The capital of France is", "def fibonacci(n):"]
     params = SamplingParams(temperature=0, max_tokens=16)
     expected = [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]

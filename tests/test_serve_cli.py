@@ -27,7 +27,7 @@ def start_server(model: str, port: int, *flags: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model, "--host", "127.0.0.1",
            "--port", str(port), "--served-model-name", "tiny", "--dtype", "float32",
            "--max-model-len", "1024", "--block-size", "16", "--max-num-batched-tokens", "64",
-           "--max-num-seqs", "4", "--enforce-eager", *flags]
+           "--max-num-seqs", "4", "--enforce-eager", "--kv-cache-memory-bytes", str(32 * 2**20), *flags]
     env = {**os.environ, "PYTHONPATH": ROOT, "VLLM_LOG_STATS_INTERVAL": "0.5"}
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
