@@ -224,6 +224,19 @@ def test_tile_load_overlap(tmp_path):
     assert proc.returncode != 0 and "multiple of 8" in proc.stderr
 
 
+@pytest.mark.skipif(not {"avx512_bf16", "avx512bw", "avx512dq"} <= cpu_flags(),
+                    reason="the prefill kernel needs AVX512-BF16")
+def test_prefill_attention(tmp_path):
+    out = tmp_path / "prefill.json"
+    proc = run_script("benchmark_prefill_attention.py", "--queries", "40", "--context", "50", "--block-size", "16",
+                      "--rounds", "2", "--repeats", "1", "--output-json", str(out))
+    check_ok(proc)
+    result = json.loads(out.read_text())
+    assert set(result["paths"]) == {"kernel", "torch"} and result["kernel_speedup_over_torch"] > 0
+    assert result["max_abs_difference"] < 0.05  # the two paths attend alike
+    assert all(0 < p["fraction_of_matmul_peak"] < 1 for p in result["paths"].values())
+
+
 def test_recorded_workloads_are_one_full_run():
     """README_GAUDI_CHUNKED's table quotes benchmarks/results/workloads.json: it must hold one run
     of all five workloads at full size, on committed code, beside transformers and llama.cpp.

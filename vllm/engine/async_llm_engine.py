@@ -1,16 +1,16 @@
 """The asynchronous engine: many `async for` streams served by one background step loop."""
 
 import asyncio
-import logging
 from collections.abc import AsyncIterator
 
 from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.llm_engine import LLMEngine
 from vllm.inputs import PromptType
+from vllm.logger import init_logger
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 # Put in a stream to end it without an output (the request was aborted).
 _END_OF_STREAM = None

@@ -1,7 +1,6 @@
 """The synchronous engine: requests in, one scheduled forward pass per `step()`, outputs out."""
 
 import dataclasses
-import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -14,6 +13,7 @@ from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.detokenizer import detokenize_incrementally
 from vllm.engine.metrics_types import IterationStats, StatLoggerBase, Stats
 from vllm.inputs import PromptType, parse_prompt
+from vllm.logger import init_logger
 from vllm.logprobs import Logprob
 from vllm.model_executor.layers.logprobs import TokenLogprobs
 from vllm.model_executor.model_loader import load_model, load_tokenizer
@@ -25,7 +25,7 @@ from vllm.worker.cache_engine import determine_num_blocks
 from vllm.worker.hpu_model_runner import HPUModelRunner
 from vllm.worker.runner_output import ModelRunnerOutput
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 
 @dataclass

@@ -1,11 +1,11 @@
 import ctypes
 import ctypes.util
 import functools
-import logging
 import sys
 
 import torch
 
+from vllm.logger import init_logger
 from vllm.platforms.interface import Platform
 
 
@@ -24,7 +24,7 @@ def cpu_has_amx_bf16() -> bool:
     return "amx_bf16" in cpu_flags()
 
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 # glibc mallopt parameters
 _M_TRIM_THRESHOLD = -1
@@ -36,8 +36,8 @@ def keep_freed_memory_in_process() -> bool:
     """Stops glibc from returning each freed activation buffer to the kernel.
 
     By default glibc serves blocks above a few hundred KiB with mmap and unmaps them on free, so
-    every eager op on a (512, 576) activation page-faults its output in again: a bf16 RMSNorm
-    over 512 tokens took 0.9 ms instead of 0.15 ms on the 2-core AMX machine. Keeping blocks of
+    every eager op on a (512, 576) activation page-faults its output in again, and for a
+    small element-wise op the faults cost several times the op itself. Keeping blocks of
     up to 32 MiB (glibc's maximum mmap threshold) on the heap, and not trimming it, lets the
     allocator reuse them. This is what LD_PRELOAD'ing tcmalloc or jemalloc does for vLLM's CPU
     backend. Returns whether the settings were applied (glibc only).

@@ -16,15 +16,15 @@ backend in regions keyed by its buckets (vllm/attention/backends/hpu_attn.py).
 
 import importlib
 import importlib.util
-import logging
 
 import torch
 
 from vllm.compilation.piecewise import PiecewiseBackend
 from vllm.compilation.regions import CapturedRegion
+from vllm.logger import init_logger
 from vllm.platforms.interface import Platform
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 _MAX_REGION_KEYS = 1024  # far above the keys of a region warm-up enumerates
 

@@ -1,12 +1,12 @@
 """Allocates the paged KV cache and sizes it from a memory budget."""
 
-import logging
 
 import torch
 
 from vllm.config import CacheConfig, ModelConfig
+from vllm.logger import init_logger
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 
 def bytes_per_block(model: ModelConfig, block_size: int) -> int:
