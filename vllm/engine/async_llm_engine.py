@@ -91,7 +91,9 @@ class AsyncLLMEngine:
                     return
         finally:
             if self._streams.get(request_id) is queue:  # still open: the consumer left early
-                await self.abort(request_id)
+                # Shielded: the abort must happen even if the consumer is cancelled again at
+                # this await (as under anyio's cancel scopes, which a server's disconnect uses).
+                await asyncio.shield(self.abort(request_id))
 
     async def abort(self, request_id: str) -> None:
         """Aborts the request between steps: its KV blocks are free when this returns."""
@@ -121,6 +123,14 @@ class AsyncLLMEngine:
             self._streams[request_id] = queue
         self._has_work.set()
         return queue
+
+    async def do_log_stats(self) -> None:
+        """Hands the engine's stat loggers its state now, between two steps."""
+        if self._lock is None or self._loop is not asyncio.get_running_loop():
+            self.engine.do_log_stats()  # no loop of ours: no step is running
+            return
+        async with self._lock:
+            self.engine.do_log_stats()
 
     # ---------------------------------------------------------------- the loop
 

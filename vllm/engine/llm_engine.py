@@ -11,6 +11,7 @@ from vllm.core.scheduler import Scheduler
 from vllm.core.scheduler_output import SchedulerOutput
 from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.detokenizer import detokenize_incrementally
+from vllm.engine.metrics_types import IterationStats, StatLoggerBase, Stats
 from vllm.inputs import PromptType, parse_prompt
 from vllm.logger import init_logger
 from vllm.logprobs import Logprob
@@ -36,6 +37,9 @@ class EngineStats:
     num_decode_tokens: int = 0
     num_mixed_steps: int = 0  # steps that ran decodes and prefill chunks together
     num_preemptions: int = 0
+    # Prompt tokens looked up in the prefix cache, and of those the tokens found there.
+    num_prefix_cache_queries: int = 0
+    num_prefix_cache_hits: int = 0
 
 
 class LLMEngine:
@@ -50,6 +54,10 @@ class LLMEngine:
         self._pending_outputs: list[RequestOutput] = []  # requests finished outside a step
         self.stats = EngineStats()
         self.eos_token_id = tokenizer.eos_token_id
+        # Stat loggers (the server's log line and Prometheus); none offline, where stats cost nothing.
+        self.stat_loggers: dict[str, StatLoggerBase] = {}
+        self._iteration = IterationStats()
+        self._logged_stats = EngineStats()  # the counters when the loggers last saw them
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
@@ -109,6 +117,8 @@ class LLMEngine:
                 seq.status, seq.error = seqs[0].status, seqs[0].error
                 seq.metrics.finished_time = time.monotonic()
             self._pending_outputs.append(self._make_output(group))
+            if self.stat_loggers:
+                self._iteration.record_finished(group)
             return
         self.requests[request_id] = group
         self._seqs.update((seq.request_id, (seq, group)) for seq in seqs)
@@ -160,12 +170,17 @@ class LLMEngine:
             outputs.append(self._make_output(group))
             if group.is_finished:
                 self._forget(group)
+        if self.stat_loggers:
+            self.do_log_stats()
         return outputs
 
     def _append_token(self, seq: Sequence, sid: str, result: ModelRunnerOutput) -> None:
         now = time.monotonic()
+        if self.stat_loggers:
+            self._iteration.record_token(seq, now)
         if seq.metrics.first_token_time is None:
             seq.metrics.first_token_time = now
+        seq.metrics.last_token_time = now
         token = result.sampled_token_ids[sid]
         seq.output_token_ids.append(token)
         entry = result.logprobs.get(sid)
@@ -248,7 +263,9 @@ class LLMEngine:
                              metrics=first.metrics, error=first.error)
 
     def _forget(self, group: SequenceGroup) -> None:
-        self.requests.pop(group.request_id, None)
+        """The request leaves the engine (finished or aborted)."""
+        if self.requests.pop(group.request_id, None) is not None and self.stat_loggers:
+            self._iteration.record_finished(group)
         for seq in group.seqs:
             self._seqs.pop(seq.request_id, None)
 
@@ -259,6 +276,39 @@ class LLMEngine:
         s.num_prefill_tokens += step.num_prefill_tokens
         s.num_mixed_steps += int(0 < step.num_decodes < len(step.scheduled))
         s.num_preemptions += len(step.preempted_request_ids)
+        if self.stat_loggers:
+            self._iteration.record_step(step)
+
+    # ---------------------------------------------------------------- stats for the loggers
+
+    def add_logger(self, name: str, stat_logger: StatLoggerBase) -> None:
+        if name in self.stat_loggers:
+            raise KeyError(f"a stat logger named {name!r} is already attached")
+        self.stat_loggers[name] = stat_logger
+
+    def remove_logger(self, name: str) -> None:
+        del self.stat_loggers[name]
+
+    def do_log_stats(self) -> None:
+        """Hands every logger the state now and what happened since the previous call."""
+        if not self.stat_loggers:
+            return
+        scheduler, bm, last = self.scheduler, self.scheduler.block_manager, self._logged_stats
+        running_groups = {self._seqs[seq.request_id][1].request_id for seq in scheduler.running
+                          if seq.request_id in self._seqs}
+        stats = Stats(
+            now=time.monotonic(), num_running=len(running_groups), num_waiting=len(scheduler.waiting),
+            kv_cache_usage=1.0 - bm.num_free_blocks / bm.num_blocks,
+            num_steps=self.stats.num_steps - last.num_steps,
+            num_mixed_steps=self.stats.num_mixed_steps - last.num_mixed_steps,
+            num_preemptions=self.stats.num_preemptions - last.num_preemptions,
+            num_prefix_cache_queries=self.stats.num_prefix_cache_queries - last.num_prefix_cache_queries,
+            num_prefix_cache_hits=self.stats.num_prefix_cache_hits - last.num_prefix_cache_hits,
+            iteration=self._iteration)
+        self._iteration = IterationStats()
+        self._logged_stats = dataclasses.replace(self.stats)
+        for stat_logger in self.stat_loggers.values():
+            stat_logger.log(stats)
 
 
 def _sample_params(params: SamplingParams, index: int) -> SamplingParams:
