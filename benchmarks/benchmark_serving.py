@@ -1,73 +1,75 @@
-"""Online serving, replayed in process: an arrival process against the `LLMEngine` step loop.
+"""Online serving benchmark over HTTP: an arrival process of streamed requests against the
+OpenAI-compatible server (`vllm serve`), with vLLM's benchmark_serving flags and metrics.
 
-No HTTP server: requests are added to `llm.llm_engine` when their arrival time has passed (the
-clock is checked between steps, as a server's engine loop would), and every token's time is taken
-from the outputs `step()` returns. Metrics follow vLLM's benchmark_serving:
-  TTFT  time to first token, from the request's scheduled arrival (queueing included)
+Every request is a streamed, greedy completion (`--endpoint /v1/completions`, prompts sent as token
+ids so they have exactly their length; `/v1/chat/completions` sends the decoded text) and every
+chunk's arrival is timed on the client. Metrics as vLLM's:
+  TTFT  time to first token, from the request's scheduled send time (client queueing included)
   TPOT  (E2E latency - TTFT) / (output tokens - 1), per request
-  ITL   every gap between consecutive tokens of a request
-  E2EL  end-to-end latency, arrival to last token
-each as mean / median / std / P99 (--metric-percentiles), plus request and token throughput and
-goodput: requests per second that meet every SLO of --goodput (vLLM's "KEY:VALUE" syntax, keys
-ttft, tpot, e2el, values in milliseconds, e.g. --goodput ttft:2000 tpot:200).
+  ITL   every gap between consecutive chunks of a request
+  E2EL  end-to-end latency, send time to last token
+each as mean / median / std / --metric-percentiles for the --percentile-metrics, plus request and
+token throughput and goodput: requests per second meeting every SLO of --goodput ("KEY:VALUE",
+keys ttft, tpot, e2el, milliseconds, e.g. --goodput ttft:2000 tpot:200). The server's /metrics is
+read before and after each run: its steps, mixed steps, preemptions and mean prefill chunk, and its
+own overhead per request (the client's mean TTFT and E2EL minus the engine's: HTTP, JSON and the
+hand-off between the event loop and the engine's steps).
 
-Arrivals (vLLM's rule): inter-arrival times are gamma distributed with shape = --burstiness and
-mean 1 / --request-rate (burstiness 1 = a Poisson process; < 1 burstier, > 1 more regular);
---request-rate inf sends every request at time 0.
+Arrivals (vLLM's rule): inter-arrival times are gamma distributed with shape --burstiness and mean
+1 / --request-rate (burstiness 1 = Poisson); --request-rate inf sends all at once;
+--max-concurrency caps the requests in flight.
 
 Workloads (--dataset-name, seeded by --seed; prompts are random non-special token ids):
-  mixed (default)  chat-like traffic with a few long documents: a fraction --long-fraction
-                   (default 0.1, at least one request) of the --num-prompts requests have
-                   --long-input-len (default 1500:2000) prompt tokens, the rest --short-input-len
-                   (default 16:128); every request generates --output-len-range (default 32:128)
-                   tokens. Lengths are uniform in each inclusive A:B range; the long requests sit
-                   at random positions in the arrival order (never first).
-  random           vLLM's random dataset: --random-input-len / --random-output-len, each length
-                   uniform in [len * (1 - --random-range-ratio), len * (1 + ratio)].
-  --dataset FILE   JSON/JSONL records {"prompt": text | "prompt_token_ids": [...], "output_len": N}
-                   (see benchmark_throughput.py); the first --num-prompts records, in order.
-Outputs are greedy (temperature 0, as vLLM's client sends) with exactly the requested length
-(ignore_eos) unless --no-ignore-eos.
+  mixed (default)  chat-like traffic with a few long documents: --long-fraction (default 0.1, at
+                   least one request) of the --num-prompts requests have --long-input-len (default
+                   1500:2000) prompt tokens, the rest --short-input-len (default 16:128); each
+                   generates --output-len-range (default 32:128) tokens (inclusive A:B ranges)
+  random           vLLM's: --random-input-len / --random-output-len, each uniform in
+                   [len * (1 - --random-range-ratio), len * (1 + ratio)]
+  sharegpt         --dataset-path FILE of ShareGPT records (first turn the prompt, the second's
+                   length the output length), or our JSON/JSONL records {"prompt" |
+                   "prompt_token_ids", "output_len"}; the first --num-prompts, in order
+Outputs have exactly the requested length (ignore_eos) unless --no-ignore-eos.
 
-Modes:
-  default            one run with the engine flags given (chunked prefill on unless
-                     --no-enable-chunked-prefill)
-  --compare-chunked  the same workload and arrival times with chunked prefill on, then off, each
-                     on a fresh engine (the unchunked engine keeps its own default token budget,
-                     max(max_model_len, 2048), since a whole prompt must fit in one step)
+Servers:
+  default            a running server at --base-url, or http://--host:--port
+  --compare-chunked  starts `vllm serve --model` twice on free loopback ports, chunked prefill on
+                     and then off, with every flag this script does not know passed to it (engine
+                     arguments: --max-num-batched-tokens 512 --block-size 16 ...; the unchunked
+                     server keeps its own token budget, max(max_model_len, 2048), since a whole
+                     prompt must fit one step), and runs the same workload and arrival times on each
   --capacity-search --itl-slo-ms X
-                     bisects the request rate for the highest one whose P99 ITL <= X ms and
-                     median TTFT <= --max-median-ttft-ms (default 2000: past it requests queue),
-                     in at most --max-probes runs of the workload (same requests, arrival gaps
-                     scaled by 1/rate) between --min-rate and --max-rate; per mode with
-                     --compare-chunked
+                     bisects the request rate for the highest one whose P99 ITL <= X ms and median
+                     TTFT <= --max-median-ttft-ms (default 2000), in at most --max-probes runs
+                     between --min-rate and --max-rate (per server with --compare-chunked)
 
-Results: JSON (vLLM's keys: duration, completed, total_input_tokens, total_output_tokens,
-request_throughput, "request_goodput:", output_throughput, total_token_throughput,
-mean/median/std/p99 _ttft/_tpot/_itl/_e2el _ms, ttfts, itls, ...) with every run under "runs",
-written to --output-json or benchmarks/results/<name>.json; and, if matplotlib is importable, a
-PNG beside it (or --plot PATH) with (a) the prefill/decode tokens of every step and (b) the
-inter-token latencies over time, chunked vs unchunked.
+Results (--save-result or --output-json): JSON with vLLM's keys (duration, completed,
+total_input_tokens, total_output_tokens, request_throughput, "request_goodput:", output_throughput,
+total_token_throughput, mean/median/std/pNN _ttft/_tpot/_itl/_e2el _ms, ttfts, itls, ...), every
+run under "runs"; and, with matplotlib, a PNG beside it (or --plot PATH): (a) each request's
+timeline (waiting for its first token, then decoding) and (b) the inter-token latencies over time.
 
-    python benchmarks/benchmark_serving.py --compare-chunked
-    python benchmarks/benchmark_serving.py --request-rate 2 --burstiness 0.5 --goodput ttft:3000 tpot:300
-    python benchmarks/benchmark_serving.py --capacity-search --itl-slo-ms 500 --num-prompts 24
+    python benchmarks/benchmark_serving.py --compare-chunked --model M --max-num-batched-tokens 512
+    vllm serve M &  python benchmarks/benchmark_serving.py --model M --request-rate 2 --save-result
+    python benchmarks/benchmark_serving.py --base-url http://127.0.0.1:8000 --capacity-search --itl-slo-ms 500
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
+import asyncio
 import math
 import os
 import random
 import sys
+import tempfile
 import time
-from dataclasses import dataclass, field
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common  # noqa: E402
+from serving_http import (LaunchedServer, RequestRecord, request_body, run_requests,  # noqa: E402
+                          scrape_metrics, server_report)
 
 GOODPUT_KEYS = ("ttft", "tpot", "e2el")
 METRICS = (("ttft", "TTFT", "Time to First Token"),
@@ -94,8 +96,8 @@ def parse_range(text: str) -> tuple[int, int]:
 
 def make_workload(args: argparse.Namespace, tokenizer) -> list[dict]:
     """[{"prompt_token_ids", "prompt_len", "output_len", "kind"}] in arrival order."""
-    if args.dataset is not None:
-        reqs = common.load_dataset(args.dataset, tokenizer, args.num_prompts)
+    if args.dataset_path is not None:
+        reqs = common.load_dataset(args.dataset_path, tokenizer, args.num_prompts)
         for r in reqs:
             r["kind"] = "dataset"
         return reqs
@@ -142,130 +144,6 @@ def arrival_offsets(intervals: list[float], rate: float) -> list[float]:
     return offsets
 
 
-# --------------------------------------------------------------------------- replay
-
-@dataclass
-class RequestRecord:
-    request_id: str
-    prompt_len: int
-    expected_output_len: int
-    kind: str
-    arrival: float                      # scheduled arrival, seconds after the run's start
-    token_times: list[float] = field(default_factory=list)  # seconds after the start
-    finish: float | None = None
-    error: str | None = None
-    generated_text: str = ""
-
-    @property
-    def success(self) -> bool:
-        return self.error is None and self.finish is not None and bool(self.token_times)
-
-    @property
-    def ttft(self) -> float:
-        return self.token_times[0] - self.arrival
-
-    @property
-    def latency(self) -> float:
-        return self.token_times[-1] - self.arrival
-
-    @property
-    def itl(self) -> list[float]:
-        t = self.token_times
-        return [b - a for a, b in zip(t, t[1:])]
-
-
-def replay(llm, workload: list[dict], offsets: list[float], args: argparse.Namespace,
-           tag: str) -> dict:
-    """Runs the workload against the engine; returns the records, the steps and the duration."""
-    from vllm import SamplingParams
-
-    engine = llm.llm_engine
-    recorder = common.StepRecorder(engine)
-    records: dict[str, RequestRecord] = {}
-    seen_tokens: dict[str, int] = {}
-    order = sorted(range(len(workload)), key=lambda i: offsets[i])
-    nxt = 0
-    before = common.stats_snapshot(engine)
-    start = time.monotonic()  # the engine's clock (arrival_time)
-    perf_start = time.perf_counter()  # StepRecorder's clock
-    deadline = start + args.timeout if args.timeout else None
-    timed_out = False
-    while nxt < len(order) or engine.has_unfinished_requests():
-        now = time.monotonic() - start
-        while nxt < len(order) and offsets[order[nxt]] <= now:
-            i = order[nxt]
-            nxt += 1
-            req = workload[i]
-            rid = f"{tag}-{i}"
-            records[rid] = RequestRecord(rid, req["prompt_len"], req["output_len"], req["kind"],
-                                         offsets[i])
-            seen_tokens[rid] = 0
-            params = SamplingParams(temperature=0.0, max_tokens=req["output_len"],
-                                    ignore_eos=args.ignore_eos)
-            engine.add_request(rid, {"prompt_token_ids": req["prompt_token_ids"]}, params,
-                               arrival_time=start + offsets[i])
-        if deadline is not None and time.monotonic() > deadline:
-            timed_out = True
-            unfinished = [rid for rid, r in records.items() if r.finish is None and r.error is None]
-            engine.abort_request(unfinished)
-            for rid in unfinished:
-                records[rid].error = "timeout"
-            for i in order[nxt:]:
-                rid = f"{tag}-{i}"
-                records[rid] = RequestRecord(rid, workload[i]["prompt_len"], workload[i]["output_len"],
-                                             workload[i]["kind"], offsets[i], error="timeout")
-            while engine.has_unfinished_requests():  # drain aborted requests, if any linger
-                if not engine.step():
-                    break
-            break
-        if not engine.has_unfinished_requests():
-            if nxt < len(order):
-                time.sleep(max(0.0, offsets[order[nxt]] - (time.monotonic() - start)))
-            continue
-        outputs = recorder.step()
-        t = time.monotonic() - start
-        for out in outputs:
-            rec = records.get(out.request_id)
-            if rec is None:
-                continue
-            n = len(out.outputs[0].token_ids)
-            rec.token_times += [t] * max(0, n - seen_tokens[out.request_id])
-            seen_tokens[out.request_id] = max(n, seen_tokens[out.request_id])
-            if getattr(out, "error", None):
-                rec.error = out.error
-            if out.finished:
-                rec.finish = t
-                rec.generated_text = out.outputs[0].text
-                if not rec.token_times and rec.error is None:
-                    rec.error = f"finished without tokens ({out.outputs[0].finish_reason})"
-    duration = time.monotonic() - start
-    # Requests the engine refused at add_request are reported by the next step() call.
-    for out in engine.step():
-        rec = records.get(out.request_id)
-        if rec is not None and rec.finish is None:
-            rec.error = getattr(out, "error", None) or "finished without tokens"
-    for rec in records.values():
-        if rec.finish is None and rec.error is None:
-            rec.error = "not finished"
-    stats = common.stats_diff(before, common.stats_snapshot(engine))
-    steps = [{"t": r.start - perf_start, "seconds": r.seconds,
-              "prefill_tokens": r.prefill_tokens, "decode_tokens": r.decode_tokens}
-             for r in recorder.records]
-    ordered = [records[f"{tag}-{i}"] for i in range(len(workload)) if f"{tag}-{i}" in records]
-    return {"records": ordered, "duration": duration, "steps": steps, "engine_stats": stats,
-            "step_records": recorder.records, "timed_out": timed_out}
-
-
-def warm_up(llm) -> None:
-    """Two short requests through the step loop, so first-call costs stay out of the run."""
-    from vllm import SamplingParams
-    vocab, special = common.tokenizer_vocab(llm.get_tokenizer())
-    rng = random.Random(12345)
-    prompts = [{"prompt_token_ids": common.random_token_ids(rng, 16, vocab, special)} for _ in range(2)]
-    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
-                 use_tqdm=False)
-
-
 # --------------------------------------------------------------------------- metrics
 
 def parse_goodput(pairs: list[str] | None) -> dict[str, float]:
@@ -285,6 +163,11 @@ def parse_goodput(pairs: list[str] | None) -> dict[str, float]:
     return slos
 
 
+def num_output_tokens(r: RequestRecord) -> int:
+    """The server's count (usage) when it sent one, else the chunks received."""
+    return r.output_tokens if r.output_tokens is not None else len(r.token_times)
+
+
 def compute_metrics(records: list[RequestRecord], duration: float, slos: dict[str, float],
                     metric_percentiles: list[float]) -> dict:
     """vLLM's serving metrics (keys and conventions) for one run."""
@@ -296,7 +179,7 @@ def compute_metrics(records: list[RequestRecord], duration: float, slos: dict[st
     itls = [gap for r in ok for gap in r.itl]
     tpots, all_tpots = [], []
     for r in ok:
-        n = len(r.token_times)
+        n = num_output_tokens(r)
         tpot = (r.latency - r.ttft) / (n - 1) if n > 1 else 0.0
         if n > 1:
             tpots.append(tpot)
@@ -308,7 +191,7 @@ def compute_metrics(records: list[RequestRecord], duration: float, slos: dict[st
             if all(per_req[k][i] <= v / 1000.0 for k, v in slos.items()):
                 good += 1
     total_input = sum(r.prompt_len for r in ok)
-    total_output = sum(len(r.token_times) for r in ok)
+    total_output = sum(num_output_tokens(r) for r in ok)
     dur = max(duration, 1e-9)
     result = {
         "duration": duration,
@@ -322,7 +205,7 @@ def compute_metrics(records: list[RequestRecord], duration: float, slos: dict[st
         "output_throughput": total_output / dur,
         "total_token_throughput": (total_input + total_output) / dur,
         "input_lens": [r.prompt_len for r in records],
-        "output_lens": [len(r.token_times) if r.success else 0 for r in records],
+        "output_lens": [num_output_tokens(r) if r.success else 0 for r in records],
         "kinds": [r.kind for r in records],
         "arrival_times": [r.arrival for r in records],
         "ttfts": [r.ttft if r.success else None for r in records],
@@ -354,7 +237,8 @@ def compute_metrics(records: list[RequestRecord], duration: float, slos: dict[st
     return result
 
 
-def print_result(result: dict, title: str, metric_percentiles: list[float]) -> None:
+def print_result(result: dict, title: str, metric_percentiles: list[float],
+                 percentile_metrics: list[str] = ("ttft", "tpot", "itl", "e2el")) -> None:
     print("{s:{c}^{n}}".format(s=f" {title} ", n=50, c="="))
     print("{:<40} {:<10}".format("Successful requests:", result["completed"]))
     if result["failed"]:
@@ -369,51 +253,59 @@ def print_result(result: dict, title: str, metric_percentiles: list[float]) -> N
     print("{:<40} {:<10.2f}".format("Total Token throughput (tok/s):",
                                     result["total_token_throughput"]))
     for key, name, header in METRICS:
+        if key not in percentile_metrics:
+            continue
         print("{s:{c}^{n}}".format(s=header, n=50, c="-"))
         print("{:<40} {:<10.2f}".format(f"Mean {name} (ms):", result[f"mean_{key}_ms"]))
         print("{:<40} {:<10.2f}".format(f"Median {name} (ms):", result[f"median_{key}_ms"]))
         for p in metric_percentiles:
             word = str(int(p)) if int(p) == p else str(p)
             print("{:<40} {:<10.2f}".format(f"P{word} {name} (ms):", result[f"p{word}_{key}_ms"]))
-    stats = result.get("engine_stats")
-    if stats:
-        print("{s:{c}^{n}}".format(s="Engine steps", n=50, c="-"))
-        print("{:<40} {:<10}".format("Steps:", stats["num_steps"]))
-        print("{:<40} {:<10}".format("Mixed prefill+decode steps:", stats["num_mixed_steps"]))
-        print("{:<40} {:<10}".format("Prefill / decode tokens:",
-                                     f"{stats['num_prefill_tokens']} / {stats['num_decode_tokens']}"))
-        print("{:<40} {:<10}".format("Preemptions:", stats["num_preemptions"]))
+    server = result.get("server")
+    if server:
+        print("{s:{c}^{n}}".format(s="Server (its /metrics)", n=50, c="-"))
+        print("{:<40} {:<10}".format("Engine steps:", server["steps"]))
+        print("{:<40} {:<10}".format("Mixed prefill+decode steps:", server["mixed_steps"]))
+        print("{:<40} {:<10}".format("Preemptions:", server["preemptions"]))
+        if "overhead_e2el_ms" in server:
+            print("{:<40} {:<10.2f}".format("Server overhead per request, TTFT (ms):",
+                                            server["overhead_ttft_ms"]))
+            print("{:<40} {:<10.2f}".format("Server overhead per request, E2EL (ms):",
+                                            server["overhead_e2el_ms"]))
     print("=" * 50)
 
 
 # --------------------------------------------------------------------------- runs
 
-def build_engine(args: argparse.Namespace, chunked: bool, compare: bool):
-    kwargs = common.engine_kwargs(args, enable_chunked_prefill=chunked)
-    if compare and not chunked:
-        kwargs.pop("max_num_batched_tokens", None)
-    from vllm import LLM
-    model = kwargs.pop("model")
-    t0 = time.perf_counter()
-    llm = LLM(model, **kwargs)
-    init_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    warm_up(llm)
-    return llm, init_s, time.perf_counter() - t0
-
-
-def run_mode(llm, workload, intervals, rate, args, slos, tag) -> dict:
+def run_mode(base_url, workload, intervals, rate, args, slos, tag) -> dict:
+    """One run of the workload against the server at `base_url`, at `rate` requests per second."""
     offsets = arrival_offsets(intervals, rate)
-    out = replay(llm, workload, offsets, args, tag)
-    result = compute_metrics(out["records"], out["duration"], slos, args.metric_percentiles)
+    records = [RequestRecord(f"{tag}-{i}", w["prompt_len"], w["output_len"], w["kind"], offsets[i])
+               for i, w in enumerate(workload)]
+    bodies = [request_body(args.endpoint, args.served_model, w["prompt_token_ids"], w.get("prompt_text", ""),
+                           w["output_len"], args.ignore_eos) for w in workload]
+    before = scrape_metrics(base_url)
+    duration = asyncio.run(run_requests(base_url + args.endpoint, bodies, records,
+                                        args.max_concurrency, args.timeout))
+    result = compute_metrics(records, duration, slos, args.metric_percentiles)
+    ok = [r for r in records if r.success]
+    result["server"] = server_report(before, scrape_metrics(base_url), [r.ttft for r in ok],
+                                     [r.latency for r in ok])
     result.update({"request_rate": rate, "burstiness": args.burstiness,
-                   "engine_stats": out["engine_stats"], "steps": out["steps"],
-                   "timed_out": out["timed_out"]})
-    result["_step_records"] = out["step_records"]
+                   "max_concurrency": args.max_concurrency})
     return result
 
 
-def capacity_search(llm, workload, intervals, args, slos, label) -> dict:
+def warm_up(base_url: str, workload: list[dict], args: argparse.Namespace) -> None:
+    """One short request, as vLLM's client sends before a run: it checks the server and keeps
+    first-call costs out of the measurement."""
+    first = dict(workload[0], output_len=min(4, workload[0]["output_len"]))
+    probe = run_mode(base_url, [first], [0.0], math.inf, args, {}, "warmup")
+    if probe["failed"]:
+        raise SystemExit(f"the warm-up request failed: {probe['errors'][0]}")
+
+
+def capacity_search(base_url, workload, intervals, args, slos, label) -> dict:
     """Bisection on the rate: the highest probed rate whose P99 ITL meets --itl-slo-ms while the
     median TTFT stays under --max-median-ttft-ms. The second bound is what makes it a capacity:
     past it, requests queue faster than they are served, which shows in the time to first token
@@ -422,7 +314,7 @@ def capacity_search(llm, workload, intervals, args, slos, label) -> dict:
     probes: list[dict] = []
 
     def probe(rate: float) -> bool:
-        res = run_mode(llm, workload, intervals, rate, args, slos, f"{label}-r{len(probes)}")
+        res = run_mode(base_url, workload, intervals, rate, args, slos, f"{label}-r{len(probes)}")
         itl99 = _p99_itl(res)
         ok = (itl99 <= args.itl_slo_ms and res["median_ttft_ms"] <= args.max_median_ttft_ms
               and not res["failed"])
@@ -466,6 +358,8 @@ def _p99_itl(res: dict) -> float:
 # --------------------------------------------------------------------------- plot
 
 def plot(runs: dict[str, dict], path: str, title: str) -> str | None:
+    """(a) per run, each request's timeline: waiting for its first token (queue and prefill), then
+    decoding; (b) every inter-token latency over time, per run."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -478,22 +372,23 @@ def plot(runs: dict[str, dict], path: str, title: str) -> str | None:
                              constrained_layout=True)
     colors = {"chunked": "tab:blue", "unchunked": "tab:red"}
     for ax, name in zip(axes, names):
-        steps = runs[name]["steps"]
-        x = list(range(len(steps)))
-        dec = [s["decode_tokens"] for s in steps]
-        pre = [s["prefill_tokens"] for s in steps]
-        top = [d + p for d, p in zip(dec, pre)]
-        ax.fill_between(x, 0, dec, step="mid", color="tab:green", linewidth=0, label="decode tokens")
-        ax.fill_between(x, dec, top, step="mid", color="tab:orange", linewidth=0,
-                        label="prefill tokens")
-        ax.set_xlim(-0.5, max(len(steps), 1) - 0.5)
-        ax.set_ylim(0, max(top or [1]) * 1.1)
-        ax.set_xlabel("engine step")
-        ax.set_ylabel("tokens in step")
-        mixed = sum(1 for s in steps if s["prefill_tokens"] and s["decode_tokens"])
-        ax.set_title(f"(a) {name}: prefill and decode tokens of each step "
-                     f"({len(steps)} steps, {mixed} mixed prefill+decode)")
-        ax.legend(loc="upper right")
+        res = runs[name]
+        for i, (arrival, times, kind) in enumerate(zip(res["arrival_times"], res["token_times"], res["kinds"])):
+            if not times:
+                continue
+            ax.plot([arrival, times[0]], [i, i], color="tab:orange", linewidth=2,
+                    label="waiting for the first token" if i == 0 else None)
+            ax.plot([times[0], times[-1]], [i, i], color="tab:green", linewidth=2,
+                    label="decoding" if i == 0 else None)
+            if kind == "long":
+                ax.plot([arrival], [i], marker=">", color="black", markersize=5,
+                        label="long prompt" if "long prompt" not in ax.get_legend_handles_labels()[1] else None)
+        ax.set_xlabel("time since start (s)")
+        ax.set_ylabel("request")
+        server = res.get("server", {})
+        ax.set_title(f"(a) {name}: each request's timeline ({server.get('steps', '?')} engine steps, "
+                     f"{server.get('mixed_steps', '?')} mixed prefill+decode)")
+        ax.legend(loc="upper left")
     ax = axes[-1]
     for name in names:
         res = runs[name]
@@ -518,27 +413,67 @@ def plot(runs: dict[str, dict], path: str, title: str) -> str | None:
 # --------------------------------------------------------------------------- main
 
 def result_name(args: argparse.Namespace) -> str:
-    work = (os.path.splitext(os.path.basename(args.dataset))[0] if args.dataset
+    work = (os.path.splitext(os.path.basename(args.dataset_path))[0] if args.dataset_path
             else args.dataset_name)
     if args.capacity_search:
         what = f"capacity-itl{args.itl_slo_ms:g}ms"
     else:
         what = f"rate{args.request_rate:g}-b{args.burstiness:g}"
-    mode = ("compare" if args.compare_chunked
-            else "chunked" if args.enable_chunked_prefill else "unchunked")
+    mode = "compare" if args.compare_chunked else "server"
     return f"serving-{mode}-{work}-n{args.num_prompts}-{what}"
 
 
-def main(args: argparse.Namespace) -> dict:
+def server_flags(flags: list[str], chunked: bool) -> list[str]:
+    """The engine flags for one of --compare-chunked's servers: chunking on or off; the
+    unchunked server keeps its own token budget (a whole prompt must fit one step)."""
+    out, skip = [], False
+    for i, flag in enumerate(flags):
+        if skip:
+            skip = False
+            continue
+        name = flag.split("=", 1)[0]
+        if name in ("--enable-chunked-prefill", "--no-enable-chunked-prefill"):
+            continue
+        if name == "--max-num-batched-tokens" and not chunked:
+            skip = "=" not in flag
+            continue
+        out.append(flag)
+    return out + ["--enable-chunked-prefill" if chunked else "--no-enable-chunked-prefill"]
+
+
+def one_server(base_url, name, workload, intervals, args, slos, runs, searches) -> None:
+    if args.model is None:  # the name the server answers to
+        import httpx2
+        args.served_model = httpx2.get(f"{base_url}/v1/models").json()["data"][0]["id"]
+    warm_up(base_url, workload, args)
+    if args.capacity_search:
+        searches[name] = capacity_search(base_url, workload, intervals, args, slos, name)
+        cap = searches[name]["capacity_rate"]
+        print(f"[{name}] capacity at P99 ITL <= {args.itl_slo_ms} ms: "
+              + (f"{cap:.3f} req/s" if cap is not None else "none found")
+              + f" ({len(searches[name]['probes'])} probes)")
+    else:
+        res = run_mode(base_url, workload, intervals, args.request_rate, args, slos, name)
+        runs[name] = res
+        print_result(res, f"Serving Benchmark Result ({name})", args.metric_percentiles,
+                     args.percentile_metrics)
+
+
+def main(args: argparse.Namespace, extra_flags: list[str]) -> dict:
     print(args)
-    common.apply_threads(args)
     random.seed(args.seed)
     slos = parse_goodput(args.goodput)
-
-    tokenizer = common.load_hf_tokenizer(args.model, args.tokenizer)
+    base_url = args.base_url or f"http://{args.host}:{args.port}"
+    args.served_model = args.model
+    if args.model is None and not args.compare_chunked:  # the server's model gives the tokenizer
+        import httpx2
+        args.served_model = httpx2.get(f"{base_url}/v1/models").json()["data"][0]["id"]
+    tokenizer = common.load_hf_tokenizer(args.served_model, args.tokenizer)
     workload = make_workload(args, tokenizer)
+    if args.endpoint.endswith("chat/completions"):
+        for w in workload:
+            w["prompt_text"] = tokenizer.decode(w["prompt_token_ids"])
     intervals = unit_intervals(len(workload), args.burstiness, args.seed)
-    modes = [True, False] if args.compare_chunked else [args.enable_chunked_prefill]
     kinds = sorted({r["kind"] for r in workload})
     counts = ", ".join(f"{k}: {sum(1 for r in workload if r['kind'] == k)}" for k in kinds)
     print(f"Workload: {len(workload)} requests ({counts}), "
@@ -547,50 +482,44 @@ def main(args: argparse.Namespace) -> dict:
     distribution = "Poisson process" if args.burstiness == 1.0 else "Gamma distribution"
     print(f"Traffic request rate: {args.request_rate}")
     print(f"Burstiness factor: {args.burstiness} ({distribution})")
+    print(f"Maximum request concurrency: {args.max_concurrency}")
 
     runs: dict[str, dict] = {}
     searches: dict[str, dict] = {}
-    engines: dict[str, dict] = {}
-    step_records: dict[str, list] = {}
-    for chunked in modes:
-        name = "chunked" if chunked else "unchunked"
-        gc.collect()
-        llm, init_s, warm_s = build_engine(args, chunked, args.compare_chunked)
-        engines[name] = {"init_seconds": init_s, "warmup_seconds": warm_s,
-                         "dtype": common.engine_dtype_name(llm, args.dtype)}
-        if args.capacity_search:
-            searches[name] = capacity_search(llm, workload, intervals, args, slos, name)
-            cap = searches[name]["capacity_rate"]
-            print(f"[{name}] capacity at P99 ITL <= {args.itl_slo_ms} ms: "
-                  + (f"{cap:.3f} req/s" if cap is not None else "none found")
-                  + f" ({len(searches[name]['probes'])} probes)")
-        else:
-            res = run_mode(llm, workload, intervals, args.request_rate, args, slos, name)
-            step_records[name] = res.pop("_step_records")
-            res["enable_chunked_prefill"] = chunked
-            runs[name] = res
-            print_result(res, f"Serving Benchmark Result ({name} prefill)", args.metric_percentiles)
-        del llm
-        gc.collect()
+    servers: dict[str, dict] = {}
+    if args.compare_chunked:
+        for chunked in (True, False):
+            name = "chunked" if chunked else "unchunked"
+            flags = server_flags(extra_flags, chunked)
+            log_path = server_log_path(args, name)
+            with LaunchedServer(args.model, flags, log_path=log_path) as server:
+                servers[name] = {"flags": flags, "startup_seconds": server.startup_seconds, "log": log_path}
+                print(f"[{name}] `vllm serve` up in {server.startup_seconds:.1f} s at {server.base_url}")
+                one_server(server.base_url, name, workload, intervals, args, slos, runs, searches)
+    else:
+        one_server(base_url, "server", workload, intervals, args, slos, runs, searches)
 
     results: dict = {}
     if runs:
-        primary = runs[next(iter(runs))]
-        results.update({k: v for k, v in primary.items() if k not in ("steps",)})
+        results.update(runs[next(iter(runs))])
     results.update({
         "date": time.strftime("%Y%m%d-%H%M%S"),
-        "backend": "vllm-inprocess",
-        "model_id": common.resolve_model_path(args.model),
+        "backend": "vllm",
+        "endpoint": args.endpoint,
+        "model_id": args.served_model,
         "num_prompts": len(workload),
         "request_rate": args.request_rate,
         "burstiness": args.burstiness,
-        "workload": {"dataset": args.dataset, "dataset_name": args.dataset_name if not args.dataset else None,
+        "max_concurrency": args.max_concurrency,
+        "workload": {"dataset_path": args.dataset_path,
+                     "dataset_name": args.dataset_name if not args.dataset_path else None,
                      "num_long": sum(1 for r in workload if r["kind"] == "long"),
                      "total_prompt_tokens": sum(r["prompt_len"] for r in workload),
                      "total_output_tokens": sum(r["output_len"] for r in workload)},
-        "engines": engines,
+        "servers": servers,
         "runs": runs,
         "args": common.args_dict(args),
+        "server_flags": extra_flags,
         "machine": common.machine_info(),
     })
     if searches:
@@ -605,25 +534,56 @@ def main(args: argparse.Namespace) -> dict:
             print("{:<28} {:>10.2f} {:>10.2f}".format(k, c[k], u[k]))
         print("=" * 50)
 
-    path = args.output_json or common.default_result_path(result_name(args))
-    path = common.write_json(results, path)
-    print(f"Results written to {path}")
-    if runs and not args.no_plot:
-        png = args.plot or os.path.splitext(str(path))[0] + ".png"
-        title = (f"{len(workload)} requests, rate {args.request_rate} req/s, "
-                 f"burstiness {args.burstiness}")
-        if plot(runs, png, title):
-            print(f"Plot written to {png}")
+    if args.save_result or args.output_json:
+        path = common.write_json(results, output_path(args))
+        print(f"Results written to {path}")
+        if runs and not args.no_plot:
+            png = args.plot or os.path.splitext(str(path))[0] + ".png"
+            title = (f"{len(workload)} requests over HTTP, rate {args.request_rate} req/s, "
+                     f"burstiness {args.burstiness}")
+            if plot(runs, png, title):
+                print(f"Plot written to {png}")
     return results
+
+
+def server_log_path(args: argparse.Namespace, name: str) -> str:
+    """Beside the results when they are saved, else in the temporary directory."""
+    if args.save_result or args.output_json:
+        base = os.path.splitext(output_path(args))[0]
+        os.makedirs(os.path.dirname(os.path.abspath(base)), exist_ok=True)
+    else:
+        base = os.path.join(tempfile.gettempdir(), f"benchmark_serving-{os.getpid()}")
+    return f"{base}-{name}-server.log"
+
+
+def output_path(args: argparse.Namespace) -> str:
+    if args.output_json:
+        return args.output_json
+    if args.result_filename:
+        return os.path.join(args.result_dir or str(common.RESULTS_DIR), args.result_filename)
+    return str(common.default_result_path(result_name(args)) if not args.result_dir
+               else os.path.join(args.result_dir, result_name(args) + ".json"))
 
 
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    s = parser.add_argument_group("server")
+    s.add_argument("--base-url", type=str, default=None, help="e.g. http://127.0.0.1:8000")
+    s.add_argument("--host", type=str, default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--endpoint", type=str, default="/v1/completions",
+                   choices=["/v1/completions", "/v1/chat/completions"])
+    s.add_argument("--model", type=str, default=None,
+                   help="the model name in requests, its tokenizer, and what --compare-chunked serves "
+                        "(default: the server's first model; SmolLM2 for --compare-chunked)")
+    s.add_argument("--tokenizer", type=str, default=None, help="tokenizer directory (default: --model's)")
     w = parser.add_argument_group("workload")
-    w.add_argument("--dataset-name", choices=["mixed", "random"], default="mixed")
-    w.add_argument("--dataset", type=str, default=None, help="JSON/JSONL workload file")
+    w.add_argument("--dataset-name", choices=["mixed", "random", "sharegpt"], default="mixed")
+    w.add_argument("--dataset-path", "--dataset", dest="dataset_path", type=str, default=None,
+                   help="ShareGPT JSON, or JSON/JSONL records")
     w.add_argument("--num-prompts", type=int, default=24)
+    w.add_argument("--seed", type=int, default=0)
     w.add_argument("--short-input-len", type=parse_range, default=(16, 128), metavar="A:B")
     w.add_argument("--long-input-len", type=parse_range, default=(1500, 2000), metavar="A:B")
     w.add_argument("--output-len-range", type=parse_range, default=(32, 128), metavar="A:B")
@@ -638,44 +598,58 @@ def make_parser() -> argparse.ArgumentParser:
                    help="requests per second; inf sends all at time 0 (vLLM's default is inf)")
     a.add_argument("--burstiness", type=float, default=1.0,
                    help="gamma shape of the inter-arrival times; 1 = Poisson")
+    a.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
     a.add_argument("--timeout", type=float, default=None,
-                   help="abort what is left after this many seconds of one run")
+                   help="cancel what is left after this many seconds of one run")
     m = parser.add_argument_group("metrics and modes")
     m.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
                    help="SLOs for goodput, e.g. ttft:2000 tpot:200 e2el:20000 (milliseconds)")
+    m.add_argument("--percentile-metrics", type=lambda s: s.split(","), default=["ttft", "tpot", "itl"],
+                   help="comma-separated metrics to print percentiles of (ttft,tpot,itl,e2el)")
     m.add_argument("--metric-percentiles", type=lambda s: [float(x) for x in s.split(",")],
                    default=[99.0], help="comma-separated percentiles to report (default 99)")
     m.add_argument("--compare-chunked", action="store_true",
-                   help="run the workload with chunked prefill on and off (fresh engine each)")
+                   help="start `vllm serve` with chunked prefill on, then off, and run on each")
     m.add_argument("--capacity-search", action="store_true",
                    help="find the highest request rate whose P99 ITL meets --itl-slo-ms")
     m.add_argument("--itl-slo-ms", type=float, default=None)
     m.add_argument("--max-median-ttft-ms", type=float, default=2000.0,
                    help="capacity search: a rate also needs its median TTFT (queueing included) "
-                        "under this bound, so an overloaded engine does not count (default 2000)")
+                        "under this bound, so an overloaded server does not count (default 2000)")
     m.add_argument("--min-rate", type=float, default=0.25)
     m.add_argument("--max-rate", type=float, default=8.0)
     m.add_argument("--max-probes", type=int, default=6)
     m.add_argument("--geometric-search", action=argparse.BooleanOptionalAction, default=True,
                    help="bisect rates geometrically (default) or arithmetically")
     o = parser.add_argument_group("output")
-    o.add_argument("--output-json", type=str, default=None,
-                   help="result path (default benchmarks/results/<name>.json)")
+    o.add_argument("--save-result", action="store_true", help="write the JSON (and the PNG)")
+    o.add_argument("--result-dir", type=str, default=None, help="default benchmarks/results/")
+    o.add_argument("--result-filename", type=str, default=None)
+    o.add_argument("--output-json", type=str, default=None, help="result path (implies --save-result)")
     o.add_argument("--plot", type=str, default=None, help="PNG path (default: beside the JSON)")
     o.add_argument("--no-plot", action="store_true")
-    common.add_engine_args(parser)
     return parser
 
 
-def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace, extra: list[str]) -> None:
+    if extra and not args.compare_chunked:
+        parser.error(f"unrecognized arguments: {' '.join(extra)} (engine flags go to the servers "
+                     "--compare-chunked starts)")
     if args.num_prompts < 1:
         parser.error("--num-prompts must be at least 1")
     if not args.request_rate > 0:
         parser.error("--request-rate must be > 0 (inf for all at once)")
     if not args.burstiness > 0:
         parser.error("--burstiness must be > 0")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        parser.error("--max-concurrency must be at least 1")
     if not 0 <= args.long_fraction <= 1:
         parser.error("--long-fraction must be in [0, 1]")
+    if args.dataset_name == "sharegpt" and not args.dataset_path:
+        parser.error("--dataset-name sharegpt needs --dataset-path")
+    unknown = sorted(set(args.percentile_metrics) - {key for key, _, _ in METRICS})
+    if unknown:
+        parser.error(f"--percentile-metrics: unknown {unknown}; choose from ttft,tpot,itl,e2el")
     if args.capacity_search:
         if args.itl_slo_ms is None:
             parser.error("--capacity-search needs --itl-slo-ms")
@@ -691,6 +665,6 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
 
 if __name__ == "__main__":
     _parser = make_parser()
-    _args = _parser.parse_args()
-    check_args(_parser, _args)
-    main(_args)
+    _args, _extra = _parser.parse_known_args()
+    check_args(_parser, _args, _extra)
+    main(_args, _extra)

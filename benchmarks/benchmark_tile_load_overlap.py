@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from vllm.platforms.c_build import load_c_library
+from vllm.platforms.c_library import CFunction, CLibrary
 
 KINDS = {"loads and products": 0, "products only": 1, "loads only": 2}
 MODES = ("tile alone", "vector alone", "one after the other", "interleaved")
@@ -29,12 +29,12 @@ def main() -> int:
     args = parser.parse_args()
     if args.vector_rows < 8 or args.vector_rows % 8:
         parser.error("--vector-rows must be a positive multiple of 8 (it is cut into 8 pieces)")
-    lib = load_c_library(Path(__file__).with_name("tile_load_overlap.c"), "nothing to measure")
+    lib = CLibrary(Path(__file__).with_name("tile_load_overlap.c"), "nothing to measure", {
+        "overlap_ns": CFunction([ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int64], ctypes.c_double),
+    }).get()
     if lib is None:
         print("the C benchmark could not be built", file=sys.stderr)
         return 1
-    lib.overlap_ns.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int64]
-    lib.overlap_ns.restype = ctypes.c_double
     results = {}
     print(f"{'tile work':20s}" + "".join(f"{m:>22s}" for m in MODES) + f"{'sum':>8s}{'max':>8s}  (ns)")
     for name, kind in KINDS.items():

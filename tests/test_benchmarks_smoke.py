@@ -224,6 +224,19 @@ def test_tile_load_overlap(tmp_path):
     assert proc.returncode != 0 and "multiple of 8" in proc.stderr
 
 
+@pytest.mark.skipif(not {"avx512_bf16", "avx512bw", "avx512dq"} <= cpu_flags(),
+                    reason="the prefill kernel needs AVX512-BF16")
+def test_prefill_attention(tmp_path):
+    out = tmp_path / "prefill.json"
+    proc = run_script("benchmark_prefill_attention.py", "--queries", "40", "--context", "50", "--block-size", "16",
+                      "--rounds", "2", "--repeats", "1", "--output-json", str(out))
+    check_ok(proc)
+    result = json.loads(out.read_text())
+    assert set(result["paths"]) == {"kernel", "torch"} and result["kernel_speedup_over_torch"] > 0
+    assert result["max_abs_difference"] < 0.05  # the two paths attend alike
+    assert all(0 < p["fraction_of_matmul_peak"] < 1 for p in result["paths"].values())
+
+
 def test_recorded_workloads_are_one_full_run():
     """README_GAUDI_CHUNKED's table quotes benchmarks/results/workloads.json: it must hold one run
     of all five workloads at full size, on committed code, beside transformers and llama.cpp.
@@ -247,6 +260,8 @@ SERVING_TINY = ["--num-prompts", "5", "--short-input-len", "8:24", "--long-input
 
 
 def test_serving_compare_chunked(tiny_checkpoints, tmp_path):
+    """Over HTTP: the script starts `vllm serve` with chunking on, then off, passing on the engine
+    flags it does not know itself."""
     out = tmp_path / "serving.json"
     png = tmp_path / "serving.png"
     proc = run_script("benchmark_serving.py", "--model", tiny_checkpoints["llama"], *SERVING_TINY,
@@ -254,9 +269,10 @@ def test_serving_compare_chunked(tiny_checkpoints, tmp_path):
                       "--goodput", "ttft:60000", "tpot:60000", *ENGINE,
                       "--output-json", str(out), "--plot", str(png))
     check_ok(proc)
-    assert "Serving Benchmark Result (chunked prefill)" in proc.stdout
-    assert "Serving Benchmark Result (unchunked prefill)" in proc.stdout
+    assert "Serving Benchmark Result (chunked)" in proc.stdout
+    assert "Serving Benchmark Result (unchunked)" in proc.stdout
     assert re.search(r"^P99 ITL \(ms\):\s+[0-9.]+", proc.stdout, re.M)
+    assert re.search(r"^Server overhead per request, E2EL \(ms\):\s+-?[0-9.]+", proc.stdout, re.M)
     result = json.loads(out.read_text())
     assert set(result["runs"]) == {"chunked", "unchunked"}
     for name, run in result["runs"].items():
@@ -266,14 +282,19 @@ def test_serving_compare_chunked(tiny_checkpoints, tmp_path):
                 assert run[f"{stat}_{metric}_ms"] >= 0
         assert run["request_goodput:"] == run["request_goodput"] == pytest.approx(run["request_throughput"])
         assert sum(run["output_lens"]) == run["total_output_tokens"]
-        # Every prompt token and every output token but the last of each request is computed.
-        computed = sum(s["prefill_tokens"] + s["decode_tokens"] for s in run["steps"])
-        assert computed == run["total_input_tokens"] + run["total_output_tokens"] - 5
+        # The server counted what the client sent and received (the warm-up request is not in it).
+        server = run["server"]
+        assert server["prompt_tokens"] == run["total_input_tokens"]
+        assert server["generation_tokens"] == run["total_output_tokens"]
+        assert server["engine_mean_e2el_ms"] <= run["mean_e2el_ms"] + 1.0
+        assert all(len(times) == n for times, n in zip(run["token_times"], run["output_lens"]))
         assert result["workload"]["num_long"] == 1
-    chunked, unchunked = result["runs"]["chunked"]["steps"], result["runs"]["unchunked"]["steps"]
-    assert max(s["prefill_tokens"] + s["decode_tokens"] for s in chunked) <= 64
-    assert max(s["prefill_tokens"] for s in unchunked) >= 150  # the long prompt in one step
-    assert not any(s["prefill_tokens"] and s["decode_tokens"] for s in unchunked)
+    chunked, unchunked = result["runs"]["chunked"]["server"], result["runs"]["unchunked"]["server"]
+    assert unchunked["prefill_chunks"] == 5 < chunked["prefill_chunks"]  # whole prompts vs chunks
+    assert chunked["mean_prefill_chunk_tokens"] <= 64
+    assert unchunked["mixed_steps"] == 0
+    assert "--no-enable-chunked-prefill" in result["servers"]["unchunked"]["flags"]
+    assert "--max-num-batched-tokens" not in result["servers"]["unchunked"]["flags"]
     assert "comparison" in result and "p99_itl_ms" in result["comparison"]
     assert result["mean_ttft_ms"] == result["runs"]["chunked"]["mean_ttft_ms"]  # top level = first run
     if importlib.util.find_spec("matplotlib") is not None:
@@ -283,18 +304,29 @@ def test_serving_compare_chunked(tiny_checkpoints, tmp_path):
         assert not png.exists()
 
 
-def test_serving_capacity_search(tiny_checkpoints, tmp_path):
+def test_serving_capacity_search_against_a_running_server(tiny_checkpoints, tmp_path):
+    from tests.server_utils import ServerThread
+    from vllm import AsyncLLMEngine, EngineArgs
+    from vllm.entrypoints.openai.api_server import build_app
+
+    engine = AsyncLLMEngine.from_engine_args(EngineArgs(
+        model=tiny_checkpoints["llama"], max_num_batched_tokens=64, enforce_eager=True, block_size=16,
+        kv_cache_memory_bytes=32 * 1024**2))
     out = tmp_path / "capacity.json"
-    proc = run_script("benchmark_serving.py", "--model", tiny_checkpoints["llama"], *SERVING_TINY,
-                      "--dataset-name", "random", "--random-input-len", "16",
-                      "--random-output-len", "4", "--random-range-ratio", "0.5",
-                      "--capacity-search", "--itl-slo-ms", "600000", "--max-probes", "2",
-                      "--min-rate", "1", "--max-rate", "100", *ENGINE, "--output-json", str(out))
+    with ServerThread(build_app(engine, ["tiny"])) as server:
+        proc = run_script("benchmark_serving.py", "--base-url", server.url, "--tokenizer",
+                          tiny_checkpoints["llama"], "--num-prompts", "5", "--dataset-name", "random",
+                          "--random-input-len", "16", "--random-output-len", "4", "--random-range-ratio",
+                          "0.5", "--endpoint", "/v1/chat/completions", "--max-concurrency", "2",
+                          "--capacity-search", "--itl-slo-ms", "600000", "--max-probes", "2",
+                          "--min-rate", "1", "--max-rate", "100", "--output-json", str(out))
     check_ok(proc)
     result = json.loads(out.read_text())
-    search = result["capacity_search"]["chunked"]
+    assert result["model_id"] == "tiny"  # asked from /v1/models
+    search = result["capacity_search"]["server"]
     assert search["capacity_rate"] == 100  # a 10-minute ITL SLO is met at the highest rate
     assert len(search["probes"]) == 1 and search["probes"][0]["meets_slo"]
+    assert search["probes"][0]["completed"] == 5
 
 
 def test_serving_helpers():

@@ -1,5 +1,7 @@
-"""The C kernels' build (vllm/platforms/c_build.py), the bf16 GEMV, the AMX tile GEMM and the element-wise C."""
+"""The C kernels' build and loader (vllm/platforms/c_build.py, c_library.py), the bf16 GEMV, the
+AMX tile GEMM and the element-wise C."""
 
+import ctypes
 import shutil
 
 import pytest
@@ -8,6 +10,7 @@ import torch.nn.functional as F
 
 from vllm.model_executor.layers import cpu_gemv, cpu_layer_ops, cpu_tile_gemm
 from vllm.platforms import c_build
+from vllm.platforms.c_library import CFunction, CLibrary
 from vllm.platforms.cpu import cpu_flags
 
 needs_cc = pytest.mark.skipif(shutil.which("cc") is None, reason="the C kernels need a C compiler")
@@ -16,7 +19,7 @@ needs_cc = pytest.mark.skipif(shutil.which("cc") is None, reason="the C kernels 
 def test_build_failure_falls_back(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
     monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path))
-    assert c_build.load_c_library(cpu_gemv._SOURCE, "the torch path is used") is None
+    assert c_build.load_c_library(cpu_gemv._LIBRARY.source, "the torch path is used") is None
     assert "the torch path is used" in caplog.text
     assert not list(tmp_path.rglob("*.so"))
 
@@ -24,10 +27,58 @@ def test_build_failure_falls_back(monkeypatch, tmp_path, caplog):
 def test_switch_turns_kernels_off_and_rejects_other_values(monkeypatch, tmp_path):
     monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path))
     monkeypatch.setenv("VLLM_CPU_C_KERNELS", "0")
-    assert c_build.load_c_library(cpu_gemv._SOURCE, "") is None
+    assert c_build.load_c_library(cpu_gemv._LIBRARY.source, "") is None
     monkeypatch.setenv("VLLM_CPU_C_KERNELS", "yes")
     with pytest.raises(ValueError, match="VLLM_CPU_C_KERNELS"):
-        c_build.load_c_library(cpu_gemv._SOURCE, "")
+        c_build.load_c_library(cpu_gemv._LIBRARY.source, "")
+
+
+_PROBE_SOURCE = """
+#include <stdint.h>
+static int ready;
+int64_t twice(int64_t x) { return 2 * x; }
+int set_ready(int value) { return ready = value; }
+int is_ready(void) { return ready; }
+int yes(void) { return 1; }
+int no(void) { return 0; }
+"""
+
+
+@pytest.fixture
+def probe_source(monkeypatch, tmp_path):
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "cache"))
+    source = tmp_path / "probe.c"
+    source.write_text(_PROBE_SOURCE)
+    return source
+
+
+@needs_cc
+def test_library_is_typed_loaded_once_and_gives_addresses(probe_source):
+    loads = []
+    library = CLibrary(probe_source, "", {"twice": CFunction([ctypes.c_int64], ctypes.c_int64),
+                                          "set_ready": CFunction([ctypes.c_int])},
+                       supported="yes", on_load=lambda lib: loads.append(lib.set_ready(1)))
+    lib = library.get()
+    assert lib is not None and library.get() is lib and loads == [1]
+    assert lib.is_ready() == 1
+    assert lib.twice(3 << 40) == 6 << 40  # needs the declared int64 argument and result
+    twice = ctypes.CFUNCTYPE(ctypes.c_int64, ctypes.c_int64)(library.address("twice"))
+    assert twice(-21) == -42
+    with pytest.raises(AssertionError, match="not declared"):
+        library.address("is_ready")
+
+
+@needs_cc
+def test_library_the_cpu_does_not_support_is_unavailable(probe_source):
+    library = CLibrary(probe_source, "", {"twice": CFunction([ctypes.c_int64], ctypes.c_int64)}, supported="no")
+    assert library.get() is None and library.address("twice") is None
+
+
+def test_library_is_unavailable_with_the_kernels_switched_off(monkeypatch, tmp_path):
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path))
+    monkeypatch.setenv("VLLM_CPU_C_KERNELS", "0")
+    library = CLibrary(cpu_gemv._LIBRARY.source, "", {"gemv_bf16": CFunction([])})
+    assert library.get() is None and library.address("gemv_bf16") is None
 
 
 @needs_cc

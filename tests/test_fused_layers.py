@@ -119,27 +119,37 @@ def test_engine_decodes_through_fused_layers(bf16_llm):
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "mistral"])
 def bf16_llm_d64(request, tokenizer_dir, tmp_path_factory) -> LLM:
-    """head_dim 64, so that prefill chunks take the C prefill kernel and the C layers with it."""
+    """head_dim 64, so that prefill chunks take the C prefill kernel and the C layers with it.
+    Its token budget (64) is cut to the rows the C layers take where there is no tile GEMM (the
+    GEMV's 4), so that every step of a generation can take them."""
     path = build_tiny_checkpoint(request.param, str(tmp_path_factory.mktemp(request.param)), tokenizer_dir,
                                  hidden_size=256)
+    budget = 64 if cpu_tile_gemm.kernel_address() is not None else cpu_gemv.max_rows()
     llm = LLM(path, dtype="bfloat16", max_model_len=512, block_size=BLOCK, num_gpu_blocks_override=512,
-              enforce_eager=True, enable_chunked_prefill=True, max_num_batched_tokens=64)
+              enforce_eager=True, enable_chunked_prefill=True, max_num_batched_tokens=budget)
     if not llm.llm_engine.runner.attn_backend.fused_layers.takes_prefills:
-        pytest.skip("the C prefill kernel needs AMX")
+        pytest.skip("the C prefill kernel needs AVX512-BF16")
     return llm
 
 
 @pytest.mark.parametrize("contexts,chunks", [
-    ([], [(37, 0)]), ([], [(1, 60)]), ([5, 200], [(40, 0), (100, 33)]), ([], [(256, 0)]),
+    ([], [(4, 0)]), ([], [(1, 60)]), ([7], [(3, 100)]), ([], [(2, 15), (2, 0)]), ([130], [(1, 0), (2, 200)]),
+    ([], [(37, 0)]), ([5, 200], [(40, 0), (100, 33)]), ([], [(256, 0)]),
     ([3 * i for i in range(8)], [(248, 150)]), ([70], [(120, 50), (2, 95)]),
     ([0, 17, 300], [(300, 10), (150, 0)]),
 ])
 def test_fused_mixed_steps_match_op_by_op(bf16_llm_d64, contexts, chunks):
     """Same hidden states and cache writes for steps of prefill chunks, with and without decodes
     before them: chunks with and without context, across blocks, past (Mistral) the window of
-    96, on the GEMV (1-4 rows) and the tile GEMM (up to 456 rows); past keys are random."""
+    96, on the GEMV (1-4 rows) and the tile GEMM (up to 456 rows); past keys are random. Where
+    the machine has no tile GEMM, steps past the GEMV's rows must be refused."""
     runner = bf16_llm_d64.llm_engine.runner
-    _assert_fused_matches_op_by_op(runner, contexts, chunks, random.Random(len(contexts) + len(chunks)))
+    rng = random.Random(len(contexts) + len(chunks))
+    if len(contexts) + sum(q for q, _ in chunks) > runner.attn_backend.fused_layers.max_tokens:
+        metadata, positions = _step(runner, contexts, chunks, rng)
+        assert not runner.attn_backend.fused_layers.accepts(metadata, positions.shape[0])
+        return
+    _assert_fused_matches_op_by_op(runner, contexts, chunks, rng)
 
 
 class _Recording:
@@ -158,8 +168,8 @@ class _Recording:
 
 
 def test_engine_runs_chunked_prefill_through_fused_layers(bf16_llm_d64):
-    """Chunked generations (budget 64, prompts up to 150 tokens) run their prefill chunks and
-    mixed steps on the C layers, and give the op-by-op path's tokens."""
+    """Chunked generations (prompts up to 150 tokens) run their prefill chunks and mixed steps on
+    the C layers, and give the op-by-op path's tokens."""
     runner = bf16_llm_d64.llm_engine.runner
     fused = runner.attn_backend.fused_layers
     prompts = [{"prompt_token_ids": p} for p in random_prompts([3, 150, 17, 90, 8, 61, 120], seed=7)]
@@ -172,3 +182,4 @@ def test_engine_runs_chunked_prefill_through_fused_layers(bf16_llm_d64):
     runner.attn_backend.fused_layers = runner.model.model.fused_layers = fused
     assert sum(recording.steps) >= 5 and not all(recording.steps)
     assert outputs[0] == outputs[1]
+

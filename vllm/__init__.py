@@ -1,7 +1,7 @@
 """A chunked-prefill (SARATHI) inference engine shaped like vLLM's Gaudi branch."""
 
-from vllm.engine.arg_utils import EngineArgs
-from vllm.engine.async_llm_engine import AsyncEngineArgs, AsyncLLMEngine
+from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
+from vllm.engine.async_llm_engine import AsyncLLMEngine
 from vllm.engine.llm_engine import LLMEngine
 from vllm.entrypoints.llm import LLM
 from vllm.inputs import TextPrompt, TokensPrompt

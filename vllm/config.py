@@ -51,11 +51,36 @@ class ModelConfig:
     seed: int = 0
     gguf_file: str | None = None  # set when `model` is a single .gguf file
     max_logprobs: int = 20  # largest `logprobs` / `prompt_logprobs` a request may ask for
+    trust_remote_code: bool = False  # transformers may run the checkpoint's own code
+    # "auto": the model's generation_config.json gives the default sampling parameters; "vllm":
+    # SamplingParams' own defaults; else the directory of the generation_config.json to use.
+    generation_config: str = "auto"
+    # The non-default fields of the generation config in use (the model's for "auto" and "vllm"):
+    # its EOS ids end requests whatever the mode.
+    generation_config_fields: dict = field(default_factory=dict)
+    override_generation_config: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         _require_positive("max_model_len", self.max_model_len)
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be a non-negative integer, got {self.max_logprobs!r}")
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """The model's EOS ids from its generation config (Llama 3 Instruct has several)."""
+        ids = self.generation_config_fields.get("eos_token_id")
+        return [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+
+    def get_diff_sampling_param(self) -> dict:
+        """Default sampling parameters the model's generation config sets (vLLM's names), after
+        `override_generation_config`; empty with generation_config="vllm"."""
+        config = {} if self.generation_config == "vllm" else dict(self.generation_config_fields)
+        config.update(self.override_generation_config)
+        names = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p", "max_new_tokens")
+        params = {name: config[name] for name in names if config.get(name) is not None}
+        if "max_new_tokens" in params:  # Hugging Face's name for max_tokens
+            params["max_tokens"] = params.pop("max_new_tokens")
+        return params
 
     @property
     def head_dim(self) -> int:
@@ -135,3 +160,4 @@ class EngineConfig:
     scheduler: SchedulerConfig
     device: str = "cpu"
     enforce_eager: bool = True
+    disable_log_stats: bool = False  # read by the server's periodic statistics

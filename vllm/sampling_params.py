@@ -115,6 +115,17 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < _SAMPLING_EPS
 
+    def update_from_generation_config(self, generation_config: dict,
+                                      model_eos_token_id: int | None = None) -> None:
+        """Adds the generation config's EOS ids other than the tokenizer's (`model_eos_token_id`,
+        which ends requests on its own) to `stop_token_ids`, unless `ignore_eos`, as vLLM does:
+        a request that ends on one reports it as its `stop_reason`."""
+        eos_ids = generation_config.get("eos_token_id")
+        if eos_ids is None or self.ignore_eos:
+            return
+        extra = ({eos_ids} if isinstance(eos_ids, int) else set(eos_ids)) - {model_eos_token_id}
+        self.stop_token_ids = sorted(extra | set(self.stop_token_ids))
+
     def clone(self) -> "SamplingParams":
         """A deep copy, so editing the copy's lists leaves this request alone."""
         return copy.deepcopy(self)

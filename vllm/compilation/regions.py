@@ -6,14 +6,15 @@ signatures seen while warming up; once frozen, a call with a signature outside t
 logged and counted: it means a compile at serving time, which warm-up exists to prevent.
 """
 
-import logging
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-logger = logging.getLogger(__name__)
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
 
 
 def signature(args: tuple) -> tuple:

@@ -6,16 +6,16 @@ stalls them; the budget they leave is filled by the continuing partial prefill(s
 requests in arrival order. Imports no torch.
 """
 
-import logging
 from collections import deque
 from dataclasses import dataclass, field
 
 from vllm.config import SchedulerConfig
 from vllm.core.block_manager import BlockManager
 from vllm.core.scheduler_output import ScheduledSequence, SchedulerOutput
+from vllm.logger import init_logger
 from vllm.sequence import Sequence, SequenceStatus
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 
 @dataclass(slots=True)

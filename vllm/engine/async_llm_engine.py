@@ -1,20 +1,17 @@
 """The asynchronous engine: many `async for` streams served by one background step loop."""
 
 import asyncio
-import logging
 from collections.abc import AsyncIterator
 
 from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.exceptions import EngineDeadError
 from vllm.engine.llm_engine import LLMEngine
 from vllm.inputs import PromptType
+from vllm.logger import init_logger
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
 
-logger = logging.getLogger(__name__)
-
-# vLLM's name for the engine arguments of the async engine; here they are the same knobs.
-AsyncEngineArgs = EngineArgs
+logger = init_logger(__name__)
 
 # Put in a stream to end it without an output (the request was aborted).
 _END_OF_STREAM = None
@@ -44,8 +41,9 @@ class AsyncLLMEngine:
     go on. Only an error that escapes `step()` (the engine is then dead) ends the loop.
     """
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, log_requests: bool = False) -> None:
         self.engine = engine
+        self.log_requests = log_requests
         self._streams: dict[str, asyncio.Queue[StreamItem]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lock: asyncio.Lock | None = None
@@ -56,7 +54,8 @@ class AsyncLLMEngine:
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> "AsyncLLMEngine":
-        return cls(LLMEngine.from_engine_args(engine_args))
+        return cls(LLMEngine.from_engine_args(engine_args),
+                   log_requests=getattr(engine_args, "enable_log_requests", False))
 
     @property
     def is_running(self) -> bool:
@@ -96,7 +95,9 @@ class AsyncLLMEngine:
                     return
         finally:
             if self._streams.get(request_id) is queue:  # still open: the consumer left early
-                await self.abort(request_id)
+                # Shielded: the abort must happen even if the consumer is cancelled again at
+                # this await (as under anyio's cancel scopes, which a server's disconnect uses).
+                await asyncio.shield(self.abort(request_id))
 
     async def abort(self, request_id: str) -> None:
         """Aborts the request between steps: its KV blocks are free when this returns."""
@@ -120,10 +121,20 @@ class AsyncLLMEngine:
             if request_id in self._streams:
                 raise ValueError(f"request_id {request_id!r} is already in use")
             self.engine.add_request(request_id, prompt, params)  # raises ValueError on bad input
+            if self.log_requests:
+                logger.info("Added request %s: %s", request_id, params)
             queue: asyncio.Queue[StreamItem] = asyncio.Queue()
             self._streams[request_id] = queue
         self._has_work.set()
         return queue
+
+    async def do_log_stats(self) -> None:
+        """Hands the engine's stat loggers its state now, between two steps."""
+        if self._lock is None or self._loop is not asyncio.get_running_loop():
+            self.engine.do_log_stats()  # no loop of ours: no step is running
+            return
+        async with self._lock:
+            self.engine.do_log_stats()
 
     # ---------------------------------------------------------------- the loop
 

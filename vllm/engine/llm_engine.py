@@ -2,7 +2,6 @@
 
 import contextlib
 import dataclasses
-import logging
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -15,7 +14,9 @@ from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.detokenizer import detokenize_incrementally
 from vllm.engine.exceptions import EngineDeadError
 from vllm.engine.interrupts import deferred_interrupts
+from vllm.engine.metrics_types import IterationStats, StatLoggerBase, Stats
 from vllm.inputs import PromptType, parse_prompt
+from vllm.logger import init_logger
 from vllm.logprobs import Logprob
 from vllm.model_executor.layers.logprobs import TokenLogprobs
 from vllm.model_executor.model_loader import load_model, load_tokenizer
@@ -27,7 +28,7 @@ from vllm.worker.cache_engine import determine_num_blocks
 from vllm.worker.hpu_model_runner import HPUModelRunner
 from vllm.worker.runner_output import ModelRunnerOutput
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 
 @dataclass
@@ -40,6 +41,9 @@ class EngineStats:
     num_mixed_steps: int = 0  # steps that ran decodes and prefill chunks together
     num_preemptions: int = 0
     num_failed_steps: int = 0  # steps whose forward pass or sampling raised (taken back)
+    # Prompt tokens looked up in the prefix cache, and of those the tokens found there.
+    num_prefix_cache_queries: int = 0
+    num_prefix_cache_hits: int = 0
 
 
 class LLMEngine:
@@ -69,18 +73,23 @@ class LLMEngine:
         self.stats = EngineStats()
         self.eos_token_id = tokenizer.eos_token_id
         self._dead_error: BaseException | None = None
+        # Stat loggers (the server's log line and Prometheus); none offline, where stats cost nothing.
+        self.stat_loggers: dict[str, StatLoggerBase] = {}
+        self._iteration = IterationStats()
+        self._logged_stats = EngineStats()  # the counters when the loggers last saw them
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
         platform = get_platform(args.device)
         config, source, tokenizer_source = args.create_engine_config(platform)
+        # Before the weights load: a cache that cannot hold one sequence fails at once.
+        config.cache.num_blocks = determine_num_blocks(config.model, config.cache)
         start = time.perf_counter()
         tokenizer = load_tokenizer(tokenizer_source)
         model = load_model(source, config.model.hf_config, config.model.dtype,
                            config.model.max_model_len, platform.device)
         logger.info("Loaded %s (%s) in %.1f s", source.display_name, config.model.dtype,
                     time.perf_counter() - start)
-        config.cache.num_blocks = determine_num_blocks(config.model, config.cache)
         runner = HPUModelRunner(config, platform, model, eos_token_id=tokenizer.eos_token_id)
         runner.warmup()
         return cls(config, tokenizer, runner)
@@ -100,6 +109,10 @@ class LLMEngine:
             raise ValueError(f"request_id must be a string, got {type(request_id).__name__}")
         self.validate_sampling_params(params)
         text, token_ids = parse_prompt(prompt, self.tokenizer)
+        if set(self.config.model.eos_token_ids) - {self.eos_token_id}:  # they stop it too
+            params = params.clone()
+            params.update_from_generation_config(self.config.model.generation_config_fields,
+                                                 self.eos_token_id)
         ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
         if request_id in self.requests or any(i in self._seqs for i in ids):
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -118,6 +131,8 @@ class LLMEngine:
                     seq.status, seq.error = seqs[0].status, seqs[0].error
                     seq.metrics.finished_time = time.monotonic()
                 self._pending_outputs.append(self._make_output(group))
+                if self.stat_loggers:
+                    self._iteration.record_finished(group)
                 return
             self.requests[request_id] = group
             self._seqs.update((seq.request_id, (seq, group)) for seq in seqs)
@@ -186,6 +201,8 @@ class LLMEngine:
                                type(error).__name__, len(step.scheduled))
                 raise
         outputs, self._pending_outputs = self._pending_outputs, []
+        if self.stat_loggers:
+            self.do_log_stats()
         return outputs
 
     def _process(self, step: SchedulerOutput, result: ModelRunnerOutput) -> None:
@@ -262,8 +279,11 @@ class LLMEngine:
 
     def _append_token(self, seq: Sequence, sid: str, result: ModelRunnerOutput) -> None:
         now = time.monotonic()
+        if self.stat_loggers:
+            self._iteration.record_token(seq, now)
         if seq.metrics.first_token_time is None:
             seq.metrics.first_token_time = now
+        seq.metrics.last_token_time = now
         token = result.sampled_token_ids[sid]
         seq.output_token_ids.append(token)
         entry = result.logprobs.get(sid)
@@ -347,7 +367,9 @@ class LLMEngine:
                              metrics=first.metrics, error=first.error)
 
     def _forget(self, group: SequenceGroup) -> None:
-        self.requests.pop(group.request_id, None)
+        """The request leaves the engine (finished or aborted)."""
+        if self.requests.pop(group.request_id, None) is not None and self.stat_loggers:
+            self._iteration.record_finished(group)
         for seq in group.seqs:
             self._seqs.pop(seq.request_id, None)
 
@@ -358,6 +380,39 @@ class LLMEngine:
         s.num_prefill_tokens += step.num_prefill_tokens
         s.num_mixed_steps += int(0 < step.num_decodes < len(step.scheduled))
         s.num_preemptions += len(step.preempted_request_ids)
+        if self.stat_loggers:
+            self._iteration.record_step(step)
+
+    # ---------------------------------------------------------------- stats for the loggers
+
+    def add_logger(self, name: str, stat_logger: StatLoggerBase) -> None:
+        if name in self.stat_loggers:
+            raise KeyError(f"a stat logger named {name!r} is already attached")
+        self.stat_loggers[name] = stat_logger
+
+    def remove_logger(self, name: str) -> None:
+        del self.stat_loggers[name]
+
+    def do_log_stats(self) -> None:
+        """Hands every logger the state now and what happened since the previous call."""
+        if not self.stat_loggers:
+            return
+        scheduler, bm, last = self.scheduler, self.scheduler.block_manager, self._logged_stats
+        running_groups = {self._seqs[seq.request_id][1].request_id for seq in scheduler.running
+                          if seq.request_id in self._seqs}
+        stats = Stats(
+            now=time.monotonic(), num_running=len(running_groups), num_waiting=len(scheduler.waiting),
+            kv_cache_usage=1.0 - bm.num_free_blocks / bm.num_blocks,
+            num_steps=self.stats.num_steps - last.num_steps,
+            num_mixed_steps=self.stats.num_mixed_steps - last.num_mixed_steps,
+            num_preemptions=self.stats.num_preemptions - last.num_preemptions,
+            num_prefix_cache_queries=self.stats.num_prefix_cache_queries - last.num_prefix_cache_queries,
+            num_prefix_cache_hits=self.stats.num_prefix_cache_hits - last.num_prefix_cache_hits,
+            iteration=self._iteration)
+        self._iteration = IterationStats()
+        self._logged_stats = dataclasses.replace(self.stats)
+        for stat_logger in self.stat_loggers.values():
+            stat_logger.log(stats)
 
 
 def _sample_params(params: SamplingParams, index: int) -> SamplingParams:

@@ -21,11 +21,17 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **kwargs) -> None:
+        kwargs.setdefault("disable_log_stats", True)  # vLLM's default for offline use
         self.llm_engine = LLMEngine.from_engine_args(EngineArgs.from_kwargs(model=model, **kwargs))
         self._request_counter = itertools.count()
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The sampling parameters of requests that give none: the model's generation config
+        (see the `generation_config` engine argument) over SamplingParams' defaults."""
+        return SamplingParams(**self.llm_engine.config.model.get_diff_sampling_param())
 
     def generate(self, prompts: PromptType | SequenceABC[PromptType],
                  sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
@@ -35,7 +41,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
         else:

@@ -24,8 +24,8 @@ struct tile_config {
 
 /* Loads a tile configuration. GCC 12's _tile_loadconfig tells the compiler that it reads 8 of
  * the 64 bytes, so the stores of the rows and columns before it may be dropped as dead: with
- * amx_configure_full_tiles inlined at -O3, ldtilecfg got palette 1 and zeros, and the first
- * tile load faulted. This asm names the whole struct as its operand. */
+ * amx_configure_full_tiles inlined at -O3, ldtilecfg then gets palette 1 and zeros, and the
+ * first tile load faults. This asm names the whole struct as its operand. */
 static inline void amx_load_config(const struct tile_config *cfg) {
     __asm__ volatile("ldtilecfg %0" ::"m"(*cfg));
 }

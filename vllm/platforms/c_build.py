@@ -12,16 +12,16 @@ runtime preloaded (LD_PRELOAD=$(cc -print-file-name=libasan.so)), and the first 
 
 import ctypes
 import hashlib
-import logging
 import os
 import shutil
 import subprocess
 import tempfile
 from pathlib import Path
 
+from vllm.logger import init_logger
 from vllm.platforms.cpu import cpu_flags
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 # Headers shared by the kernels (bf16.h) live beside this file.
 _INCLUDE = Path(__file__).parent

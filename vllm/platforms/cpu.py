@@ -1,11 +1,11 @@
 import ctypes
 import ctypes.util
 import functools
-import logging
 import sys
 
 import torch
 
+from vllm.logger import init_logger
 from vllm.platforms.interface import Platform
 
 
@@ -24,7 +24,14 @@ def cpu_has_amx_bf16() -> bool:
     return "amx_bf16" in cpu_flags()
 
 
-logger = logging.getLogger(__name__)
+def cpu_has_native_bf16_dot() -> bool:
+    """Whether the CPU computes bf16 dot products natively: AMX tiles (Intel Sapphire Rapids and
+    later) or AVX512-BF16's dot-product instructions (AMD Zen 4/5, Intel Cooper Lake). oneDNN's
+    bf16 GEMMs run there at a multiple of the fp32 rate; elsewhere they convert to fp32 first."""
+    return bool({"amx_bf16", "avx512_bf16"} & cpu_flags())
+
+
+logger = init_logger(__name__)
 
 # glibc mallopt parameters
 _M_TRIM_THRESHOLD = -1
@@ -36,8 +43,8 @@ def keep_freed_memory_in_process() -> bool:
     """Stops glibc from returning each freed activation buffer to the kernel.
 
     By default glibc serves blocks above a few hundred KiB with mmap and unmaps them on free, so
-    every eager op on a (512, 576) activation page-faults its output in again: a bf16 RMSNorm
-    over 512 tokens took 0.9 ms instead of 0.15 ms on the 2-core AMX machine. Keeping blocks of
+    every eager op on a (512, 576) activation page-faults its output in again, and for a
+    small element-wise op the faults cost several times the op itself. Keeping blocks of
     up to 32 MiB (glibc's maximum mmap threshold) on the heap, and not trimming it, lets the
     allocator reuse them. This is what LD_PRELOAD'ing tcmalloc or jemalloc does for vLLM's CPU
     backend. Returns whether the settings were applied (glibc only).
@@ -74,9 +81,9 @@ class CpuPlatform(Platform):
 
     def __init__(self) -> None:
         super().__init__()
-        # bf16 runs on AMX/AVX512-bf16 tiles at several times the fp32 rate; without them fp32 is
-        # the safer default.
-        self.default_dtype = torch.bfloat16 if cpu_has_amx_bf16() else torch.float32
+        # dtype="auto": bf16 where the CPU has native bf16 dot products, fp32 elsewhere (AVX2-only
+        # CPUs emulate bf16 and gain nothing over fp32 but its rounding).
+        self.default_dtype = torch.bfloat16 if cpu_has_native_bf16_dot() else torch.float32
         keep_freed_memory_in_process()
 
     def attention_backend(self, config, sliding_window):

@@ -16,15 +16,15 @@ backend in regions keyed by its buckets (vllm/attention/backends/hpu_attn.py).
 
 import importlib
 import importlib.util
-import logging
 
 import torch
 
 from vllm.compilation.piecewise import PiecewiseBackend
 from vllm.compilation.regions import CapturedRegion
+from vllm.logger import init_logger
 from vllm.platforms.interface import Platform
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 _MAX_REGION_KEYS = 1024  # far above the keys of a region warm-up enumerates
 
@@ -48,6 +48,7 @@ class HpuPlatform(Platform):
     # weights, so padding a few decodes to 128 tokens costs little and saves graphs (prompts are
     # bucketed from a 128-token block on Gaudi too).
     min_token_bucket = 128
+    sizes_kv_cache_from_device_memory = True
 
     def __init__(self) -> None:
         super().__init__()
@@ -68,6 +69,24 @@ class HpuPlatform(Platform):
         self._sdpa = None if sdpa is None else (
             lambda q, k, v, bias, scale: sdpa.apply(q, k, v, bias, 0.0, False, scale))
         self._rms_norm = None if rms_norm is None else (lambda x, weight, eps: rms_norm.apply(x, weight, eps))
+
+    def kv_cache_budget(self, gpu_memory_utilization: float, weight_bytes: int) -> int:
+        """The share `gpu_memory_utilization` of device memory, less what is already in use and
+        the weights still to load. Activations and captured graphs come out of what the share
+        leaves free, so a lower gpu_memory_utilization makes room for them."""
+        free, total = self._hthpu.mem_get_info()
+        budget = int(total * gpu_memory_utilization) - (total - free) - weight_bytes
+        gib = 1024**3
+        if budget <= 0:
+            raise ValueError(
+                f"gpu_memory_utilization={gpu_memory_utilization} leaves no device memory for the "
+                f"KV cache: {total / gib:.2f} GiB in all, {(total - free) / gib:.2f} GiB in use, "
+                f"{weight_bytes / gib:.2f} GiB of weights. Raise gpu_memory_utilization or pass "
+                "kv_cache_memory_bytes.")
+        logger.info("KV cache budget: %.2f GiB (gpu_memory_utilization=%s of %.2f GiB, %.2f GiB "
+                    "in use, %.2f GiB of weights)", budget / gib, gpu_memory_utilization,
+                    total / gib, (total - free) / gib, weight_bytes / gib)
+        return budget
 
     def synchronize(self) -> None:
         self._hthpu.synchronize()

@@ -31,6 +31,9 @@ class Platform:
     # instead of compiling an unwarmed shape). Where an unwarmed shape must still run, counted
     # and logged (RegionStats), the guards stay.
     skip_guards_after_warmup: bool = False
+    # True: gpu_memory_utilization sizes the KV cache from the device's free memory; False: the
+    # KV cache takes kv_cache_memory_bytes (VLLM_CPU_KVCACHE_SPACE), as vLLM's CPU backend does.
+    sizes_kv_cache_from_device_memory: bool = False
     # Smallest token bucket unless VLLM_TOKEN_BUCKET_MIN says otherwise (vllm/worker/bucketing.py).
     min_token_bucket: int = 16
 
@@ -40,6 +43,11 @@ class Platform:
     @property
     def device(self) -> torch.device:
         return torch.device(self.device_type)
+
+    def kv_cache_budget(self, gpu_memory_utilization: float, weight_bytes: int) -> int:
+        """Bytes for the KV cache when the user gives no kv_cache_memory_bytes, on platforms that
+        size it from device memory (`sizes_kv_cache_from_device_memory`)."""
+        raise NotImplementedError
 
     def synchronize(self) -> None:
         """Waits for queued device work (for timing)."""

@@ -1,12 +1,13 @@
 """Allocates the paged KV cache and sizes it from a memory budget."""
 
-import logging
+import math
 
 import torch
 
 from vllm.config import CacheConfig, ModelConfig
+from vllm.logger import init_logger
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 
 def bytes_per_block(model: ModelConfig, block_size: int) -> int:
@@ -16,16 +17,26 @@ def bytes_per_block(model: ModelConfig, block_size: int) -> int:
 
 
 def determine_num_blocks(model: ModelConfig, cache: CacheConfig) -> int:
+    """Blocks the cache budget holds. Raises ValueError, with the numbers and the fix, when they
+    cannot hold one sequence of max_model_len tokens (checked before any weight is loaded)."""
+    block_bytes = bytes_per_block(model, cache.block_size)
     if cache.num_gpu_blocks_override is not None:
         num_blocks = cache.num_gpu_blocks_override
     else:
-        num_blocks = cache.kv_cache_memory_bytes // bytes_per_block(model, cache.block_size)
+        num_blocks = cache.kv_cache_memory_bytes // block_bytes
     capacity = num_blocks * cache.block_size
     if capacity < model.max_model_len:
+        needed_blocks = -(-model.max_model_len // cache.block_size)
+        needed = needed_blocks * block_bytes
+        fix = (f"num_gpu_blocks_override to at least {needed_blocks}"
+               if cache.num_gpu_blocks_override is not None else
+               f"kv_cache_memory_bytes to at least {needed} (VLLM_CPU_KVCACHE_SPACE="
+               f"{math.ceil(needed / 1024**3)} GiB)")
         raise ValueError(
-            f"the KV cache holds {capacity} tokens ({num_blocks} blocks of {cache.block_size}), "
-            f"fewer than max_model_len={model.max_model_len}: one request could never finish. "
-            "Raise kv_cache_memory_bytes (or VLLM_CPU_KVCACHE_SPACE) or lower max_model_len.")
+            f"the KV cache holds {capacity} tokens ({num_blocks} blocks of {cache.block_size} "
+            f"tokens, {block_bytes / 1024**2:.2f} MiB each in {model.dtype}), fewer than "
+            f"max_model_len={model.max_model_len}: one request could never finish. Raise {fix}, "
+            f"or lower max_model_len to at most {capacity}.")
     return num_blocks
 
 

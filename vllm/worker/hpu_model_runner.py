@@ -9,7 +9,6 @@ then padded up to the token bucket whose graphs were captured at warm-up:
     logits rows: the last token of every sequence whose chunk reaches its end
 """
 
-import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +21,7 @@ from vllm.attention.backends.abstract import SeqSpan, StepBatch
 from vllm.config import EngineConfig
 from vllm.core.scheduler_output import SchedulerOutput
 from vllm.forward_context import ForwardContext, forward_context
+from vllm.logger import init_logger
 from vllm.model_executor.layers.logprobs import compute_logprobs
 from vllm.model_executor.layers.sampler import sample_with_processors
 from vllm.platforms import Platform
@@ -31,7 +31,7 @@ from vllm.worker.graph_stats import GraphStats
 from vllm.worker.runner_output import ModelRunnerOutput
 from vllm.worker.step_checks import check_step
 
-logger = logging.getLogger(__name__)
+logger = init_logger(__name__)
 
 
 def _compiled_graph_count() -> int:

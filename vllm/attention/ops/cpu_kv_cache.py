@@ -5,24 +5,15 @@ caller keeps `index_copy_`.
 """
 
 import ctypes
-import functools
 from pathlib import Path
 
 import torch
 
-from vllm.platforms.c_build import load_c_library
+from vllm.platforms.c_library import CFunction, CLibrary
 
-_SOURCE = Path(__file__).with_name("cpu_kv_cache.c")
-
-
-@functools.cache
-def _library() -> ctypes.CDLL | None:
-    lib = load_c_library(_SOURCE, "the KV cache is written by index_copy_")
-    if lib is not None:
-        i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        lib.write_kv_rows.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, ptr, ptr, i64]
-        lib.write_kv_rows.restype = ctypes.c_int
-    return lib
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+_LIBRARY = CLibrary(Path(__file__).with_name("cpu_kv_cache.c"), "the KV cache is written by index_copy_",
+                    {"write_kv_rows": CFunction([_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64])})
 
 
 def _rows_dense(x: torch.Tensor) -> bool:
@@ -35,7 +26,7 @@ def write_rows(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, 
     """key/value: (T, KVH, D), caches (num_blocks, block_size, KVH, D), slot_mapping (T,) int64.
     Writes each token's rows to its slot and returns True; False (nothing written) where the C
     copy does not apply: not CPU, a missing library, or layouts it does not take."""
-    lib = _library()
+    lib = _LIBRARY.get()
     if (lib is None or key.device.type != "cpu" or not (_rows_dense(key) and _rows_dense(value))
             or key.dtype != key_cache.dtype or value.dtype != value_cache.dtype
             or not (key_cache.is_contiguous() and value_cache.is_contiguous())

@@ -11,15 +11,14 @@
  * prefetches the next tile's rows while it computes: no gather of the blocks, no padding to
  * the longest sequence, no mask. A sequence with more keys than a task takes (task_range) is
  * split over several tasks and the parts merged. Scores, softmax and the weighted sum of
- * values stay in float32. On SmolLM2's decodes (2-core AMX machine, 4 sequences of 2000 tokens, all 30
- * layers, cache not in CPU caches) it takes 18 ms where gathering the blocks for SDPA took 25.
- * bf16 caches with 1-4 query heads per KV head (head_dim 64) or 1-2 (head_dim 128) take a copy
- * on AVX512-BF16 dot products with the value sums in registers: 16 sequences of 280 keys, all
- * layers, 7.1 ms against 9.7 (3.4 against 6.4 with the cache in CPU caches). Where AMX is
- * there, bf16 with head_dim 64, at most 16 heads and 4 per KV head takes a third copy: the
- * scores of all heads as tile products, the values by float32 FMAs, the next rows prefetched
- * (attend_bf16_amx); 4 sequences of 2030 keys and 16 of 64, 30 layers, from memory: ~11.5 ms
- * against ~14.7 (reading the same bytes and nothing else takes ~6.8 ms).
+ * values stay in float32. Decode attention is bound by reading the cache, and this reads each
+ * key and value row once, where gathering the blocks for SDPA reads them, writes a padded copy
+ * and reads that again. bf16 caches with 1-4 query heads per KV head (head_dim 64) or 1-2
+ * (head_dim 128) take a copy on AVX512-BF16 dot products with the value sums in registers, so
+ * a row is converted and used without a round trip through memory. Where AMX is there, bf16
+ * with head_dim 64, at most 16 heads and 4 per KV head takes a third copy: the scores of all
+ * heads as tile products, the values by float32 FMAs, the next rows prefetched
+ * (attend_bf16_amx), which leaves the vector units free for the softmax and the value sums.
  *
  * Layouts (all contiguous): query and out (num_seqs, num_heads, head_dim); caches
  * (num_blocks, block_size, num_kv_heads, head_dim); block_tables (num_seqs, max_blocks) and

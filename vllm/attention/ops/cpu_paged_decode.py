@@ -2,34 +2,26 @@
 
 The kernel reads each sequence's keys and values in place from the paged cache, so decodes
 need no block gather, no padding to the longest sequence and no mask. Where it cannot be
-built, or with VLLM_CPU_C_KERNELS=0, decodes take the gather + SDPA path in hpu_attn.py.
+built, or with VLLM_CPU_C_KERNELS=0, decodes take the gather + SDPA path in
+vllm/attention/backends/cpu_attn.py.
 """
 
 import ctypes
-import functools
 from pathlib import Path
 
 import torch
 
-from vllm.platforms.c_build import load_c_library
+from vllm.platforms.c_library import CFunction, CLibrary
 
-_SOURCE = Path(__file__).with_name("cpu_paged_decode.c")
 _FUNCTIONS = {torch.bfloat16: "paged_decode_bf16", torch.float32: "paged_decode_f32"}
-
-
-@functools.cache
-def _library() -> ctypes.CDLL | None:
-    lib = load_c_library(_SOURCE, "decode attention gathers the cache blocks instead")
-    if lib is not None:
-        i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        for name in _FUNCTIONS.values():
-            fn = getattr(lib, name)
-            fn.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float]
-            fn.restype = ctypes.c_int
-        lib.paged_decode_max_heads.restype = lib.paged_decode_max_head_dim.restype = ctypes.c_int64
-        lib.paged_decode_use_amx.argtypes = [ctypes.c_int]
-        lib.paged_decode_use_amx(1)  # bf16 on AMX where the CPU and Linux allow it
-    return lib
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+_DECODE = CFunction([_ptr] * 6 + [_i64] * 7 + [ctypes.c_float])
+_LIBRARY = CLibrary(
+    Path(__file__).with_name("cpu_paged_decode.c"), "decode attention gathers the cache blocks instead",
+    {**{name: _DECODE for name in _FUNCTIONS.values()},
+     "paged_decode_max_heads": CFunction([], _i64), "paged_decode_max_head_dim": CFunction([], _i64),
+     "paged_decode_use_amx": CFunction([ctypes.c_int])},
+    on_load=lambda lib: lib.paged_decode_use_amx(1))  # bf16 on AMX where the CPU and Linux allow it
 
 
 def is_available(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
@@ -37,7 +29,7 @@ def is_available(device: torch.device, dtype: torch.dtype, num_heads: int, num_k
     """Whether this model's decodes can use the kernel (builds it on the first call)."""
     if device.type != "cpu" or dtype not in _FUNCTIONS or num_heads % num_kv_heads:
         return False
-    lib = _library()
+    lib = _LIBRARY.get()
     return (lib is not None and num_heads <= lib.paged_decode_max_heads()
             and head_dim <= lib.paged_decode_max_head_dim())
 
@@ -45,17 +37,14 @@ def is_available(device: torch.device, dtype: torch.dtype, num_heads: int, num_k
 def use_amx(enabled: bool) -> bool:
     """Lets bf16 decodes take the AMX copy (the default where it runs) or not, the AVX512 copies
     that CPUs without AMX use (for tests and comparisons); returns whether AMX is now in use."""
-    lib = _library()
+    lib = _LIBRARY.get()
     assert lib is not None, "call is_available() first"
     return bool(lib.paged_decode_use_amx(int(enabled)))
 
 
 def kernel_address(dtype: torch.dtype) -> int | None:
     """Address of the C kernel for `dtype`, for C code that calls it; None where unavailable."""
-    lib = _library()
-    if lib is None or dtype not in _FUNCTIONS:
-        return None
-    return ctypes.cast(getattr(lib, _FUNCTIONS[dtype]), ctypes.c_void_p).value
+    return _LIBRARY.address(_FUNCTIONS[dtype]) if dtype in _FUNCTIONS else None
 
 
 def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -66,7 +55,7 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
     query, out: (S, H, D); caches: (num_blocks, block_size, KVH, D); block_tables: (S, B) int64;
     seq_lens: (S,) int64, keys per sequence (its cached tokens and this one).
     """
-    lib = _library()
+    lib = _LIBRARY.get()
     assert lib is not None, "call is_available() first"
     tensors = (query, key_cache, value_cache, block_tables, seq_lens, out)
     assert all(t.is_contiguous() and t.device.type == "cpu" for t in tensors)

@@ -26,11 +26,11 @@ int paged_decode_use_amx(int enable) { return amx_ready = enable && amx_request_
  * are summed in float32 FMAs: a value row's 32-bit words hold pairs of bf16 dims, so a shift
  * and a mask make float32 vectors of its even and its odd dims, and each head's weight (a
  * float32, not rounded to bf16) is broadcast against them. The sums of a group's heads stay in
- * registers, in that even/odd order (`unpacked_dim`) until they are written out. (bf16 dot
- * products over pairs of keys did half the work per cycle here: vdpbf16ps does twice an FMA's
- * products but issues once per two cycles, an FMA twice per cycle; 4 sequences of 512 keys,
- * one thread, caches warm: 83 -> 70 us.) The rows of the keys PREFETCH_KEYS ahead are asked
- * for while the values are summed (sum_values). */
+ * registers, in that even/odd order (`unpacked_dim`) until they are written out. FMAs rather
+ * than bf16 dot products over pairs of keys: vdpbf16ps does twice an FMA's products but issues
+ * once per two cycles where an FMA issues twice per cycle, so the dot products do half the work
+ * per cycle. The rows of the keys PREFETCH_KEYS ahead are asked for while the values are summed
+ * (sum_values). */
 static inline int64_t unpacked_dim(int64_t v, int64_t lane) {
     /* vector v of a head's four: 0, 1 = the even, the odd dims of 0-31; 2, 3 those of 32-63 */
     return 32 * (v / 2) + 2 * lane + v % 2;

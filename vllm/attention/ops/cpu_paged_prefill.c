@@ -1,5 +1,5 @@
 /*
- * Prefill attention on AMX tiles that reads keys and values where they lie in the paged cache.
+ * Prefill attention that reads keys and values where they lie in the paged cache.
  *
  * A prefill chunk's queries (positions context_len .. context_len + query_len - 1 of their
  * sequence) attend causally to every earlier key: the context that earlier chunks left in the
@@ -9,27 +9,15 @@
  *
  * One task = 16 queries of one head. Their scores are computed transposed, keys down and
  * queries across, so that the softmax over keys runs down the columns (one vector per key,
- * no horizontal reductions), and the keys load straight from the cache into the tiles:
- *
- *   S^T (16 keys x 16 queries) = K (16 keys x 64 dims, cache rows) . Q^T (pairs of dims x queries)
- *   O^T (64 dims x 16 queries) += V^T (dims x 32 keys, packed once per call) . P^T (pairs of keys x queries)
- *
- * O^T stays in four accumulator tiles across all keys, Q^T in two: the softmax
- * (vllm/platforms/lazy_softmax.h) raises its running maximum only when a score exceeds it by
- * more than 2^8 in weight, and only then is O^T stored, rescaled and reloaded. A step's weights
- * are first computed against the running maximum as it stands, which most steps keep
- * (lazy_softmax_accept), so most skip the pass over their scores for the maximum. Scores,
- * weights' sums and O^T are float32; the weights enter the tile product as bf16, as in torch's
- * CPU flash attention.
- *
- * A tile load holds up the vector work issued after it until it is done, so a step's softmax
- * and its tile work, one after the other, cost their sum. The step's softmax is therefore cut
- * into eight parts, and between them go eight pieces of tile work for the steps beside it: the
- * next step's two score tiles, the previous step's four value products (tile_work_part). The
- * AMX unit then multiplies while the vector units compute weights. SmolLM2's shapes (9 heads,
- * 3 KV heads), 512 queries after 1536 cached keys: 1.59-1.63 ms before, 1.17-1.27 after
- * (alternated), 1.06-1.16 with Q^T and the output rows through transposes in registers
- * (transpose_16x16); 4.4 ms for gathering the context and two flash-attention calls merged.
+ * no horizontal reductions), 32 keys a step, with a lazy running softmax
+ * (vllm/platforms/lazy_softmax.h). Scores, the weights' sums and the output are float32; the
+ * weights enter the product with the values as bf16, as in torch's CPU flash attention. The
+ * values are packed once per call as V^T, 32 keys a step (pack_values), the keys read in place.
+ * Two copies of a task share this: on AMX tiles (cpu_paged_prefill_amx.h), and on AVX512-BF16
+ * dot products (cpu_paged_prefill_avx512.h) for CPUs without AMX; the CPU's ISA, as the
+ * compiler sees it, decides which exist, and AMX runs where both do (paged_prefill_use_amx).
+ * Q^T and the output rows go through transposes in registers (transpose_16x16) rather than
+ * through memory.
  *
  * Layouts: query (num_tokens, num_heads, 64) with rows query_stride elements apart (q inside a
  * rotated q|k row), out (num_tokens, num_heads, 64) contiguous; caches (num_blocks, block_size,
@@ -65,20 +53,49 @@ struct prefill {
     float scale;
 };
 
-#if defined(VLLM_HAVE_AMX) && defined(VLLM_HAVE_LAZY_SOFTMAX)
+#if defined(VLLM_HAVE_LAZY_SOFTMAX)  /* AVX512-BF16 (and maybe AMX) */
 
-int paged_prefill_supported(void) { return amx_request_tiles(); }
+int paged_prefill_supported(void) { return 1; }
 
 struct task {
     int64_t seq, head, first_query;
 };
 
+/* The position of a task's last query: the last key any of its queries sees. */
+static inline int64_t task_last_key(const struct prefill *a, const struct task *t) {
+    const int64_t left = a->query_lens[t->seq] - t->first_query;
+    return a->context_lens[t->seq] + t->first_query + (left < QUERIES ? left : QUERIES) - 1;
+}
+
+/* The first key of the first step of queries from position `first` on: a multiple of KEYS at
+ * or before the earliest key in the window of any of them. */
+static inline int64_t first_key(int64_t first, int64_t window) {
+    return window > 0 && first - window + 1 > 0 ? (first - window + 1) / KEYS * KEYS : 0;
+}
+
+/* Which of the queries at positions first .. first + 15 see keys k0 .. k0 + KEYS - 1 (lane q of
+ * seen[j]: query first + q, key k0 + j): all, unless the step reaches the diagonal or the
+ * window's edge; none for keys past `last`. */
+static inline void visible_keys(__mmask16 seen[KEYS], int64_t k0, int64_t first, int64_t last, int64_t window) {
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const int64_t rows = last - k0 + 1 < KEYS ? last - k0 + 1 : KEYS;
+    const int partial = k0 + KEYS - 1 > first || (window > 0 && k0 <= last - window);
+    for (int64_t j = 0; j < KEYS; ++j) {
+        seen[j] = j < rows ? 0xffff : 0;
+        if (partial && j < rows) {  /* query q sees key k iff k <= first + q (> first + q - window) */
+            const int64_t rel = k0 + j - first;
+            seen[j] = _mm512_cmp_epi32_mask(lane, _mm512_set1_epi32((int)rel), _MM_CMPINT_NLT);
+            if (window > 0)
+                seen[j] &= _mm512_cmp_epi32_mask(lane, _mm512_set1_epi32((int)(rel + window)), _MM_CMPINT_LT);
+        }
+    }
+}
+
 /* V^T of keys [32 step, 32 step + 32) of one sequence, all KV heads: per head four tiles of
  * 16 dims x 32 keys; keys past num_keys are zero (their weights are zero, their cache rows
  * may hold anything). Each 32-bit gather takes a pair of dims of 16 keys (one block's
- * consecutive rows), and one permute of two such gathers makes each dim's row of 32 keys.
- * (Element by element, the packing took a fifth of the kernel at 248 queries after 1000 keys;
- * gathered, the kernel there takes 0.44-0.45 ms instead of 0.48-0.50.) */
+ * consecutive rows), and one permute of two such gathers makes each dim's row of 32 keys:
+ * packing element by element would be a sizeable share of the kernel for short chunks. */
 static void pack_values(const struct prefill *a, int64_t seq, int64_t step, int64_t num_keys,
                         uint16_t *vt) {
     const int64_t *table = a->block_tables + seq * a->max_blocks;
@@ -110,120 +127,6 @@ static void pack_values(const struct prefill *a, int64_t seq, int64_t step, int6
         }
 }
 
-/* Multiplies column q of the four O^T tiles by alpha[q]. */
-static inline void rescale_output(__m512 alpha) {
-    float o[HEAD_DIM][QUERIES] __attribute__((aligned(64)));
-    _tile_stored(0, o[0], 64);
-    _tile_stored(1, o[16], 64);
-    _tile_stored(2, o[32], 64);
-    _tile_stored(3, o[48], 64);
-    for (int d = 0; d < HEAD_DIM; ++d) _mm512_store_ps(o[d], _mm512_mul_ps(_mm512_load_ps(o[d]), alpha));
-    amx_publish_stores();
-    _tile_loadd(0, o[0], 64);
-    _tile_loadd(1, o[16], 64);
-    _tile_loadd(2, o[32], 64);
-    _tile_loadd(3, o[48], 64);
-}
-
-/* The cache rows of a sequence's 16 keys from `key` (a multiple of 16: one block) in KV head
- * kvh; NULL for keys past `last`. */
-static inline const uint16_t *key_rows(const struct prefill *a, const int64_t *table, int64_t kvh, int64_t key,
-                                       int64_t last) {
-    if (key > last) return NULL;
-    return a->key_cache + (slot_of(table, key, a->block_size) * a->num_kv_heads + kvh) * HEAD_DIM;
-}
-
-/* Tile work for the steps beside the one whose softmax runs: the next step's score tiles and
- * the previous step's value products. Tiles 0-3 hold O^T, 6-7 Q^T; 4 and 5 take the rest. */
-struct tile_work {
-    const uint16_t *keys[2];          /* the next step's two 16-key tiles' cache rows, or NULL */
-    float (*scores)[QUERIES];         /* where their S^T goes (32 rows) */
-    const uint16_t *vt;               /* the previous step's V^T, or NULL on the first step */
-    const uint32_t (*pt)[QUERIES];    /* and its P^T */
-    int64_t row_bytes;                /* between the cache rows of two keys */
-};
-
-/* Piece `part` (0-7) of the tile work: S^T of the next step's keys 0-15 over dims 0-31 and then
- * 32-63 (parts 0, 1), O^T tiles 0 and 1 += V^T . P^T (2, 3), the same for keys 16-31 (4, 5)
- * and O^T tiles 2 and 3 (6, 7). (In softmax_step's unrolled loop the switch folds away.) */
-static inline void tile_work_part(const struct tile_work *w, int part) {
-    const uint16_t *keys = w->keys[part / 4];
-    switch (part) {
-    case 0: case 4:
-        if (!keys) return;
-        _tile_zero(4);
-        _tile_loadd(5, keys, w->row_bytes);
-        _tile_dpbf16ps(4, 5, 6);
-        return;
-    case 1: case 5:
-        if (!keys) return;
-        _tile_loadd(5, keys + 32, w->row_bytes);
-        _tile_dpbf16ps(4, 5, 7);
-        _tile_stored(4, w->scores[part / 4 * 16], 64);
-        return;
-    case 2:
-        if (!w->vt) return;
-        _tile_loadd(4, w->pt, 64);
-        _tile_loadd(5, w->vt, 64);
-        _tile_dpbf16ps(0, 5, 4);
-        return;
-    case 3:
-        if (!w->vt) return;
-        _tile_loadd(5, w->vt + 512, 64);
-        _tile_dpbf16ps(1, 5, 4);
-        return;
-    case 6:
-        if (!w->vt) return;
-        _tile_loadd(4, w->pt, 64);  /* tile 4 held scores since part 2 */
-        _tile_loadd(5, w->vt + 1024, 64);
-        _tile_dpbf16ps(2, 5, 4);
-        return;
-    case 7:
-        if (!w->vt) return;
-        _tile_loadd(5, w->vt + 1536, 64);
-        _tile_dpbf16ps(3, 5, 4);
-        return;
-    }
-}
-
-/* All of the tile work at once (before the first step's softmax and after the last's). */
-static inline void tile_work_all(const struct tile_work *w) {
-    for (int part = 0; part < 8; ++part) tile_work_part(w, part);
-}
-
-/* Weights of keys [k0, k0 + 32) from their scores s, as the P^T tile pt (pairs of keys x
- * queries, bf16), with the tile work w done between its parts; O^T is rescaled when the running
- * maximum rises (after w's value products). Keys past `last`, and keys a query must not see,
- * get 0. */
-static inline void softmax_step(struct lazy_softmax *st, float s[KEYS][QUERIES], uint32_t pt[KEYS / 2][QUERIES],
-                                int64_t k0, int64_t first, int64_t last, int64_t window, const struct tile_work *w) {
-    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    /* Which queries see key k0 + j: all, unless this step reaches the diagonal or the window's edge. */
-    const int64_t rows = last - k0 + 1 < KEYS ? last - k0 + 1 : KEYS;
-    const int partial = k0 + KEYS - 1 > first || (window > 0 && k0 <= last - window);
-    __mmask16 seen[KEYS];
-    for (int64_t j = 0; j < KEYS; ++j) {
-        seen[j] = j < rows ? 0xffff : 0;
-        if (partial && j < rows) {  /* query q sees key k iff k <= first + q (> first + q - window) */
-            const int64_t rel = k0 + j - first;
-            seen[j] = _mm512_cmp_epi32_mask(lane, _mm512_set1_epi32((int)rel), _MM_CMPINT_NLT);
-            if (window > 0)
-                seen[j] &= _mm512_cmp_epi32_mask(lane, _mm512_set1_epi32((int)(rel + window)), _MM_CMPINT_LT);
-        }
-    }
-    const float (*scores)[16] = (const float (*)[16])s;
-    __m512 sums = _mm512_setzero_ps();
-    #pragma GCC unroll 8
-    for (int part = 0; part < 8; ++part) {  /* four keys' weights, then a piece of tile work */
-        sums = _mm512_add_ps(sums, lazy_softmax_pairs(st, scores + 4 * part, seen + 4 * part, 4, pt + 2 * part));
-        tile_work_part(w, part);
-    }
-    if (lazy_softmax_accept(st, sums)) return;
-    __m512 alpha;
-    if (lazy_softmax_raise(st, masked_max(scores, seen, KEYS), &alpha)) rescale_output(alpha);
-    st->total = _mm512_add_ps(st->total, lazy_softmax_pairs(st, scores, seen, KEYS, pt));
-}
-
 /* Transposes 16 rows of 16 32-bit lanes in place: r[i] lane j <- r[j] lane i. Pairs of rows
  * interleave, then fours, then 128-bit quarters trade places. */
 static inline void transpose_16x16(__m512 r[16]) {
@@ -252,67 +155,28 @@ static inline void transpose_16x16(__m512 r[16]) {
     for (int i = 0; i < 16; ++i) r[i] = t[i];
 }
 
-/* Queries first_query .. + 15 of head `head` of one sequence; vt: the sequence's packed V^T. */
-static void attend_task(const struct prefill *a, const struct task *t, const uint16_t *vt) {
-    const int64_t seq = t->seq, head = t->head, q0 = t->first_query;
-    const int64_t kvh_count = a->num_kv_heads, kvh = head / (a->num_heads / kvh_count);
-    const int64_t context = a->context_lens[seq], query_len = a->query_lens[seq];
-    const int64_t nq = query_len - q0 < QUERIES ? query_len - q0 : QUERIES;
-    const int64_t first = context + q0, last = first + nq - 1; /* positions of the queries */
-    const int64_t *table = a->block_tables + seq * a->max_blocks, window = a->window;
-
-    /* Q^T in pairs of dims: qt[c][p][q] = dims 32 c + 2 p, + 1 of query q (padding queries: 0),
-     * the transpose of the queries' rows read as 32-bit pairs. */
-    uint32_t qt[2][16][QUERIES] __attribute__((aligned(64)));
-    const uint16_t *queries = a->query + (a->token_offsets[seq] + q0) * a->query_stride + head * HEAD_DIM;
-    for (int c = 0; c < 2; ++c) {
+/* Q^T of a task's queries in pairs of dims: qt[p][q] = dims 2 p, 2 p + 1 of query q (queries
+ * past the chunk: 0), the transpose of the queries' rows read as 32-bit pairs. */
+static inline void pack_queries(const struct prefill *a, const struct task *t, uint32_t qt[HEAD_DIM / 2][QUERIES]) {
+    const int64_t left = a->query_lens[t->seq] - t->first_query, nq = left < QUERIES ? left : QUERIES;
+    const uint16_t *queries = a->query + (a->token_offsets[t->seq] + t->first_query) * a->query_stride +
+                              t->head * HEAD_DIM;
+    for (int c = 0; c < HEAD_DIM / 32; ++c) {
         __m512 r[16];
         for (int64_t q = 0; q < QUERIES; ++q)
             r[q] = q < nq ? _mm512_loadu_ps(queries + q * a->query_stride + 32 * c) : _mm512_setzero_ps();
         transpose_16x16(r);
-        for (int p = 0; p < 16; ++p) _mm512_store_ps(qt[c][p], r[p]);
+        for (int p = 0; p < 16; ++p) _mm512_store_ps(qt[16 * c + p], r[p]);
     }
-    amx_publish_stores();
-    _tile_loadd(6, qt[0], 64);
-    _tile_loadd(7, qt[1], 64);
+}
 
-    /* Keys [begin, last]: every key some query sees (begin: a multiple of KEYS). */
-    int64_t begin = 0;
-    if (window > 0 && first - window + 1 > 0) begin = (first - window + 1) / KEYS * KEYS;
-    struct lazy_softmax st = lazy_softmax_start(a->scale);
-    float s[2][KEYS][QUERIES] __attribute__((aligned(64)));  /* this step's scores, the next's */
-    uint32_t pt[2][KEYS / 2][QUERIES] __attribute__((aligned(64)));  /* this step's P^T, the last's */
-    const int64_t row_bytes = kvh_count * HEAD_DIM * 2;
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    struct tile_work w = {{key_rows(a, table, kvh, begin, last), key_rows(a, table, kvh, begin + 16, last)},
-                          s[0], NULL, NULL, row_bytes};
-    tile_work_all(&w);  /* the first step's scores */
-    for (int64_t k0 = begin, cur = 0; k0 <= last; k0 += KEYS, cur ^= 1) {
-        amx_publish_stores();
-        w.keys[0] = key_rows(a, table, kvh, k0 + KEYS, last);
-        w.keys[1] = key_rows(a, table, kvh, k0 + KEYS + 16, last);
-        w.scores = s[cur ^ 1];
-        softmax_step(&st, s[cur], pt[cur], k0, first, last, window, &w);
-        w.vt = vt + (k0 / KEYS * kvh_count + kvh) * VT_STEP;
-        w.pt = pt[cur];
-    }
-    amx_publish_stores();
-    w.keys[0] = w.keys[1] = NULL;
-    tile_work_all(&w);  /* the last step's value products */
-    const __m512 total = st.total;
-
-    /* out[query q] = column q of O^T / total[q]. */
-    float o[HEAD_DIM][QUERIES] __attribute__((aligned(64)));
+/* out[query q] = column q of O^T / total[q], as bf16, for the task's queries. */
+static inline void store_output(const struct prefill *a, const struct task *t, const float o[HEAD_DIM][QUERIES],
+                                __m512 total) {
+    const int64_t left = a->query_lens[t->seq] - t->first_query, nq = left < QUERIES ? left : QUERIES;
     float inverse[QUERIES] __attribute__((aligned(64)));
-    _tile_stored(0, o[0], 64);
-    _tile_stored(1, o[16], 64);
-    _tile_stored(2, o[32], 64);
-    _tile_stored(3, o[48], 64);
     _mm512_store_ps(inverse, _mm512_div_ps(_mm512_set1_ps(1.0f), total));
-    uint16_t *rows = a->out + ((a->token_offsets[seq] + q0) * a->num_heads + head) * HEAD_DIM;
+    uint16_t *rows = a->out + ((a->token_offsets[t->seq] + t->first_query) * a->num_heads + t->head) * HEAD_DIM;
     for (int d0 = 0; d0 < HEAD_DIM; d0 += 16) {
         __m512 r[16];
         for (int i = 0; i < 16; ++i) r[i] = _mm512_load_ps(o[d0 + i]);
@@ -321,6 +185,9 @@ static void attend_task(const struct prefill *a, const struct task *t, const uin
             store_bf16x16(rows + q * a->num_heads * HEAD_DIM + d0, _mm512_mul_ps(r[q], _mm512_set1_ps(inverse[q])));
     }
 }
+
+#include "cpu_paged_prefill_amx.h"
+#include "cpu_paged_prefill_avx512.h"
 
 /* Every chunk of the call: V^T packed per step of KEYS keys, then tasks, longest first. */
 static int attend_prefills(const struct prefill *a, int64_t num_seqs) {
@@ -336,18 +203,25 @@ static int attend_prefills(const struct prefill *a, int64_t num_seqs) {
     }
     const int64_t num_steps = first_step[num_seqs];
     int64_t *step_seq = malloc((size_t)(num_steps > 0 ? num_steps : 1) * sizeof *step_seq);
+    struct task *tasks = malloc((size_t)(num_tasks > 0 ? num_tasks : 1) * sizeof *tasks);
+    uint16_t *vt = aligned_alloc(64, (size_t)((num_steps > 0 ? num_steps : 1) * num_kv_heads * VT_STEP) * 2);
+    if (!step_seq || !tasks || !vt) {
+        free(first_step), free(step_seq), free(tasks), free(vt);
+        return 2;
+    }
     for (int64_t s = 0; s < num_seqs; ++s)
         for (int64_t i = first_step[s]; i < first_step[s + 1]; ++i) step_seq[i] = s;
-    struct task *tasks = malloc((size_t)(num_tasks > 0 ? num_tasks : 1) * sizeof *tasks);
     int64_t n = 0;
     for (int64_t s = 0; s < num_seqs; ++s)
         for (int64_t q0 = (query_lens[s] - 1) / QUERIES * QUERIES; q0 >= 0; q0 -= QUERIES)
             for (int64_t h = 0; h < num_heads; ++h) tasks[n++] = (struct task){s, h, q0};
-    uint16_t *vt = aligned_alloc(64, (size_t)((num_steps > 0 ? num_steps : 1) * num_kv_heads * VT_STEP) * 2);
-    if (!first_step || !step_seq || !tasks || !vt) {
-        free(first_step), free(step_seq), free(tasks), free(vt);
-        return 2;
-    }
+#ifdef HAVE_PREFILL_AMX
+    const int tiles = amx_ready;  /* then each thread configures its tiles, and releases them */
+    void (*attend_task)(const struct prefill *, const struct task *, const uint16_t *) =
+        tiles ? attend_task_amx : attend_task_avx512;
+#else
+    void (*attend_task)(const struct prefill *, const struct task *, const uint16_t *) = attend_task_avx512;
+#endif
     #pragma omp parallel
     {
         #pragma omp for schedule(static)
@@ -356,19 +230,24 @@ static int attend_prefills(const struct prefill *a, int64_t num_seqs) {
             pack_values(a, s, i - first_step[s], context_lens[s] + query_lens[s],
                         vt + i * num_kv_heads * VT_STEP);
         }
-        amx_configure_full_tiles();
+#ifdef HAVE_PREFILL_AMX
+        if (tiles) amx_configure_full_tiles();
+#endif
         #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < num_tasks; ++i)
             attend_task(a, &tasks[i], vt + first_step[tasks[i].seq] * num_kv_heads * VT_STEP);
-        _tile_release();
+#ifdef HAVE_PREFILL_AMX
+        if (tiles) _tile_release();
+#endif
     }
     free(first_step), free(step_seq), free(tasks), free(vt);
     return 0;
 }
 
-#else  /* no AMX here: prefills keep torch's flash attention */
+#else  /* no AVX512-BF16 here: prefills keep torch's flash attention */
 
 int paged_prefill_supported(void) { return 0; }
+int paged_prefill_use_amx(int enable) { (void)enable; return 0; }
 
 #endif
 
@@ -383,7 +262,7 @@ int paged_prefill_bf16(const uint16_t *query, const uint16_t *key_cache, const u
     const struct prefill a = {query, key_cache, value_cache, block_tables, token_offsets, query_lens,
                               context_lens, out, query_stride, num_heads, num_kv_heads, block_size,
                               max_blocks, window, scale};
-#if defined(VLLM_HAVE_AMX) && defined(VLLM_HAVE_LAZY_SOFTMAX)
+#if defined(VLLM_HAVE_LAZY_SOFTMAX)
     return attend_prefills(&a, num_seqs);
 #else
     (void)a;

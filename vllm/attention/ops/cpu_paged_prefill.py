@@ -1,31 +1,25 @@
-"""The C prefill-attention kernel on AMX tiles (cpu_paged_prefill.c), built on first use (vllm/platforms/c_build.py).
+"""The C prefill-attention kernel (cpu_paged_prefill.c), built on first use (vllm/platforms/c_build.py).
 
 Prefill chunks attend to their cached context and to their own keys in one pass that reads
-the paged cache in place. It takes bf16 with head_dim 64 and a block size that is a multiple
-of 16; elsewhere (and where it cannot be built, the CPU lacks AMX, or VLLM_CPU_C_KERNELS=0),
-prefills keep the gather + flash-attention path in hpu_attn.py.
+the paged cache in place, on AMX tiles where the CPU has them and on AVX512-BF16 dot products
+elsewhere. It takes bf16 with head_dim 64 and a block size that is a multiple of 16; elsewhere
+(and where it cannot be built, the CPU lacks AVX512-BF16, or VLLM_CPU_C_KERNELS=0), prefills
+keep the gather + flash-attention path in vllm/attention/backends/cpu_attn.py.
 """
 
 import ctypes
-import functools
 from pathlib import Path
 
 import torch
 
-from vllm.platforms.c_build import load_c_library
+from vllm.platforms.c_library import CFunction, CLibrary
 
-_SOURCE = Path(__file__).with_name("cpu_paged_prefill.c")
-
-
-@functools.cache
-def _library() -> ctypes.CDLL | None:
-    lib = load_c_library(_SOURCE, "prefills keep torch's flash attention")
-    if lib is None or not lib.paged_prefill_supported():
-        return None
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.paged_prefill_bf16.argtypes = [ptr] * 8 + [i64] * 8 + [ctypes.c_float]
-    lib.paged_prefill_bf16.restype = ctypes.c_int
-    return lib
+_LIBRARY = CLibrary(
+    Path(__file__).with_name("cpu_paged_prefill.c"), "prefills keep torch's flash attention",
+    {"paged_prefill_bf16": CFunction([ctypes.c_void_p] * 8 + [ctypes.c_int64] * 8 + [ctypes.c_float]),
+     "paged_prefill_head_dim": CFunction([]), "paged_prefill_use_amx": CFunction([ctypes.c_int])},
+    supported="paged_prefill_supported",
+    on_load=lambda lib: lib.paged_prefill_use_amx(1))  # AMX where the CPU and Linux allow it
 
 
 def is_available(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
@@ -33,8 +27,16 @@ def is_available(device: torch.device, dtype: torch.dtype, num_heads: int, num_k
     """Whether this model's prefills can use the kernel (builds it on the first call)."""
     if device.type != "cpu" or dtype != torch.bfloat16 or num_heads % num_kv_heads or block_size % 16:
         return False
-    lib = _library()
+    lib = _LIBRARY.get()
     return lib is not None and head_dim == lib.paged_prefill_head_dim()
+
+
+def use_amx(enabled: bool) -> bool:
+    """Lets prefills take the AMX copy (the default where it runs) or not, the AVX512-BF16 copy
+    that CPUs without AMX use (for tests and comparisons); returns whether AMX is now in use."""
+    lib = _LIBRARY.get()
+    assert lib is not None, "call is_available() first"
+    return bool(lib.paged_prefill_use_amx(int(enabled)))
 
 
 def paged_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -49,7 +51,7 @@ def paged_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     context_lens: (S,) int64, where each chunk's queries start in the step, how many there are,
     and how many of its sequence's keys were cached before it.
     """
-    lib = _library()
+    lib = _LIBRARY.get()
     assert lib is not None, "call is_available() first"
     tensors = (query, key_cache, value_cache, block_tables, token_offsets, query_lens, context_lens, out)
     assert all(t.is_contiguous() and t.device.type == "cpu" for t in tensors[1:])
@@ -70,5 +72,4 @@ def paged_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
 def kernel_address() -> int | None:
     """Address of the C function `paged_prefill_bf16`, for C code that calls it; None where
     unavailable."""
-    lib = _library()
-    return None if lib is None else ctypes.cast(lib.paged_prefill_bf16, ctypes.c_void_p).value
+    return _LIBRARY.address("paged_prefill_bf16")

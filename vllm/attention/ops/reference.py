@@ -18,10 +18,10 @@ def reference_paged_attention(query: torch.Tensor, key_cache: torch.Tensor, valu
             lo = 0 if sliding_window is None else max(0, pos - sliding_window + 1)
             slots = [span.block_table[p // block_size] * block_size + p % block_size
                      for p in range(lo, pos + 1)]
-            keys = key_cache.reshape(-1, num_kv_heads, key_cache.shape[-1])[slots].float()
-            values = value_cache.reshape(-1, num_kv_heads, value_cache.shape[-1])[slots].float()
-            for h in range(query.shape[1]):
-                q = query[span.token_offset + i, h].float()
-                scores = keys[:, h // r] @ q * scale
-                out[span.token_offset + i, h] = torch.softmax(scores, dim=0) @ values[:, h // r]
+            # Query head h reads KV head h // r.
+            keys = key_cache.reshape(-1, num_kv_heads, key_cache.shape[-1])[slots].float().repeat_interleave(r, 1)
+            values = value_cache.reshape(-1, num_kv_heads, value_cache.shape[-1])[slots].float().repeat_interleave(r, 1)
+            q = query[span.token_offset + i].float()                              # (H, D)
+            scores = torch.einsum("hd,khd->hk", q, keys) * scale                  # (H, keys)
+            out[span.token_offset + i] = torch.einsum("hk,khd->hd", torch.softmax(scores, dim=1), values)
     return out

@@ -5,9 +5,10 @@
  * once per row of x. Each thread streams a contiguous range of W's rows, prefetching a few rows
  * ahead, and multiplies every row of x into it with AVX512-BF16 dot products (vdpbf16ps), one
  * float32 accumulator per x row kept in registers (the row count is a compile-time constant in
- * each copy). On SmolLM2's 120 layer matrices (2-core AMX machine, weights not in CPU caches)
- * one row takes 8.5 ms against 11.8 ms for oneDNN's packed GEMV. Past a few rows oneDNN's AMX
- * kernels are faster, so the caller stops at MAX_ROWS.
+ * each copy), so W goes through the cores once, at the rate memory delivers it, whatever the
+ * row count. Past a few rows the product stops being bound by the weights alone and the
+ * accumulators outgrow the registers; oneDNN's blocked kernels (on AMX tiles where there are)
+ * then do better, so the caller stops at MAX_ROWS.
  *
  * Layouts (contiguous): x (m, k), W (n, k) as nn.Linear stores it, bias (n) or NULL, y (m, n).
  */

@@ -10,32 +10,24 @@ from pathlib import Path
 
 import torch
 
-from vllm.platforms.c_build import load_c_library
+from vllm.platforms.c_library import CFunction, CLibrary
 
-_SOURCE = Path(__file__).with_name("cpu_gemv.c")
-
-
-@functools.cache
-def _library() -> ctypes.CDLL | None:
-    lib = load_c_library(_SOURCE, "linear layers use oneDNN for decode rows too")
-    if lib is None or lib.gemv_supported() == 0:
-        return None
-    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.gemv_bf16.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64]
-    lib.gemv_bf16.restype = ctypes.c_int
-    return lib
+_ptr, _i64 = ctypes.c_void_p, ctypes.c_int64
+_LIBRARY = CLibrary(Path(__file__).with_name("cpu_gemv.c"), "linear layers use oneDNN for decode rows too",
+                    {"gemv_bf16": CFunction([_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64])},
+                    supported="gemv_supported")
 
 
 @functools.cache
 def max_rows() -> int:
     """Largest row count the kernel takes (0: not available); builds it on the first call."""
-    lib = _library()
+    lib = _LIBRARY.get()
     return 0 if lib is None else lib.gemv_supported()
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x: (M, K) bf16 with M <= max_rows(); weight: (N, K) bf16 -> (M, N) bf16."""
-    lib = _library()
+    lib = _LIBRARY.get()
     assert lib is not None and 0 < x.shape[0] <= max_rows()
     assert x.dtype == weight.dtype == torch.bfloat16 and weight.is_contiguous()
     assert bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous())
@@ -53,5 +45,4 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> to
 
 def kernel_address() -> int | None:
     """Address of the C function `gemv_bf16`, for C code that calls it; None where unavailable."""
-    lib = _library()
-    return None if lib is None else ctypes.cast(lib.gemv_bf16, ctypes.c_void_p).value
+    return _LIBRARY.address("gemv_bf16")

@@ -4,9 +4,8 @@
  * embedding and SiLU-and-multiply.
  *
  * In eager torch they are 7 (8 with the add), 4 and 2 ops, each a pass over the rows with its
- * own dispatch. On (256, 576) rows the norm takes 21 us against torch's 78, and 27 with the
- * add; the rotary embedding of 256 rows of 12 heads 27 us against 83; SiLU-and-multiply on
- * (264, 2 x 1536) 98 us against 161. Rounding follows torch's eager bf16 ops
+ * own dispatch and its own output written to memory and read back by the next. Here each step
+ * reads its rows once and keeps the intermediates in registers. Rounding follows torch's eager bf16 ops
  * (vllm/platforms/layer_ops.h, shared with the C decoder layer, llama_cpu_layers.c).
  *
  * Layouts: rows of x and y contiguous; rotary's x rows `x_stride` elements apart (q and k

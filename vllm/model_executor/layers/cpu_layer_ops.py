@@ -9,32 +9,25 @@ with VLLM_CPU_C_KERNELS=0, the torch ops run.
 """
 
 import ctypes
-import functools
 from pathlib import Path
 
 import torch
 
-from vllm.platforms.c_build import load_c_library
+from vllm.platforms.c_library import CFunction, CLibrary
 
-_SOURCE = Path(__file__).with_name("cpu_layer_ops.c")
-
-
-@functools.cache
-def _library() -> ctypes.CDLL | None:
-    lib = load_c_library(_SOURCE, "norms and rotary run as torch ops")
-    if lib is not None:
-        ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-        lib.rms_norm_bf16.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float]
-        lib.add_rms_norm_bf16.argtypes = [ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float]
-        lib.rotary_bf16.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64]
-        lib.silu_mul_bf16.argtypes = [ptr, ptr, i64, i64]
-    return lib
+_ptr, _i64 = ctypes.c_void_p, ctypes.c_int64
+_LIBRARY = CLibrary(Path(__file__).with_name("cpu_layer_ops.c"), "norms and rotary run as torch ops", {
+    "rms_norm_bf16": CFunction([_ptr, _ptr, _ptr, _i64, _i64, ctypes.c_float]),
+    "add_rms_norm_bf16": CFunction([_ptr, _ptr, _ptr, _ptr, _i64, _i64, ctypes.c_float]),
+    "rotary_bf16": CFunction([_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64]),
+    "silu_mul_bf16": CFunction([_ptr, _ptr, _i64, _i64]),
+})
 
 
 def usable(x: torch.Tensor) -> bool:
     """Whether `x`'s element-wise steps run here: bf16, outside a captured graph. Callers ask
     only where the CPU backend turned their `c_kernels` on, so `x` is in host memory."""
-    return x.dtype == torch.bfloat16 and not torch.compiler.is_compiling() and _library() is not None
+    return x.dtype == torch.bfloat16 and not torch.compiler.is_compiling() and _LIBRARY.get() is not None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -42,7 +35,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     assert weight.dtype == torch.bfloat16 and weight.is_contiguous() and x.shape[-1] == weight.shape[0]
     x = x.contiguous()
     y = torch.empty_like(x)
-    _library().rms_norm_bf16(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.numel() // x.shape[-1],
+    _LIBRARY.get().rms_norm_bf16(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.numel() // x.shape[-1],
                              x.shape[-1], eps)
     return y
 
@@ -55,7 +48,7 @@ def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tens
     assert residual.is_contiguous() and residual.shape == delta.shape and residual.shape[-1] == weight.shape[0]
     delta = delta.contiguous()
     y = torch.empty_like(residual)
-    _library().add_rms_norm_bf16(residual.data_ptr(), delta.data_ptr(), weight.data_ptr(), y.data_ptr(),
+    _LIBRARY.get().add_rms_norm_bf16(residual.data_ptr(), delta.data_ptr(), weight.data_ptr(), y.data_ptr(),
                                  residual.numel() // residual.shape[-1], residual.shape[-1], eps)
     return y
 
@@ -67,7 +60,7 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torc
     assert x.stride(2) == 1 and x.stride(1) == d and cos.is_contiguous() and signed_sin.is_contiguous()
     assert cos.dtype == signed_sin.dtype == torch.bfloat16 and cos.shape == (t, 1, d)
     y = x.new_empty(t, heads, d)
-    _library().rotary_bf16(x.data_ptr(), x.stride(0), cos.data_ptr(), signed_sin.data_ptr(), y.data_ptr(),
+    _LIBRARY.get().rotary_bf16(x.data_ptr(), x.stride(0), cos.data_ptr(), signed_sin.data_ptr(), y.data_ptr(),
                            t, heads, d)
     return y
 
@@ -77,5 +70,5 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gate_up = gate_up.contiguous()
     t, n = gate_up.shape[0], gate_up.shape[1] // 2
     out = gate_up.new_empty(t, n)
-    _library().silu_mul_bf16(gate_up.data_ptr(), out.data_ptr(), t, n)
+    _LIBRARY.get().silu_mul_bf16(gate_up.data_ptr(), out.data_ptr(), t, n)
     return out

@@ -2,8 +2,8 @@
  * y = x @ W^T + bias on AMX tiles, bf16 in and out: 5-32 rows (batched decodes) and, in slabs
  * of 32 rows, prefill chunks.
  *
- * Past 4 rows the AVX512-BF16 GEMV (cpu_gemv.c) runs out of dot-product throughput, and oneDNN
- * reads its own blocked weights at only ~20 GB/s here. One AMX tile product multiplies all the
+ * Past 4 rows the AVX512-BF16 GEMV (cpu_gemv.c) runs out of dot-product throughput, and oneDNN's
+ * blocked kernel does not keep up with memory at these row counts. One AMX tile product multiplies all the
  * rows (16 at a time) by a 32 x 16 block of W at once, so the weights stream at memory speed. W is
  * packed once, at load, into the tiles' layout:
  *
@@ -15,14 +15,12 @@
  * tile used by x's two).
  * Past 16 rows, each pair of column blocks meets every 32-row slab of x in turn (a last slab of
  * 1-16 rows takes one tile of x). x is loaded with the streaming hint, so that the pair's W
- * tiles stay in L1 for the next slab where the pair fits in it (K = 576: 36 KB of 48); loaded
- * plainly, x evicts them and every tile load goes to L2 (SmolLM2's layer GEMMs with the
- * weights coming from memory: 1.8-1.9 -> 2.1-2.3 TFLOP/s at 256-512 rows; with the overlapped
- * epilogue and the slab split below, 2.1-3.0).
+ * tiles stay in L1 for the next slab where the pair fits in it (K = 576: 36 KB of a 48 KB L1);
+ * loaded plainly, x evicts them and every tile load goes to L2.
  *
  * tile_gemm_silu_mul_bf16 runs a merged gate/up weight with SiLU-and-multiply in the epilogue:
  * its groups pair gate's column blocks with up's, half the weight apart, so the (m, n) product
- * never goes to memory (SmolLM2's MLPs at 256 rows: 25.5 -> 22.1 ms for 30 layers).
+ * never goes to memory: it is neither written nor read back by a separate SiLU-and-multiply.
  *
  * Layouts: x (m, k) contiguous; W (n, k) as nn.Linear stores it; y (m, n); k % 32 == 0,
  * n % 16 == 0 (tile_gemm_fits). Accumulation in float32, one rounding to bf16 at the end.
@@ -37,7 +35,7 @@
 
 #define MAX_ROWS 32
 #define GROUP 4  /* output blocks of 16 columns per x-tile load */
-#define L1_BYTES (48 * 1024)  /* a core's L1 data cache on the AMX Xeons measured here */
+#define L1_BYTES (48 * 1024)  /* a core's L1 data cache on AMX Xeons (Sapphire Rapids and later) */
 
 int tile_gemm_fits(int64_t n, int64_t k) { return n > 0 && k > 0 && n % 16 == 0 && k % 32 == 0; }
 
@@ -139,8 +137,8 @@ static inline void zero_accumulators(void) {
  * their way to y: rows [done, rows) still to go. They are written while the tiles compute the
  * next group's (or slab's) products, a few rows after each step over k: a tile load holds up
  * the vector work issued after it, so written in one go they would wait for the tiles and the
- * tiles for them (SmolLM2's layer GEMMs at 264 rows, 30 layers with the weights from memory:
- * 25.9 -> 22.0 ms; the gate/up one with SiLU-and-multiply 13.4 -> 10.6 ms). */
+ * tiles for them; interleaved, the tile unit multiplies while the vector units convert and store
+ * (benchmarks/benchmark_tile_load_overlap.py measures whether the two overlap on a CPU). */
 struct epilogue {
     const float *out;
     const uint16_t *bias;
@@ -225,11 +223,10 @@ static void gemm_16(const uint16_t *x, const uint16_t *packed, const uint16_t *b
  *
  * Where a pair's W tiles do not fit in L1 (k > 768: SmolLM2's down_proj), every slab reads them
  * from L2 anyway, and all of x (1.5 MB at 512 rows) crowds L2 beside them. There the threads
- * split the slabs instead, each passing its own rows by every pair: down_proj's 30 layers after
- * gate/up, weights from memory, 512 rows 12.0-12.4 -> 9.6-10.0 ms, 384 rows 8.6 -> 8.0, 264
- * rows within the noise (alternated; for k = 576 splitting the slabs was slower at 256 rows,
- * 21.4 -> 24.8 ms for all four GEMMs). With fewer than four slabs a thread, the pairs stay
- * split. */
+ * split the slabs instead, each passing its own rows by every pair, so each thread's L2 holds
+ * only its own slabs of x. Where the pair fits in L1, splitting the slabs would give up the L1
+ * reuse above, so the pairs stay split; so they do with fewer than four slabs a thread, where
+ * there are too few slabs to share the work evenly. */
 static void gemm_slabs(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y,
                        int64_t m, int64_t n, int64_t k, int fused) {
     const int64_t kblocks = k / 32, nblocks = n / 16, half = nblocks / 2;

@@ -12,22 +12,15 @@ from pathlib import Path
 
 import torch
 
-from vllm.platforms.c_build import load_c_library
+from vllm.platforms.c_library import CFunction, CLibrary
 
-_SOURCE = Path(__file__).with_name("cpu_tile_gemm.c")
-
-
-@functools.cache
-def _library() -> ctypes.CDLL | None:
-    lib = load_c_library(_SOURCE, "products of 5-512 rows stay on oneDNN")
-    if lib is None or lib.tile_gemm_supported() == 0:
-        return None
-    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.tile_gemm_bf16.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64]
-    lib.tile_gemm_silu_mul_bf16.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64]
-    lib.tile_pack_bf16.argtypes = [ptr, ptr, i64, i64]
-    lib.tile_gemm_fits.argtypes = [i64, i64]
-    return lib
+_ptr, _i64 = ctypes.c_void_p, ctypes.c_int64
+_GEMM = CFunction([_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64])
+_LIBRARY = CLibrary(Path(__file__).with_name("cpu_tile_gemm.c"), "products of 5-512 rows stay on oneDNN",
+                    {"tile_gemm_bf16": _GEMM, "tile_gemm_silu_mul_bf16": _GEMM,
+                     "tile_pack_bf16": CFunction([_ptr, _ptr, _i64, _i64]),
+                     "tile_gemm_fits": CFunction([_i64, _i64])},
+                    supported="tile_gemm_supported")
 
 
 @functools.cache
@@ -35,14 +28,14 @@ def max_rows() -> int:
     """Rows that one pass of the kernel's tiles takes, 32, and so the most decodes a fused layer
     hands it (more rows go in 32-row slabs); 0 where it is not available. Builds it on the
     first call."""
-    lib = _library()
+    lib = _LIBRARY.get()
     return 0 if lib is None else lib.tile_gemm_supported()
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor | None:
     """weight: (N, K) bf16 -> its copy in the tile layout, or None if the kernel is unavailable
     or the shape does not fit (N a multiple of 16, K of 32)."""
-    lib = _library()
+    lib = _LIBRARY.get()
     if lib is None or weight.dtype != torch.bfloat16 or not lib.tile_gemm_fits(*weight.shape):
         return None
     weight = weight.detach().contiguous()
@@ -52,7 +45,7 @@ def pack(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def _built() -> ctypes.CDLL:
-    lib = _library()
+    lib = _LIBRARY.get()
     assert lib is not None
     return lib
 
@@ -90,7 +83,4 @@ def _call(kernel, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 def kernel_address(silu_mul: bool = False) -> int | None:
     """Address of the C function `tile_gemm_bf16` (with `silu_mul`, `tile_gemm_silu_mul_bf16`),
     for C code that calls it; None where unavailable."""
-    lib = _library()
-    if lib is None:
-        return None
-    return ctypes.cast(lib.tile_gemm_silu_mul_bf16 if silu_mul else lib.tile_gemm_bf16, ctypes.c_void_p).value
+    return _LIBRARY.address("tile_gemm_silu_mul_bf16" if silu_mul else "tile_gemm_bf16")

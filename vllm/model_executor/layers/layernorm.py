@@ -7,9 +7,9 @@ from vllm.model_executor.layers import cpu_layer_ops
 class RMSNorm(nn.Module):
     """RMS norm with its statistics in float32, cast back before the weight (as Llama does)."""
 
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
         self.eps = eps
         self.c_kernels = False  # set by the CPU attention backend (cpu_layer_ops)
         # (x, weight, eps) -> norm(x): a fused device kernel the platform's backend may install.

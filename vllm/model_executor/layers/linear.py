@@ -3,12 +3,11 @@
 Up to `cpu_gemv.max_rows()` rows (batch-1 to batch-4 decodes, few sampled rows in the lm_head),
 a C GEMV reads the plain weight (cpu_gemv.c). From there up to PACKED_MAX_ROWS rows (batched
 decodes, prefill chunks of the default budget) an AMX kernel runs on a copy of the weight
-packed once in its tiles' layout (cpu_tile_gemm.c). On SmolLM2's 120 layer GEMMs with the
-weights coming from memory (2-core AMX machine) it takes 0.6-1.0 of oneDNN's time at 33-512
-rows (2.3 against 1.9 TFLOP/s at 512). Above PACKED_MAX_ROWS the plain GEMM is the faster one
-(2.9 against 1.4 TFLOP/s at 2048 rows, where the tile kernel's x no longer fits in L2). On
-CPUs without AMX a oneDNN-blocked copy takes the tile copy's place: it reads its layout about
-1.5x faster than a plain weight and still gains at 256-512 rows.
+packed once in its tiles' layout (cpu_tile_gemm.c): the weights then stream from memory in
+the order the tiles consume them, which is what bounds these row counts. Above PACKED_MAX_ROWS
+the product is bound by compute, x no longer fits in L2 beside the tiles, and oneDNN's GEMM on
+the plain weight is the better kernel. On CPUs without AMX a oneDNN-blocked copy takes the tile
+copy's place: oneDNN reads its own blocked layout without the reordering a plain weight needs.
 
 Inside a captured graph the packed copies (the oneDNN one an opaque MKLDNN tensor) cannot be
 traced, so there the layer calls the `vllm::packed_linear` custom op on the plain weight; the
@@ -74,10 +73,15 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch
 class Linear(nn.Linear):
     """`nn.Linear` that, after `pack()`, runs up to PACKED_MAX_ROWS rows on a packed weight copy."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
-        super().__init__(in_features, out_features, bias=bias)
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__(in_features, out_features, bias=bias, dtype=dtype)
         self.packed = False
         self.tiled: torch.Tensor | None = None  # the AMX tile copy of the weight, after pack()
+
+    def reset_parameters(self) -> None:
+        """Leaves the weights uninitialised: the model's load_weights writes every parameter, so
+        a random initialisation would be time spent for nothing."""
 
     def pack(self) -> None:
         assert can_pack(self.weight.dtype) and self.weight.device.type == "cpu"
@@ -125,8 +129,8 @@ def silu_mul_linear(layer: Linear, x: torch.Tensor) -> torch.Tensor | None:
     """silu(gate) * up of `layer(x)`, whose output columns are gate's then up's, with the
     activation in the epilogue of the tile GEMM: (T, in) -> (T, out / 2). None where the layer
     has no packed copy (the caller then applies the layer and the activation). The same
-    roundings as the two steps; the (T, out) product never goes to memory (SmolLM2's MLPs at 256
-    rows, 30 layers with the weights coming from memory: 25.5 -> 22.1 ms). In a captured graph
+    roundings as the two steps; the (T, out) product never goes to memory, so the activation
+    adds no pass over it. In a captured graph
     it is the `vllm::silu_mul_linear` op, which picks its path at run time like packed_linear."""
     if not layer.packed:
         return None

@@ -10,7 +10,8 @@ from vllm.model_executor.model_loader.hf_weights import iter_hf_weights
 from vllm.model_executor.model_loader.source import ModelSource, resolve_model_source
 from vllm.model_executor.models.registry import resolve_model_class
 
-__all__ = ["ModelSource", "resolve_model_source", "load_hf_config", "load_tokenizer", "load_model"]
+__all__ = ["ModelSource", "resolve_model_source", "load_hf_config", "load_generation_config",
+           "load_tokenizer", "load_model", "model_weight_bytes"]
 
 
 def load_hf_config(source: ModelSource):
@@ -22,6 +23,19 @@ def load_hf_config(source: ModelSource):
         raise ValueError(f"cannot read the model config of {source.display_name}: {e}") from e
 
 
+def load_generation_config(directory: str, hf_config) -> dict:
+    """The values of `directory`'s generation_config.json that differ from transformers'
+    defaults; without that file, the generation fields of the model config (its EOS ids), as
+    transformers derives them."""
+    from transformers import GenerationConfig
+
+    try:
+        config = GenerationConfig.from_pretrained(directory, local_files_only=True)
+    except OSError:
+        config = GenerationConfig.from_model_config(hf_config)
+    return config.to_diff_dict()
+
+
 def load_tokenizer(source: ModelSource):
     from transformers import AutoTokenizer
 
@@ -31,9 +45,17 @@ def load_tokenizer(source: ModelSource):
         raise ValueError(f"cannot load a tokenizer from {source.display_name}: {e}") from e
 
 
+def model_weight_bytes(hf_config, dtype: torch.dtype) -> int:
+    """Bytes of the model's parameters in `dtype`, counted on the meta device (nothing allocated)."""
+    with torch.device("meta"):
+        model = resolve_model_class(hf_config)(hf_config, max_position=1, dtype=dtype)
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
 def load_model(source: ModelSource, hf_config, dtype: torch.dtype, max_position: int,
                device: torch.device) -> nn.Module:
-    """Instantiates the model class for `hf_config` and fills it from the checkpoint."""
+    """Instantiates the model class for `hf_config` in `dtype` and fills it from the checkpoint,
+    one tensor at a time: host memory peaks at the model in `dtype` plus one checkpoint tensor."""
     model_class = resolve_model_class(hf_config)
     model = model_class(hf_config, max_position=max_position, dtype=dtype)
     if source.gguf_file:

@@ -31,7 +31,7 @@ def _sliding_window(config) -> int | None:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, layer_index: int) -> None:
+    def __init__(self, config, layer_index: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.layer_index = layer_index
         self.num_heads = config.num_attention_heads
@@ -43,9 +43,10 @@ class LlamaAttention(nn.Module):
         qkv_bias = config.model_type == "qwen2" or getattr(config, "attention_bias", False)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, qkv_bias, dtype)
         self.o_proj = Linear(self.q_size, config.hidden_size,
-                                bias=getattr(config, "attention_bias", False) and config.model_type != "qwen2")
+                             getattr(config, "attention_bias", False) and config.model_type != "qwen2",
+                             dtype)
         self.scale = self.head_dim ** -0.5
         self.c_kernels = False  # the CPU backend's element-wise C ops (cpu_layer_ops)
         # (num_blocks + 1, block_size, KVH, D) each, bound by the runner: buffers, so that a
@@ -73,14 +74,14 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config) -> None:
+    def __init__(self, config, dtype: torch.dtype) -> None:
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(f"hidden_act={config.hidden_act!r} is not supported (only 'silu')")
         bias = getattr(config, "mlp_bias", False)
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias, dtype)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias, dtype)
         self.c_kernels = False  # the CPU backend's element-wise C ops (cpu_layer_ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -91,12 +92,12 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, layer_index: int) -> None:
+    def __init__(self, config, layer_index: int, dtype: torch.dtype) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, layer_index)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.self_attn = LlamaAttention(config, layer_index, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.mlp = LlamaMLP(config, dtype)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,9 +118,12 @@ class LlamaModel(nn.Module):
         super().__init__()
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.rotary = RotaryEmbedding(config, head_dim, max_position, dtype)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # Created empty, in the run dtype: load_weights writes every parameter.
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=torch.empty(
+            config.vocab_size, config.hidden_size, dtype=dtype))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, dtype)
+                                    for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         # Set by LlamaForCausalLM.enable_fused_layers: the layers in C for the steps whose
         # attention and rows the C kernels take (llama_cpu_layers.py). Never inside a captured graph.
         self.fused_layers = None
@@ -156,7 +160,7 @@ class LlamaForCausalLM(nn.Module):
         self.sliding_window = _sliding_window(config)
         self.model = LlamaModel(config, max_position, dtype)
         self.tie_word_embeddings = getattr(config, "tie_word_embeddings", False)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

@@ -2,13 +2,12 @@
  * One Llama-family decoder layer for a bf16 step on CPU (decodes, prefill chunks or both), in
  * one call.
  *
- * At batch 1 a layer is ~7 MB of weights streamed in ~0.3 ms by the GEMV kernel; run as torch
- * ops, the norms, rotary, residual adds, cache write and attention between the four GEMVs cost
- * as much again in dispatch. A prefill chunk's layer is mostly products, but run as ~15 torch
- * ops and ctypes calls, each allocating its output, it cost ~0.3-0.4 ms more than here (B's
- * 2048-token prompt in 4 steps of 30 layers: 0.315-0.331 -> 0.270-0.278 s; E's chunked run, 17
- * mixed steps: 2.13-2.15 -> 1.95-1.99 s; runs alternated). Here those steps are C on the step's
- * rows, with one scratch buffer for all, and the products
+ * At batch 1 a layer's time should be the GEMV kernel streaming its weights; run as torch ops,
+ * the norms, rotary, residual adds, cache write and attention between the four GEMVs each pay a
+ * dispatch and an allocation, which for a small model costs about as much as the streaming. A
+ * prefill chunk's layer is mostly products, but its ~15 torch ops and ctypes calls, each
+ * allocating its output, still add a fixed cost to every layer of every step. Here those steps
+ * are C on the step's rows, with one scratch buffer for all, and the products
  * and attention are the engine's kernels, passed in as function pointers (each kernel keeps one
  * source): cpu_gemv.c (up to 4 rows), cpu_tile_gemm.c (more; SiLU-and-multiply in gate_up's
  * epilogue there), cpu_paged_decode.c and cpu_paged_prefill.c.

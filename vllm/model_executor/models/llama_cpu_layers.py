@@ -1,9 +1,12 @@
 """The C path of a Llama model's decoder layers for bf16 steps on CPU (llama_cpu_layers.c).
 
-A batch-1 decode step on CPU is bound by reading the weights (~10 ms for SmolLM2 at ~25 GB/s),
-but run op by op its layers spend ~5 ms more between the GEMVs: norms, rotary, residual adds,
-the cache write and attention, each a dispatch. A prefill chunk's layers are mostly products,
-yet their ~15 torch and ctypes calls a layer still add up to a few ms a step. `FusedLayers`
+A batch-1 decode step on CPU is bound by reading the weights, but run op by op its layers
+also spend time between the GEMVs: norms, rotary, residual adds, the cache write and attention,
+each a dispatch and an allocation, which for a small model is of the order of the weight
+reading itself. A prefill chunk's layers are mostly products, yet their ~15 torch and ctypes
+calls a layer still add a fixed cost to every step. How close decodes come to the weight-reading
+bound is workload C's `C_fraction_of_memory_bandwidth` in benchmarks/results/workloads.json
+(`python benchmarks/benchmark_workloads.py --output-json benchmarks/results/workloads.json`). `FusedLayers`
 runs each layer as one C call instead, for a step of decodes, prefill chunks or both whose
 attention the C kernels take whole (no metadata groups) and whose rows the GEMV or the tile
 GEMM take (up to PACKED_MAX_ROWS). It uses the same kernels as the op-by-op path and rounds to
@@ -15,7 +18,6 @@ op-by-op path runs every step. Captured graphs keep the torch layers.
 """
 
 import ctypes
-import functools
 from pathlib import Path
 
 import torch
@@ -24,9 +26,8 @@ from vllm.attention.backends.cpu_metadata import AttentionMetadata
 from vllm.attention.ops import cpu_paged_decode, cpu_paged_prefill
 from vllm.model_executor.layers import cpu_gemv, cpu_tile_gemm
 from vllm.model_executor.layers.linear import PACKED_MAX_ROWS
-from vllm.platforms.c_build import load_c_library
+from vllm.platforms.c_library import CFunction, CLibrary
 
-_SOURCE = Path(__file__).with_name("llama_cpu_layers.c")
 _ptr, _i64 = ctypes.c_void_p, ctypes.c_int64
 
 
@@ -50,15 +51,10 @@ class _Step(ctypes.Structure):
                 ("attend_prefills", _ptr)]
 
 
-@functools.cache
-def _library() -> ctypes.CDLL | None:
-    lib = load_c_library(_SOURCE, "the layers run op by op")
-    if lib is not None:
-        lib.llama_layer.argtypes = [ctypes.POINTER(_Layer), ctypes.POINTER(_Step), _ptr, _ptr, _ptr, _ptr]
-        lib.llama_layer.restype = ctypes.c_int
-        lib.llama_layer_workspace.argtypes = [ctypes.POINTER(_Layer), _i64]
-        lib.llama_layer_workspace.restype = _i64
-    return lib
+_LIBRARY = CLibrary(Path(__file__).with_name("llama_cpu_layers.c"), "the layers run op by op", {
+    "llama_layer": CFunction([ctypes.POINTER(_Layer), ctypes.POINTER(_Step), _ptr, _ptr, _ptr, _ptr]),
+    "llama_layer_workspace": CFunction([ctypes.POINTER(_Layer), _i64], _i64),
+})
 
 
 def _tiles(linear: torch.nn.Module) -> torch.Tensor | None:
@@ -123,7 +119,7 @@ class FusedLayers:
         if not cpu_paged_decode.is_available(torch.device("cpu"), torch.bfloat16, attn.num_heads,
                                              attn.num_kv_heads, attn.head_dim):
             return None
-        lib, gemv = _library(), cpu_gemv.kernel_address()
+        lib, gemv = _LIBRARY.get(), cpu_gemv.kernel_address()
         attend_decodes = cpu_paged_decode.kernel_address(torch.bfloat16)
         if lib is None or gemv is None or attend_decodes is None:
             return None

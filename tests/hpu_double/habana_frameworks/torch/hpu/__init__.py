@@ -12,6 +12,14 @@ def synchronize() -> None:
     pass
 
 
+# Device memory the double reports: (free, total) bytes. Tests may set it.
+MEMORY = {"free": 2 * 1024**3, "total": 2 * 1024**3}
+
+
+def mem_get_info() -> tuple[int, int]:
+    return MEMORY["free"], MEMORY["total"]
+
+
 class _HpuGraph(nn.Module):
     """Captures a graph per new input signature, replays it for a known one (here: runs it)."""
 

@@ -1,0 +1,107 @@
+"""`vllm serve` as a user runs it, in a subprocess: engine flags from the command line, vLLM's
+stats line in the log, and a graceful exit (status 0) on SIGTERM or SIGINT that lets an in-flight
+stream finish, or aborts it once --shutdown-timeout has passed."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx2
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_server(model: str, port: int, *flags: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model, "--host", "127.0.0.1",
+           "--port", str(port), "--served-model-name", "tiny", "--dtype", "float32",
+           "--max-model-len", "1024", "--block-size", "16", "--max-num-batched-tokens", "64",
+           "--max-num-seqs", "4", "--enforce-eager", "--kv-cache-memory-bytes", str(32 * 2**20), *flags]
+    env = {**os.environ, "PYTHONPATH": ROOT, "VLLM_LOG_STATS_INTERVAL": "0.5"}
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stdout.read()
+        try:
+            if httpx2.get(f"{url}/health", timeout=1.0).status_code == 200:
+                return
+        except httpx2.TransportError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise AssertionError("the server did not come up")
+
+
+def stream_events(url: str, max_tokens: int, events: list, first: threading.Event) -> None:
+    body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": max_tokens, "ignore_eos": True,
+            "stream": True}
+    try:
+        with httpx2.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as resp:
+            for line in resp.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    first.set()
+    except httpx2.TransportError:
+        events.append("connection lost")
+    first.set()
+
+
+@pytest.mark.parametrize("sig, shutdown_timeout, finishes", [
+    (signal.SIGTERM, "30", True),  # the in-flight stream finishes, then the server exits
+    (signal.SIGINT, "0.3", False),  # the stream outlasts the timeout: it is aborted
+])
+def test_serve_shuts_down_gracefully(tiny_checkpoints, sig, shutdown_timeout, finishes):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = start_server(tiny_checkpoints["llama"], port, "--shutdown-timeout", shutdown_timeout)
+    try:
+        wait_healthy(proc, url)
+        assert httpx2.get(f"{url}/v1/models").json()["data"][0]["max_model_len"] == 1024  # the flag
+        events, first = [], threading.Event()
+        client = threading.Thread(target=stream_events, args=(url, 900, events, first))
+        client.start()
+        assert first.wait(60)
+        time.sleep(0.6)  # a stats line falls due while the stream runs
+        proc.send_signal(sig)
+        time.sleep(0.5)
+        with pytest.raises(httpx2.TransportError):  # no longer accepting
+            httpx2.get(f"{url}/health", timeout=2.0)
+        client.join(60)
+        output, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, output
+    chunks = [json.loads(e) for e in events if e.startswith("{")]
+    if finishes:
+        assert events[-1] == "[DONE]"
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert sum(1 for c in chunks if c["choices"][0]["text"] or c["choices"][0]["finish_reason"]) > 1
+    else:
+        assert events[-1] == "[DONE]" and "shut down" in chunks[-1]["error"]["message"]
+        assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+        assert "Aborting 1 request(s) still running" in output
+    assert "Avg prompt throughput:" in output and "Prefix cache hit rate:" in output
+    assert "Traceback" not in output, output
+
+
+def test_serve_rejects_bad_flags(tiny_checkpoints):
+    result = subprocess.run(
+        [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", tiny_checkpoints["llama"],
+         "--max-num-seqs", "many"], cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
+        capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "--max-num-seqs" in result.stderr

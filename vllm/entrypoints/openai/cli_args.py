@@ -1,0 +1,39 @@
+"""The flags of `vllm serve`: the server's own, then every engine argument (from AsyncEngineArgs,
+the one definition `LLM(...)` also takes)."""
+
+import argparse
+
+from vllm.engine.arg_utils import AsyncEngineArgs
+
+DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
+
+
+def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("model_tag", nargs="?", default=None,
+                        help="the model to serve (the same as --model)")
+    server = parser.add_argument_group("server arguments")
+    server.add_argument("--host", default=None, help="address to listen on (default: all)")
+    server.add_argument("--port", type=int, default=8000, help="port to listen on")
+    server.add_argument("--api-key", default=None,
+                        help="require this key as `Authorization: Bearer KEY` on /v1 routes "
+                        "(default: the VLLM_API_KEY environment variable, if set)")
+    server.add_argument("--served-model-name", nargs="+", default=None,
+                        help="the model name(s) the API answers to; the first is used in "
+                        "responses (default: the model argument)")
+    server.add_argument("--uvicorn-log-level", default="info",
+                        choices=["critical", "error", "warning", "info", "debug", "trace"],
+                        help="uvicorn's log level")
+    server.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+                        help="seconds in-flight requests get to finish after SIGINT/SIGTERM; "
+                        "the rest are aborted")
+    AsyncEngineArgs.add_cli_args(parser)
+    return parser
+
+
+def engine_args_from(args: argparse.Namespace) -> AsyncEngineArgs:
+    """The engine arguments of parsed `vllm serve` flags (the positional model wins)."""
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
+        args.model = args.model_tag
+    return AsyncEngineArgs.from_cli_args(args)

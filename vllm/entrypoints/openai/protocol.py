@@ -1,0 +1,281 @@
+"""Pydantic models of the OpenAI API's requests and responses, with vLLM's extra sampling fields.
+
+Requests accept fields they do not know (as OpenAI's and vLLM's servers do) and log them as
+ignored; fields the API defines but this server does not implement are refused by name.
+"""
+
+import logging
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from vllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class OpenAIBaseModel(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="after")
+    def _log_ignored_fields(self):
+        if self.model_extra:
+            logger.warning("The following fields were present in the request but ignored: %s",
+                           sorted(self.model_extra))
+        return self
+
+
+class ErrorInfo(OpenAIBaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class ErrorResponse(OpenAIBaseModel):
+    error: ErrorInfo
+
+
+class StreamOptions(OpenAIBaseModel):
+    include_usage: bool = False
+
+
+class UsageInfo(OpenAIBaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class ModelCard(OpenAIBaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "vllm"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(OpenAIBaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class _SamplingRequest(OpenAIBaseModel):
+    """The sampling fields shared by completions and chat (OpenAI's and vLLM's extras)."""
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None  # None: 1.0, as OpenAI
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    user: str | None = None
+    # vLLM's extra sampling parameters
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    @model_validator(mode="after")
+    def _check_stream_options(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options can only be set when stream=True")
+        return self
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
+        """Raises ValueError naming the field when a value is out of range."""
+        return SamplingParams(
+            n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0,
+            min_p=self.min_p or 0.0, seed=self.seed, stop=self.stop,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            max_tokens=max_tokens, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
+            stop_token_ids=self.stop_token_ids, include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens, logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs)
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+def _refuse_unsupported(request: BaseModel, names: tuple[str, ...]) -> None:
+    for name in names:
+        if getattr(request, name) not in (None, {}, []):
+            raise ValueError(f"{name} is not supported by this server")
+
+
+# ---------------------------------------------------------------- /v1/completions
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+    logit_bias: dict[str, float] | None = None
+
+    @model_validator(mode="after")
+    def _check_completion_fields(self):
+        _refuse_unsupported(self, ("suffix", "logit_bias"))
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(f"best_of must equal n ({self.n}): every sample is returned, "
+                             f"got best_of={self.best_of}")
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise ValueError("prompt must not be empty")
+        return self
+
+    def prompts(self) -> list[dict]:
+        """The request's prompts as engine prompts (one request may carry several)."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [{"prompt": p}]
+        if all(isinstance(x, int) for x in p):
+            return [{"prompt_token_ids": p}]
+        return [{"prompt": x} if isinstance(x, str) else {"prompt_token_ids": x} for x in p]
+
+
+class CompletionLogProbs(OpenAIBaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionResponseChoice(OpenAIBaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionResponseChoice]
+    usage: UsageInfo | None = None
+
+
+# ---------------------------------------------------------------- /v1/chat/completions
+
+class ChatMessage(OpenAIBaseModel):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        """The content as one string; of the content parts only text parts are supported."""
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        texts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError(f"messages: only text content parts are supported, got {part.get('type')!r}")
+            texts.append(part["text"])
+        return "\n".join(texts)
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None  # None: whatever max_model_len leaves
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    logit_bias: dict[str, float] | None = None
+
+    @model_validator(mode="after")
+    def _check_chat_fields(self):
+        _refuse_unsupported(self, ("tools", "logit_bias"))
+        if self.tool_choice not in (None, "none"):
+            raise ValueError("tool_choice is not supported by this server")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs=true")
+        return self
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class ChatCompletionTopLogprob(OpenAIBaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatCompletionLogProb(ChatCompletionTopLogprob):
+    top_logprobs: list[ChatCompletionTopLogprob] = Field(default_factory=list)
+
+
+class ChatCompletionLogProbs(OpenAIBaseModel):
+    content: list[ChatCompletionLogProb] | None = None
+
+
+class AssistantMessage(OpenAIBaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatCompletionResponseChoice(OpenAIBaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatCompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionResponseChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(OpenAIBaseModel):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatCompletionStreamChoice(OpenAIBaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatCompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionStreamResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionStreamChoice]
+    usage: UsageInfo | None = None

@@ -1,0 +1,114 @@
+"""/v1/chat/completions: the conversation through the tokenizer's chat template, whole or streamed."""
+
+from collections.abc import AsyncIterator
+
+from vllm.entrypoints.openai.protocol import (AssistantMessage, ChatCompletionLogProb,
+                                              ChatCompletionLogProbs, ChatCompletionRequest,
+                                              ChatCompletionResponse, ChatCompletionResponseChoice,
+                                              ChatCompletionStreamChoice,
+                                              ChatCompletionStreamResponse, ChatCompletionTopLogprob,
+                                              DeltaMessage, UsageInfo, random_id)
+from vllm.entrypoints.openai.serving_engine import (SSE_DONE, EnginePrompt, OpenAIServing,
+                                                    OpenAIServingError, merge_streams, sse,
+                                                    stop_hold, text_delta)
+from vllm.logprobs import Logprob
+from vllm.outputs import RequestOutput
+from vllm.sampling_params import SamplingParams
+
+
+class OpenAIServingChat(OpenAIServing):
+
+    async def create_chat_completion(self, request: ChatCompletionRequest
+                                     ) -> ChatCompletionResponse | AsyncIterator[str]:
+        """The response, or its server-sent events when `request.stream`; raises
+        OpenAIServingError for a request that is refused."""
+        model = self.model_name(request.model)
+        self.check_n(request.n)
+        prompt = self._apply_chat_template(request)
+        max_tokens = self.max_tokens_for(prompt, request.requested_max_tokens)
+        params = self.sampling_params(lambda: request.sampling_params(max_tokens, request.num_logprobs))
+        request_id = random_id("chatcmpl")
+        streams = await self.start([prompt], params, request_id)
+        if request.stream:
+            return self._stream(request, request_id, model, prompt, params, streams)
+        final = None
+        async for _, out in merge_streams(streams):
+            final = out
+        return self._response(request, request_id, model, final)
+
+    def _apply_chat_template(self, request: ChatCompletionRequest) -> EnginePrompt:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise OpenAIServingError("this model's tokenizer has no chat template; use /v1/completions")
+        try:
+            conversation = [{"role": m.role, "content": m.text()} for m in request.messages]
+        except ValueError as e:
+            raise OpenAIServingError(str(e), param="messages") from None
+        text = self.tokenizer.apply_chat_template(
+            conversation, tokenize=False, add_generation_prompt=request.add_generation_prompt)
+        # The template writes the special tokens itself; tokenizing must not add more.
+        return EnginePrompt(text, self.tokenizer(text, add_special_tokens=False).input_ids)
+
+    def _response(self, request: ChatCompletionRequest, request_id: str, model: str,
+                  final: RequestOutput) -> ChatCompletionResponse:
+        choices = [ChatCompletionResponseChoice(
+            index=out.index, message=AssistantMessage(content=out.text),
+            logprobs=self._logprobs(out.token_ids, out.logprobs, request.top_logprobs or 0)
+            if request.logprobs else None,
+            finish_reason=out.finish_reason, stop_reason=out.stop_reason) for out in final.outputs]
+        num_prompt = len(final.prompt_token_ids)
+        num_completion = sum(len(out.token_ids) for out in final.outputs)
+        return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=UsageInfo(
+            prompt_tokens=num_prompt, completion_tokens=num_completion,
+            total_tokens=num_prompt + num_completion))
+
+    async def _stream(self, request: ChatCompletionRequest, request_id: str, model: str,
+                      prompt: EnginePrompt, params: SamplingParams,
+                      streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[str]:
+        def chunk(index: int, delta: DeltaMessage, **fields) -> str:
+            return sse(ChatCompletionStreamResponse(id=request_id, model=model, choices=[
+                ChatCompletionStreamChoice(index=index, delta=delta, **fields)]))
+
+        for index in range(request.n):  # the role comes first, as OpenAI sends it
+            yield chunk(index, DeltaMessage(role="assistant", content=""))
+        hold = stop_hold(params)
+        sent_text = [0] * request.n
+        sent_tokens = [0] * request.n
+        async for _, out in merge_streams(streams):
+            for completion in out.outputs:
+                i = completion.index
+                finished = completion.finish_reason is not None
+                delta = text_delta(completion.text, sent_text[i], finished, hold)
+                new_tokens = completion.token_ids[sent_tokens[i]:]
+                if not delta and not new_tokens and not finished:
+                    continue
+                logprobs = None
+                if request.logprobs:
+                    logprobs = self._logprobs(new_tokens, completion.logprobs[sent_tokens[i]:],
+                                              request.top_logprobs or 0)
+                sent_text[i] += len(delta)
+                sent_tokens[i] = len(completion.token_ids)
+                yield chunk(i, DeltaMessage(content=delta), logprobs=logprobs,
+                            finish_reason=completion.finish_reason, stop_reason=completion.stop_reason)
+        if request.include_usage:
+            num_prompt, num_completion = len(prompt.token_ids), sum(sent_tokens)
+            yield sse(ChatCompletionStreamResponse(
+                id=request_id, model=model, choices=[], usage=UsageInfo(
+                    prompt_tokens=num_prompt, completion_tokens=num_completion,
+                    total_tokens=num_prompt + num_completion)))
+        yield SSE_DONE
+
+    @staticmethod
+    def _logprobs(token_ids: list[int], logprobs: list[dict[int, Logprob]],
+                  num_top: int) -> ChatCompletionLogProbs:
+        content = []
+        for token_id, entry in zip(token_ids, logprobs):
+            chosen = entry[token_id]
+            top = sorted((lp for lp in entry.values() if lp.rank is not None and lp.rank <= num_top),
+                         key=lambda lp: lp.rank)
+            content.append(ChatCompletionLogProb(
+                token=chosen.decoded_token, logprob=chosen.logprob,
+                bytes=list(chosen.decoded_token.encode()),
+                top_logprobs=[ChatCompletionTopLogprob(token=lp.decoded_token, logprob=lp.logprob,
+                                                       bytes=list(lp.decoded_token.encode()))
+                              for lp in top]))
+        return ChatCompletionLogProbs(content=content)
