@@ -60,6 +60,8 @@ class Sequence:
     # logprobs); unlike num_computed_tokens, preemption keeps it, so none is computed twice.
     num_prompt_logprob_positions: int = 0
     num_preemptions: int = 0
+    # Tokens found in the prefix cache when the request was first admitted (None until then).
+    num_cached_tokens: int | None = None
     # Incremental detokenization state (see engine/detokenizer.py).
     output_text: str = ""
     prefix_offset: int = 0

@@ -42,6 +42,7 @@ class EngineArgs:
     long_prefill_token_threshold: int = 0
     kv_cache_memory_bytes: int | None = None
     num_gpu_blocks_override: int | None = None
+    enable_prefix_caching: bool = True
     enforce_eager: bool | None = None  # None: the platform's default (see Platform.default_enforce_eager)
     device: str = "auto"
 
@@ -78,7 +79,8 @@ class EngineArgs:
         cache_config = CacheConfig(
             block_size=self.block_size,
             kv_cache_memory_bytes=self.kv_cache_memory_bytes or kv_cache_bytes_from_env(),
-            num_gpu_blocks_override=self.num_gpu_blocks_override)
+            num_gpu_blocks_override=self.num_gpu_blocks_override,
+            enable_prefix_caching=self.enable_prefix_caching)
         scheduler_config = SchedulerConfig(
             max_num_batched_tokens=budget,
             max_num_seqs=self.max_num_seqs or min(DEFAULT_MAX_NUM_SEQS, budget),

@@ -36,6 +36,8 @@ class EngineStats:
     num_decode_tokens: int = 0
     num_mixed_steps: int = 0  # steps that ran decodes and prefill chunks together
     num_preemptions: int = 0
+    num_prefix_cache_queries: int = 0  # tokens of admitted requests that looked in the prefix cache
+    num_prefix_cache_hits: int = 0  # of those, the tokens found there
 
 
 class LLMEngine:
@@ -43,8 +45,11 @@ class LLMEngine:
         self.config = config
         self.tokenizer = tokenizer
         self.runner = runner
-        self.scheduler = Scheduler(config.scheduler, BlockManager(config.cache.num_blocks,
-                                                                  config.cache.block_size))
+        # Cached KV is found only by an engine of the same model and dtype.
+        cache_key = f"{config.model.model}|{config.model.gguf_file}|{config.model.dtype}".encode()
+        block_manager = BlockManager(config.cache.num_blocks, config.cache.block_size,
+                                     enable_caching=config.cache.enable_prefix_caching, cache_key=cache_key)
+        self.scheduler = Scheduler(config.scheduler, block_manager)
         self.requests: dict[str, SequenceGroup] = {}  # by user request id
         self._seqs: dict[str, tuple[Sequence, SequenceGroup]] = {}  # by sample (scheduler) id
         self._pending_outputs: list[RequestOutput] = []  # requests finished outside a step
@@ -240,7 +245,8 @@ class LLMEngine:
         return RequestOutput(request_id=group.request_id, prompt=first.prompt,
                              prompt_token_ids=first.prompt_token_ids, outputs=completions,
                              finished=group.is_finished, prompt_logprobs=prompt_logprobs,
-                             metrics=first.metrics, error=first.error)
+                             metrics=first.metrics, error=first.error,
+                             num_cached_tokens=first.num_cached_tokens or 0)
 
     def _forget(self, group: SequenceGroup) -> None:
         self.requests.pop(group.request_id, None)
@@ -254,6 +260,8 @@ class LLMEngine:
         s.num_prefill_tokens += step.num_prefill_tokens
         s.num_mixed_steps += int(0 < step.num_decodes < len(step.scheduled))
         s.num_preemptions += len(step.preempted_request_ids)
+        s.num_prefix_cache_queries = self.scheduler.num_prefix_cache_queries
+        s.num_prefix_cache_hits = self.scheduler.num_prefix_cache_hits
 
 
 def _sample_params(params: SamplingParams, index: int) -> SamplingParams:
