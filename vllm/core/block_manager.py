@@ -142,6 +142,14 @@ class BlockManager:
                 assert named == block_hash
         self._num_named[request_id] = max(num_full, self._num_named.get(request_id, 0))
 
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached block, if no request holds blocks (else changes nothing and
+        returns False), as vLLM's `reset_prefix_cache`."""
+        if self.prefix_cache is None or self._tables:
+            return self.prefix_cache is None
+        self._free.extend(self.prefix_cache.reset())
+        return True
+
     def _block_hash(self, request_id: str, index: int, tokens: TokenSlice) -> BlockHash:
         hashes = self._hashes.setdefault(request_id, [])
         bs = self.block_size

@@ -74,6 +74,14 @@ class PrefixCache:
         """A request found the block: it is no longer free."""
         del self._evictable[block]
 
+    def reset(self) -> list[int]:
+        """Forgets every name; returns the evictable blocks, which now hold nothing."""
+        blocks = list(self._evictable)
+        self._block_of.clear()
+        self._hash_of.clear()
+        self._evictable.clear()
+        return blocks
+
     def evict(self) -> int:
         """Forgets the least recently freed block and returns it for reuse."""
         block, _ = self._evictable.popitem(last=False)

@@ -125,6 +125,10 @@ class LLMEngine:
                     self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
             self._forget(group)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached block; False (nothing done) while requests hold blocks."""
+        return self.scheduler.block_manager.reset_prefix_cache()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
