@@ -62,6 +62,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="chunked prefill (default on); --no-enable-chunked-prefill for whole-prompt prefills")
     g.add_argument("--max-num-partial-prefills", type=int, default=None)
     g.add_argument("--long-prefill-token-threshold", type=int, default=None)
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="automatic prefix caching (the engine's default: on)")
     g.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     g.add_argument("--num-gpu-blocks-override", type=int, default=None)
     g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
@@ -85,7 +87,7 @@ def engine_kwargs(args: argparse.Namespace, **overrides) -> dict:
     }
     optional = ("tokenizer", "max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens",
                 "max_num_partial_prefills", "long_prefill_token_threshold", "kv_cache_memory_bytes",
-                "num_gpu_blocks_override", "device")
+                "num_gpu_blocks_override", "device", "enable_prefix_caching")
     for name in optional:
         value = getattr(args, name, None)
         if value is not None:
