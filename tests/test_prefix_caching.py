@@ -233,6 +233,33 @@ def test_a_preempted_request_finds_its_own_blocks_again():
     assert_block_partition(eng.bm)
 
 
+def test_a_partial_prefill_preempted_after_its_first_chunk_keeps_its_full_block():
+    # 3 blocks of 4: b's first chunk (7 tokens) fills one block and part of another; a's next
+    # decode needs a block and preempts b before b ran again.
+    eng = _eng(budget=8, max_num_seqs=2, max_model_len=12, num_blocks=3, max_num_partial_prefills=2)
+    a = eng.add("a", 3, max_tokens=4)
+    assert calls(eng.step()) == [("a", 3, 0)]
+    b = eng.add("b", 12, max_tokens=1)
+    assert calls(eng.step()) == [("a", 1, 3), ("b", 7, 0)]
+    out = eng.step()
+    assert calls(out) == [("a", 1, 4)] and out.preempted_request_ids == ["b"]
+    eng.step()
+    assert a.is_finished
+    assert calls(eng.step()) == [("b", 8, 4)]                   # its first block was kept
+    assert b.status is SequenceStatus.FINISHED_LENGTH
+
+
+def test_blocks_of_a_step_that_never_ran_are_not_found():
+    """An abort may follow a step that failed: the blocks it would have filled are not named."""
+    eng = _eng()
+    prompt = list(range(100, 112))
+    a = eng.add("a", 0, max_tokens=2, prompt=prompt)
+    assert calls(eng.sched.schedule()) == [("a", 12, 0)]        # scheduled, never run
+    eng.sched.finish(a, SequenceStatus.FINISHED_ABORTED)
+    eng.add("b", 0, max_tokens=1, prompt=prompt + [1])
+    assert calls(eng.step()) == [("b", 13, 0)]
+
+
 def test_classic_scheduling_uses_the_cache_too():
     eng = _eng(budget=64, max_model_len=64, enable_chunked_prefill=False)
     prompt = list(range(100, 130))
