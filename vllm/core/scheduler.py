@@ -48,8 +48,9 @@ class Scheduler:
         self._finished_since_last_step: list[str] = []
         self._blocks_to_copy: list[tuple[int, int]] = []
         self.num_preemptions = 0
-        # Prefix cache lookups, in tokens as vLLM counts them: the tokens of each admitted
-        # request that looked in the cache, and those it found there.
+        # Prefix cache lookups, in tokens as vLLM counts them: the tokens of each request
+        # admitted while caching is on (each admission after a preemption too), and of those
+        # the tokens found in the cache.
         self.num_prefix_cache_queries = 0
         self.num_prefix_cache_hits = 0
 

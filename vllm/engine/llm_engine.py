@@ -36,8 +36,8 @@ class EngineStats:
     num_decode_tokens: int = 0
     num_mixed_steps: int = 0  # steps that ran decodes and prefill chunks together
     num_preemptions: int = 0
-    num_prefix_cache_queries: int = 0  # tokens of admitted requests that looked in the prefix cache
-    num_prefix_cache_hits: int = 0  # of those, the tokens found there
+    num_prefix_cache_queries: int = 0
+    num_prefix_cache_hits: int = 0
 
 
 class LLMEngine:
