@@ -210,6 +210,24 @@ def test_workloads(tiny_checkpoints, tmp_path):
     assert bad.returncode != 0 and "unknown workloads" in bad.stderr
 
 
+def test_prefix_caching_workload(tiny_checkpoints, tmp_path):
+    out = tmp_path / "prefix_caching.json"
+    proc = run_script("benchmark_prefix_caching.py", "--model", tiny_checkpoints["llama"], "--num-requests", "4",
+                      "--scale", "0.05", "--max-model-len", "256", "--block-size", "16",
+                      "--max-num-batched-tokens", "32", "--max-num-seqs", "4", "--output-json", str(out))
+    check_ok(proc)
+    result = json.loads(out.read_text())
+    assert result["workload"] == {"num_requests": 4, "shared_prefix_len": 77, "own_len": 3, "output_len": 3}
+    on, off = result["modes"]["caching_on"], result["modes"]["caching_off"]
+    # The first request computes the system prompt in 3 steps of 32; the 3 others find its 4
+    # full blocks (named once computed, so from its last chunk's step on).
+    assert on["prefix_cache_hits"] == 3 * 64 and on["prefix_cache_queries"] == 4 * 80
+    assert off["prefix_cache_queries"] == 0
+    assert on["engine_stats"]["num_prefill_tokens"] < off["engine_stats"]["num_prefill_tokens"]
+    assert set(result["ratios"]) == {"ttft_p50_off_over_on", "ttft_p99_off_over_on", "throughput_on_over_off"}
+    assert re.search(r"^throughput_on_over_off: [0-9.]+$", proc.stdout, re.M), proc.stdout
+
+
 @pytest.mark.skipif(not _has_amx(), reason="the tile-overlap benchmark needs AMX")
 def test_tile_load_overlap(tmp_path):
     out = tmp_path / "overlap.json"

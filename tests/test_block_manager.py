@@ -9,8 +9,9 @@ from vllm.core.block_manager import BlockManager, cdiv
 def _assert_partition(bm: BlockManager) -> None:
     """A block is free exactly when no table holds it; its count is the tables that do."""
     holders = Counter(b for table in bm._tables.values() for b in table)
-    assert sorted(set(holders) | set(bm._free)) == list(range(bm.num_blocks))
-    assert not set(holders) & set(bm._free) and len(bm._free) == len(set(bm._free))
+    free = bm.free_blocks()
+    assert sorted(set(holders) | set(free)) == list(range(bm.num_blocks))
+    assert not set(holders) & set(free) and len(free) == len(set(free)) == bm.num_free_blocks
     assert all(bm.ref_count(b) == holders[b] for b in range(bm.num_blocks))
 
 

@@ -110,6 +110,8 @@ def test_engine_decodes_through_fused_layers(bf16_llm):
     outputs = []
     for use_fused in (False, True):
         runner.attn_backend.fused_layers = runner.model.model.fused_layers = fused if use_fused else None
+        # Both runs compute the same chunks: none finds the other's prompts in the prefix cache.
+        assert bf16_llm.reset_prefix_cache()
         before = runner.graph_stats.eager_steps
         outputs.append([o.outputs[0].token_ids for o in bf16_llm.generate(prompts[:2], params, use_tqdm=False)
                         + bf16_llm.generate(prompts, params, use_tqdm=False)])
@@ -178,6 +180,7 @@ def test_engine_runs_chunked_prefill_through_fused_layers(bf16_llm_d64):
     for use_fused in (False, True):
         recording = _Recording(fused) if use_fused else None
         runner.attn_backend.fused_layers = runner.model.model.fused_layers = recording
+        assert bf16_llm_d64.reset_prefix_cache()  # the second run computes every prompt again
         outputs.append([o.outputs[0].token_ids for o in bf16_llm_d64.generate(prompts, params, use_tqdm=False)])
     runner.attn_backend.fused_layers = runner.model.model.fused_layers = fused
     assert sum(recording.steps) >= 5 and not all(recording.steps)

@@ -3,7 +3,8 @@ the real HpuPlatform and HPU attention backend, in lazy and in compile mode.
 
 Same greedy tokens as transformers (float32) at every budget and block size; and the static-shape
 audit (tests/shape_audit.py): after warm-up, a workload with decodes, several chunks with long
-contexts, preemption, n > 1 forks and prompt logprobs makes Gaudi compile nothing more.
+contexts, preemption, n > 1 forks, prompt logprobs and prompts found in the prefix cache makes Gaudi
+compile nothing more.
 """
 
 import dataclasses
@@ -125,6 +126,16 @@ def _workload(seed: int) -> tuple[list[dict], list[SamplingParams]]:
     return prompts, params
 
 
+def _cached_workload(prompts: list[dict]) -> tuple[list[dict], list[SamplingParams]]:
+    """Prompts that begin like earlier ones: the longest again (all its blocks but the last found
+    in the cache), its first 3 blocks and 1 block, each with tokens of its own."""
+    longest = max((p["prompt_token_ids"] for p in prompts), key=len)
+    own = random_prompts([5, 30], seed=99)
+    cached = [longest, longest[:48] + own[0], longest[:16] + own[1]]
+    return ([{"prompt_token_ids": p} for p in cached],
+            [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True) for _ in cached])
+
+
 def test_no_new_shape_after_warmup(hpu, request, tiny_checkpoints, monkeypatch):
     lazy = request.node.callspec.params["hpu"] == "lazy"
     llm, audit = _audited_engine(hpu, lazy, tiny_checkpoints["llama"], monkeypatch)
@@ -135,6 +146,10 @@ def test_no_new_shape_after_warmup(hpu, request, tiny_checkpoints, monkeypatch):
     engine = llm.llm_engine
     assert engine.stats.num_preemptions > 0
     assert any(len(o.outputs) == 2 for o in outs) and any(o.prompt_logprobs for o in outs)
+    # Cached context is more context blocks: a first chunk after a cached prefix of up to 15
+    # blocks runs in the warmed buckets too.
+    cached = llm.generate(*_cached_workload(prompts), use_tqdm=False)
+    assert [o.num_cached_tokens > 0 for o in cached] == [True, True, True]
     assert new_since(warmed, hpu, audit) == {"graphs": [], "compiles": [], "lazy_segments": [],
                                             "forbidden_ops": []}
     stats = engine.graph_stats

@@ -2,6 +2,9 @@
 
 `FakeEngine.step()` mimics `LLMEngine.step()`: schedule, then every chunk with `sample=True`
 gets one new token, and a request finishes (FINISHED_LENGTH) at `max_tokens` or `max_model_len`.
+It also keeps a fake KV cache (the token id written to each slot), and checks that every chunk
+finds its earlier tokens in the slots its block table names, written by an earlier step: what
+attention would read, shared blocks and the prefix cache included.
 """
 
 from collections import Counter
@@ -19,10 +22,11 @@ from vllm.sequence import Sequence, SequenceStatus
 # ---------------------------------------------------------------- helpers
 
 
-def make_seq(request_id: str, prompt_len: int, max_tokens: int = 4) -> Sequence:
+def make_seq(request_id: str, prompt_len: int, max_tokens: int = 4,
+             prompt: list[int] | None = None) -> Sequence:
     base = 1000 * (1 + sum(map(ord, request_id)))  # distinct token ids per request
     return Sequence(request_id=request_id, prompt=None,
-                    prompt_token_ids=[base + i for i in range(prompt_len)],
+                    prompt_token_ids=prompt or [base + i for i in range(prompt_len)],
                     sampling_params=SamplingParams(max_tokens=max_tokens), arrival_time=0.0)
 
 
@@ -34,22 +38,33 @@ class FakeEngine:
     """A Scheduler plus the bookkeeping LLMEngine does after a forward pass."""
 
     def __init__(self, *, budget: int = 64, max_num_seqs: int = 8, max_model_len: int = 256,
-                 num_blocks: int = 64, block_size: int = 16, **scheduler_kwargs) -> None:
+                 num_blocks: int = 64, block_size: int = 16, enable_prefix_caching: bool = False,
+                 **scheduler_kwargs) -> None:
         config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
                                  max_model_len=max_model_len, **scheduler_kwargs)
-        self.bm = BlockManager(num_blocks, block_size)
+        self.bm = BlockManager(num_blocks, block_size, enable_caching=enable_prefix_caching)
         self.sched = Scheduler(config, self.bm)
         self.seqs: dict[str, Sequence] = {}
         self.outputs: list[SchedulerOutput] = []
+        self.kv: dict[int, tuple[int, int]] = {}  # slot -> (position, token id) whose KV it holds
 
-    def add(self, request_id: str, prompt_len: int, max_tokens: int = 4) -> Sequence:
-        seq = make_seq(request_id, prompt_len, max_tokens)
+    def add(self, request_id: str, prompt_len: int, max_tokens: int = 4,
+            prompt: list[int] | None = None) -> Sequence:
+        seq = make_seq(request_id, prompt_len, max_tokens, prompt)
         self.seqs[request_id] = seq
         self.sched.add(seq)
         return seq
 
     def step(self) -> SchedulerOutput:
         out = self.sched.schedule()
+        bs = self.bm.block_size
+        for s in out.scheduled:  # attention reads the context before the step writes anything
+            tokens = self.seqs[s.request_id].token_ids()
+            context = [self.kv.get(s.block_table[p // bs] * bs + p % bs) for p in range(s.start_position)]
+            assert context == list(enumerate(tokens[:s.start_position])), f"{s.request_id} reads wrong KV"
+        for s in out.scheduled:
+            for p in range(s.start_position, s.start_position + s.num_tokens):
+                self.kv[s.block_table[p // bs] * bs + p % bs] = (p, s.token_ids[p - s.start_position])
         for s in out.scheduled:
             seq = self.seqs[s.request_id]
             assert s.token_ids == seq.token_ids()[s.start_position:s.start_position + s.num_tokens]
@@ -80,9 +95,18 @@ def assert_caps(out: SchedulerOutput, config: SchedulerConfig) -> None:
 def assert_block_partition(bm: BlockManager) -> None:
     """A block is free exactly when no table holds it; its count is the tables that do."""
     holders = Counter(b for table in bm._tables.values() for b in table)
-    assert sorted(set(holders) | set(bm._free)) == list(range(bm.num_blocks)), "blocks lost"
-    assert not set(holders) & set(bm._free) and len(bm._free) == len(set(bm._free))
+    free = bm.free_blocks()
+    assert sorted(set(holders) | set(free)) == list(range(bm.num_blocks)), "blocks lost"
+    assert not set(holders) & set(free) and len(free) == len(set(free)) == bm.num_free_blocks
     assert all(bm.ref_count(b) == holders[b] for b in range(bm.num_blocks))
+    cache = bm.prefix_cache
+    if cache is not None:
+        # Names and blocks are one to one; evictable blocks are named, the others are not.
+        named = {b: cache.hash_of(b) for b in range(bm.num_blocks) if cache.hash_of(b) is not None}
+        assert all(cache.lookup(h) == b for b, h in named.items())
+        assert set(cache.evictable_blocks()) <= set(named) and not set(bm._free) & set(named)
+        # A block shared by several tables is named (only the cache and forks share blocks).
+        assert all(b in named for b, n in holders.items() if n > 1)
 
 
 # ---------------------------------------------------------------- 1. budget and decodes first
@@ -385,11 +409,13 @@ def workloads(draw):
                   num_blocks=num_blocks, block_size=block_size, enable_chunked_prefill=chunked,
                   max_num_partial_prefills=draw(st.integers(1, 3)),
                   long_prefill_token_threshold=draw(st.sampled_from([0, 0, 1, 5, 16])))
+    config["enable_prefix_caching"] = draw(st.booleans())
     requests = draw(st.lists(st.tuples(
         st.integers(1, max_model_len + 4),               # prompt length (some too long)
         st.integers(1, 20),                              # max_tokens
         st.one_of(st.none(), st.integers(0, 40)),        # abort before this step, or never
         st.integers(0, 10),                              # arrival step
+        st.integers(0, 3),                               # prompts of one family begin alike
     ), min_size=1, max_size=10))
     return config, requests
 
@@ -397,15 +423,20 @@ def workloads(draw):
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workloads())
 def test_random_workloads_finish_and_keep_invariants(workload):
+    """Random workloads, with and without prefix caching (prompts of a family share their
+    beginnings, and equal prompts equal outputs, so blocks of outputs are found too; a small
+    cache preempts and evicts): the caps, decodes first, the block partition and the names of
+    cached blocks hold after every step, and every chunk reads its own tokens' KV."""
     config, requests = workload
     eng = FakeEngine(**config)
     sched, bm = eng.sched, eng.bm
     pending = sorted(enumerate(requests), key=lambda r: r[1][3])
     for step in range(2000):
         while pending and pending[0][1][3] <= step:
-            i, (n, m, _, _) = pending.pop(0)
-            eng.add(f"r{i}", n, m)
-        for i, (_, _, abort_at, _) in enumerate(requests):
+            i, (n, m, _, _, family) = pending.pop(0)
+            # Family 3 repeats 4 tokens: its blocks hold equal tokens at different positions.
+            eng.add(f"r{i}", n, m, prompt=[100 * family + (t % 4 if family == 3 else t) for t in range(n)])
+        for i, (_, _, abort_at, _, _) in enumerate(requests):
             seq = eng.seqs.get(f"r{i}")
             if seq is not None and abort_at == step and not seq.is_finished:
                 sched.finish(seq, SequenceStatus.FINISHED_ABORTED)
@@ -437,3 +468,6 @@ def test_random_workloads_finish_and_keep_invariants(workload):
                     or seq.num_tokens >= config["max_model_len"])
     assert bm.num_free_blocks == bm.num_blocks
     assert_block_partition(bm)
+    assert sched.num_prefix_cache_hits <= sched.num_prefix_cache_queries
+    if not config["enable_prefix_caching"]:
+        assert sched.num_prefix_cache_queries == 0

@@ -103,11 +103,14 @@ class CacheConfig:
 
     The number of blocks is derived from `kv_cache_memory_bytes` (the memory the cache may take,
     over all layers, keys and values) unless `num_gpu_blocks_override` pins it, as in vLLM.
+    With `enable_prefix_caching`, full blocks are shared between requests whose tokens begin
+    alike (vllm/core/prefix_cache.py).
     """
 
     block_size: int = 128
     kv_cache_memory_bytes: int = 2 * 1024**3
     num_gpu_blocks_override: int | None = None
+    enable_prefix_caching: bool = True
     num_blocks: int = field(default=0, init=False)  # filled in by the worker once it knows the model
 
     def __post_init__(self) -> None:

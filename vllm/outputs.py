@@ -28,6 +28,8 @@ class RequestOutput:
     finished: bool
     prompt_logprobs: list | None = None
     metrics: RequestMetrics | None = None
+    # Prompt tokens found in the prefix cache (not computed) when the request was first scheduled.
+    num_cached_tokens: int = 0
     # Why the engine refused the request (finish_reason "length" without any output) or gave up
     # on it (finish_reason "error": its steps kept failing), else None.
     error: str | None = field(default=None)

@@ -64,6 +64,8 @@ class Sequence:
     num_prompt_logprob_positions: int = 0
     num_preemptions: int = 0
     num_failed_steps: int = 0  # steps with this request that failed and were taken back
+    # Tokens found in the prefix cache when the request was first admitted (None until then).
+    num_cached_tokens: int | None = None
     # Incremental detokenization state (see engine/detokenizer.py).
     output_text: str = ""
     prefix_offset: int = 0

@@ -4,6 +4,21 @@ There are no phases. Every request has `num_tokens` and `num_computed_tokens`; a
 `min(tokens left, budget left)`. Decodes (one token left) go first, so a long prompt never
 stalls them; the budget they leave is filled by the continuing partial prefill(s), then by new
 requests in arrival order. Imports no torch.
+
+With prefix caching a request starts from the cached blocks that hold its first tokens: they
+count as computed, and its first chunk starts after them. At least the last token is always
+computed, so the step has its logits; and since only whole blocks are shared, a request whose
+tokens are all cached computes its last block again, in a block of its own:
+
+    prompt     | a b c d | e f g h | i j |        cached: [a b c d] [e f g h]
+    admitted   computed = 8, first chunk = [i j]
+    prompt     | a b c d | e f g h |              cached: both blocks
+    admitted   computed = 4, first chunk = [e f g h] (into a new block)
+
+A block is named once the step that filled it has run, so a request never reads KV that its
+own step writes. A request asking for prompt logprobs reads from the cache only the positions
+whose logprobs it already has (after a preemption), as vLLM's requests with prompt logprobs
+skip the cache: the other positions are computed to score them.
 """
 
 from collections import deque
@@ -47,6 +62,11 @@ class Scheduler:
         self.num_preemptions = 0
         # Blocks kept free when admitting, for the running requests to grow into (vLLM's 1%).
         self._watermark_blocks = block_manager.num_blocks // 100
+        # Prefix cache lookups, in tokens as vLLM counts them: the tokens of each request
+        # admitted while caching is on (each admission after a preemption too), and of those
+        # the tokens found in the cache.
+        self.num_prefix_cache_queries = 0
+        self.num_prefix_cache_hits = 0
 
     # ---------------------------------------------------------------- requests in and out
 
@@ -84,6 +104,10 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        if status in (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH):
+            # It just sampled, so the step that computed its tokens ran; an abort may come
+            # after a step that failed, whose blocks must not be found.
+            self.block_manager.cache_blocks(seq.request_id, seq.num_computed_tokens, seq.token_slice)
         self.block_manager.free(seq.request_id)
         self._finished_since_last_step.append(seq.request_id)
 
@@ -185,11 +209,14 @@ class Scheduler:
                and num_partial < self.config.max_num_partial_prefills
                and self._num_seats() + self.waiting[0].num_seats <= self.config.max_num_seqs):
             seq = self.waiting[0]
-            chunk = self._chunk_size(seq, budget)
-            if not self.block_manager.can_grow(seq.request_id, chunk) or not self._has_room_for(seq):
+            cached = self._cached_prefix(seq)
+            num_cached = len(cached) * self.block_manager.block_size
+            chunk = min(self._chunk_size(seq, budget), seq.num_tokens - num_cached)
+            if (not self.block_manager.can_allocate(cached, num_cached + chunk)
+                    or not self._has_room_for(seq, cached)):
                 break  # new requests never preempt running ones
             self._admit(seq)
-            self.block_manager.grow(seq.request_id, chunk)
+            self._allocate(seq, cached, num_cached + chunk)
             prefills.append(self._take(seq, chunk))
             budget -= chunk
             num_partial += seq.is_prefill
@@ -204,12 +231,14 @@ class Scheduler:
         while (self.waiting
                and self._num_seats() + self.waiting[0].num_seats <= self.config.max_num_seqs):
             seq = self.waiting[0]
-            if seq.num_tokens > budget or not self.block_manager.can_grow(seq.request_id, seq.num_tokens):
+            cached = self._cached_prefix(seq)
+            num_new = seq.num_tokens - len(cached) * self.block_manager.block_size
+            if num_new > budget or not self.block_manager.can_allocate(cached, seq.num_tokens):
                 break
             self._admit(seq)
-            self.block_manager.grow(seq.request_id, seq.num_tokens)
-            prefills.append(self._take(seq, seq.num_tokens))
-            budget -= seq.num_tokens
+            self._allocate(seq, cached, seq.num_tokens)
+            prefills.append(self._take(seq, num_new))
+            budget -= num_new
         if prefills:
             return SchedulerOutput(prefills, num_decodes=0)
 
@@ -236,15 +265,15 @@ class Scheduler:
             chunk = min(chunk, self.config.long_prefill_token_threshold)
         return chunk
 
-    def _has_room_for(self, seq: Sequence) -> bool:
-        """Whether a waiting request may start: the blocks of all its known tokens fit, beside a
-        watermark, as in vLLM. Admitted on its first chunk's blocks alone, a long prompt would
-        take the blocks the running decodes grow into, and be preempted when they do, again
-        and again. With nothing running, any request that fits the cache may start."""
+    def _has_room_for(self, seq: Sequence, cached: list[int]) -> bool:
+        """Whether a waiting request may start from its `cached` blocks: the blocks of all its
+        known tokens fit, beside a watermark, as in vLLM. Admitted on its first chunk's blocks
+        alone, a long prompt would take the blocks the running decodes grow into, and be
+        preempted when they do, again and again. With nothing running, any request that fits
+        the cache may start."""
         if not self.running:
             return True
-        missing = self.block_manager.num_missing_blocks(seq.request_id, seq.num_tokens)
-        return missing + self._watermark_blocks <= self.block_manager.num_free_blocks
+        return self.block_manager.can_allocate(cached, seq.num_tokens, reserve=self._watermark_blocks)
 
     def _reserve(self, seq: Sequence, num_tokens: int, scheduled_ids: set[str],
                  preempted: list[str]) -> bool:
@@ -262,11 +291,31 @@ class Scheduler:
         self.block_manager.grow(seq.request_id, num_tokens)
         return True
 
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """The cached blocks a waiting request (which holds no blocks) may start from."""
+        max_tokens = seq.num_tokens - 1  # the last token is computed for its logits
+        if seq.sampling_params.prompt_logprobs is not None:
+            max_tokens = min(max_tokens, seq.num_prompt_logprob_positions)
+        return self.block_manager.cached_prefix(seq.request_id, max_tokens, seq.token_slice)
+
+    def _allocate(self, seq: Sequence, cached: list[int], num_tokens: int) -> None:
+        """Gives an admitted request its cached blocks, counted as computed, and blocks up to
+        `num_tokens`."""
+        self.block_manager.allocate(seq.request_id, cached, num_tokens)
+        seq.num_computed_tokens = len(cached) * self.block_manager.block_size
+        if seq.num_cached_tokens is None:  # its first admission
+            seq.num_cached_tokens = seq.num_computed_tokens
+        if self.block_manager.enable_caching:
+            self.num_prefix_cache_queries += seq.num_tokens
+            self.num_prefix_cache_hits += seq.num_computed_tokens
+
     def _take(self, seq: Sequence, num_tokens: int) -> ScheduledSequence:
         """Hands the next `num_tokens` of `seq` to this step and counts them as computed."""
         assert 0 < num_tokens <= seq.num_uncomputed_tokens
         start = seq.num_computed_tokens
         self._log.taken.append((seq, start, seq.num_prompt_logprob_positions))
+        # Earlier steps computed the tokens before `start`: the blocks they fill can be shared.
+        self.block_manager.cache_blocks(seq.request_id, start, seq.token_slice)
         seq.num_computed_tokens += num_tokens
         sample = seq.num_computed_tokens == seq.num_tokens
         # Positions of this chunk that predict a prompt token (p predicts token p + 1), skipping
@@ -304,6 +353,8 @@ class Scheduler:
                            "fewer concurrent sequences (max_num_seqs) avoid them. Preemptions so "
                            "far: %d", seq.request_id, self.num_preemptions + 1)
         self.running.remove(seq)
+        # Named blocks stay cached: the request finds them again if they are not evicted.
+        self.block_manager.cache_blocks(seq.request_id, seq.num_computed_tokens, seq.token_slice)
         self.block_manager.free(seq.request_id)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0

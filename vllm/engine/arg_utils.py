@@ -90,6 +90,9 @@ class EngineArgs:
         None, "bytes of KV cache over all layers (default: from gpu_memory_utilization on Gaudi, "
         "VLLM_CPU_KVCACHE_SPACE GiB (2) on CPU)")
     num_gpu_blocks_override: int | None = arg(None, "fixes the number of KV cache blocks")
+    enable_prefix_caching: bool = arg(
+        True, "automatic prefix caching: full KV blocks are found again by a hash of their tokens "
+        "and prefix, so a prompt that shares a cached prefix skips computing it")
 
     # ---- the scheduler
     enable_chunked_prefill: bool = arg(
@@ -237,7 +240,8 @@ class EngineArgs:
         cache_config = CacheConfig(
             block_size=self.block_size,
             kv_cache_memory_bytes=kv_cache_bytes or kv_cache_bytes_from_env(),
-            num_gpu_blocks_override=self.num_gpu_blocks_override)
+            num_gpu_blocks_override=self.num_gpu_blocks_override,
+            enable_prefix_caching=self.enable_prefix_caching)
         scheduler_config = SchedulerConfig(
             max_num_batched_tokens=budget,
             max_num_seqs=self.max_num_seqs or min(DEFAULT_MAX_NUM_SEQS, budget),

@@ -65,8 +65,11 @@ class LLMEngine:
         self.config = config
         self.tokenizer = tokenizer
         self.runner = runner
-        self.scheduler = Scheduler(config.scheduler, BlockManager(config.cache.num_blocks,
-                                                                  config.cache.block_size))
+        # Cached KV is found only by an engine of the same model and dtype.
+        cache_key = f"{config.model.model}|{config.model.gguf_file}|{config.model.dtype}".encode()
+        block_manager = BlockManager(config.cache.num_blocks, config.cache.block_size,
+                                     enable_caching=config.cache.enable_prefix_caching, cache_key=cache_key)
+        self.scheduler = Scheduler(config.scheduler, block_manager)
         self.requests: dict[str, SequenceGroup] = {}  # by user request id
         self._seqs: dict[str, tuple[Sequence, SequenceGroup]] = {}  # by sample (scheduler) id
         self._pending_outputs: list[RequestOutput] = []  # for the caller of the next step()
@@ -165,6 +168,10 @@ class LLMEngine:
                     if not seq.is_finished:
                         self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
                 self._forget(group)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached block; False (nothing done) while requests hold blocks."""
+        return self.scheduler.block_manager.reset_prefix_cache()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -364,7 +371,8 @@ class LLMEngine:
         return RequestOutput(request_id=group.request_id, prompt=first.prompt,
                              prompt_token_ids=first.prompt_token_ids, outputs=completions,
                              finished=group.is_finished, prompt_logprobs=prompt_logprobs,
-                             metrics=first.metrics, error=first.error)
+                             metrics=first.metrics, error=first.error,
+                             num_cached_tokens=first.num_cached_tokens or 0)
 
     def _forget(self, group: SequenceGroup) -> None:
         """The request leaves the engine (finished or aborted)."""
@@ -380,6 +388,8 @@ class LLMEngine:
         s.num_prefill_tokens += step.num_prefill_tokens
         s.num_mixed_steps += int(0 < step.num_decodes < len(step.scheduled))
         s.num_preemptions += len(step.preempted_request_ids)
+        s.num_prefix_cache_queries = self.scheduler.num_prefix_cache_queries
+        s.num_prefix_cache_hits = self.scheduler.num_prefix_cache_hits
         if self.stat_loggers:
             self._iteration.record_step(step)
 

@@ -33,6 +33,11 @@ class LLM:
         (see the `generation_config` engine argument) over SamplingParams' defaults."""
         return SamplingParams(**self.llm_engine.config.model.get_diff_sampling_param())
 
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached KV block (later prompts compute everything); False if requests
+        are running."""
+        return self.llm_engine.reset_prefix_cache()
+
     def generate(self, prompts: PromptType | SequenceABC[PromptType],
                  sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
