@@ -234,9 +234,10 @@ def test_a_preempted_request_finds_its_own_blocks_again():
 
 
 def test_a_partial_prefill_preempted_after_its_first_chunk_keeps_its_full_block():
-    # 3 blocks of 4: b's first chunk (7 tokens) fills one block and part of another; a's next
-    # decode needs a block and preempts b before b ran again.
-    eng = _eng(budget=8, max_num_seqs=2, max_model_len=12, num_blocks=3, max_num_partial_prefills=2)
+    # 4 blocks of 4: b starts beside a (all of b's blocks fit then), and its first chunk (7
+    # tokens) fills one block and part of another; a's next decode takes the last free block,
+    # so b's next chunk preempts b itself before it ran again.
+    eng = _eng(budget=8, max_num_seqs=2, max_model_len=12, num_blocks=4, max_num_partial_prefills=2)
     a = eng.add("a", 3, max_tokens=4)
     assert calls(eng.step()) == [("a", 3, 0)]
     b = eng.add("b", 12, max_tokens=1)

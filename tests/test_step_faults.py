@@ -27,6 +27,14 @@ def llm(tiny_checkpoints):
                max_num_batched_tokens=BUDGET, max_num_seqs=8, enforce_eager=True)
 
 
+@pytest.fixture(autouse=True)
+def _nothing_cached(request):
+    """Each test starts with an empty prefix cache, so a prompt's first chunk starts at position
+    0 (faults are aimed at chunks by where they start); within a test, caching stays on."""
+    if "llm" in request.fixturenames:
+        assert request.getfixturevalue("llm").reset_prefix_cache()
+
+
 def requests() -> tuple[list[dict], list[SamplingParams]]:
     lengths = [20, 100, 7, 45, 60]
     prompts = [{"prompt_token_ids": p} for p in random_prompts(lengths, seed=11)]
