@@ -99,13 +99,14 @@ def scrape(url: str) -> dict[tuple[str, tuple], float]:
 def test_metrics_endpoint(llm, caplog):
     engine = AsyncLLMEngine(llm.llm_engine)
     with ServerThread(build_app(engine, [MODEL])) as server:
+        assert llm.reset_prefix_cache()
         before = scrape(server.url)
-        body = {"model": MODEL, "prompt": random_prompts([40])[0], "max_tokens": 5, "ignore_eos": True}
-        for _ in range(3):
+        # Two prompts of 40 tokens, then the first again: its 2 full blocks of 16 come from the
+        # prefix cache, and only its last 8 tokens are computed.
+        first, second = random_prompts([40, 40], seed=5)
+        for prompt in (first, second, first):
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": 5, "ignore_eos": True}
             assert httpx2.post(f"{server.url}/v1/completions", json=body).status_code == 200
-        # What the prefix cache reports (issue 21's counters) shows as vLLM's counters.
-        llm.llm_engine.stats.num_prefix_cache_queries += 100
-        llm.llm_engine.stats.num_prefix_cache_hits += 40
         after = scrape(server.url)
         text = httpx2.get(f"{server.url}/metrics").text
     delta = lambda name, labels=(): after[(name, labels)] - before.get((name, labels), 0)  # noqa: E731
@@ -117,8 +118,8 @@ def test_metrics_endpoint(llm, caplog):
     assert delta("vllm:inter_token_latency_seconds_count") == 12
     assert delta("vllm:e2e_request_latency_seconds_count") == 3
     assert delta("vllm:request_prompt_tokens_sum") == 120
-    assert delta("vllm:prefill_chunk_tokens_sum") == 120
-    assert delta("vllm:prefix_cache_queries_total") == 100 and delta("vllm:prefix_cache_hits_total") == 40
+    assert delta("vllm:prefill_chunk_tokens_sum") == 40 + 40 + 8
+    assert delta("vllm:prefix_cache_queries_total") == 120 and delta("vllm:prefix_cache_hits_total") == 32
     assert delta("vllm:num_steps_total") >= 3 * 5 and ("vllm:num_mixed_steps_total", ()) in after
     assert after[("vllm:num_requests_running", ())] == after[("vllm:num_requests_waiting", ())] == 0
     assert after[("vllm:kv_cache_usage_perc", ())] == 0
