@@ -143,15 +143,20 @@ def test_prefill_chunks_of_very_different_lengths_are_attended_in_separate_group
     assert sorted(g.gather_index.shape for g in meta.groups) == [(1, 464), (16, 32)]
 
 
+def _on_copy(kernel, copy: str):
+    """Runs `kernel` (cpu_paged_decode or cpu_paged_prefill) on its AMX copy, where the CPU has
+    AMX, or on the AVX512 copy that CPUs without it take; back to AMX-where-present afterwards."""
+    if copy == "amx" and not kernel.use_amx(True):
+        pytest.skip("no AMX here")
+    kernel.use_amx(copy == "amx")
+    yield copy
+    kernel.use_amx(True)
+
+
 @pytest.fixture(params=["amx", "avx512"])
 def decode_copies(request):
-    """bf16 decodes on the AMX copy where the CPU has AMX, and on the AVX512 copies that CPUs
-    without it take."""
-    if request.param == "amx" and not cpu_paged_decode.use_amx(True):
-        pytest.skip("no AMX here")
-    cpu_paged_decode.use_amx(request.param == "amx")
-    yield request.param
-    cpu_paged_decode.use_amx(True)
+    """bf16 decodes on each copy of the decode kernel this CPU has."""
+    yield from _on_copy(cpu_paged_decode, request.param)
 
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="the decode kernel needs a C compiler")
@@ -249,13 +254,8 @@ def _prefill_kernel_built() -> bool:
 
 @pytest.fixture(params=["amx", "avx512"])
 def prefill_copies(request):
-    """Prefills on the AMX copy where the CPU has AMX, and on the AVX512-BF16 copy that CPUs
-    without it take."""
-    if request.param == "amx" and not cpu_paged_prefill.use_amx(True):
-        pytest.skip("no AMX here")
-    cpu_paged_prefill.use_amx(request.param == "amx")
-    yield request.param
-    cpu_paged_prefill.use_amx(True)
+    """Prefills on each copy of the prefill kernel this CPU has."""
+    yield from _on_copy(cpu_paged_prefill, request.param)
 
 
 @pytest.mark.skipif(not _prefill_kernel_built(), reason="the prefill kernel needs a C compiler and AVX512-BF16")
