@@ -15,7 +15,7 @@ from vllm.engine.detokenizer import detokenize_incrementally
 from vllm.engine.exceptions import EngineDeadError
 from vllm.engine.interrupts import deferred_interrupts
 from vllm.engine.metrics_types import IterationStats, StatLoggerBase, Stats
-from vllm.inputs import PromptType, parse_prompt
+from vllm.inputs import ProcessedPrompt, PromptType, parse_prompt
 from vllm.logger import init_logger
 from vllm.logprobs import Logprob
 from vllm.model_executor.layers.logprobs import TokenLogprobs
@@ -104,14 +104,15 @@ class LLMEngine:
 
     # ---------------------------------------------------------------- requests
 
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+    def add_request(self, request_id: str, prompt: PromptType | ProcessedPrompt, params: SamplingParams,
                     arrival_time: float | None = None) -> None:
-        """Queues a request. Raises ValueError, changing nothing, on bad input."""
+        """Queues a request. Raises ValueError, changing nothing, on bad input. A prompt
+        already checked by `process_prompt` is not tokenized again."""
         self._check_alive()
         if not isinstance(request_id, str):
             raise ValueError(f"request_id must be a string, got {type(request_id).__name__}")
         self.validate_sampling_params(params)
-        text, token_ids = parse_prompt(prompt, self.tokenizer)
+        prompt = parse_prompt(prompt, self.tokenizer)
         if set(self.config.model.eos_token_ids) - {self.eos_token_id}:  # they stop it too
             params = params.clone()
             params.update_from_generation_config(self.config.model.generation_config_fields,
@@ -121,7 +122,7 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
 
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        seqs = [Sequence(request_id=sid, prompt=text, prompt_token_ids=token_ids,
+        seqs = [Sequence(request_id=sid, prompt=prompt.text, prompt_token_ids=prompt.token_ids,
                          sampling_params=_sample_params(params, i), arrival_time=arrival,
                          eos_token_id=self.eos_token_id, index=i)
                 for i, sid in enumerate(ids)]
@@ -140,6 +141,10 @@ class LLMEngine:
                 return
             self.requests[request_id] = group
             self._seqs.update((seq.request_id, (seq, group)) for seq in seqs)
+
+    def process_prompt(self, prompt: PromptType | ProcessedPrompt) -> ProcessedPrompt:
+        """Checks and tokenizes a prompt for `add_request`; raises ValueError on a malformed one."""
+        return parse_prompt(prompt, self.tokenizer)
 
     def validate_sampling_params(self, params: SamplingParams) -> None:
         """Raises ValueError if this engine cannot serve `params` (SamplingParams checks the rest
