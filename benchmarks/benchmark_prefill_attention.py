@@ -28,6 +28,7 @@ from vllm.attention.backends.abstract import SeqSpan  # noqa: E402
 from vllm.attention.backends.cpu_attn import paged_attention  # noqa: E402
 from vllm.attention.backends.cpu_metadata import build_attention_metadata  # noqa: E402
 from vllm.attention.ops import cpu_paged_prefill  # noqa: E402
+from vllm.core.block_manager import kv_slots  # noqa: E402
 
 HEAD_DIM = 64
 
@@ -73,7 +74,7 @@ def main() -> int:
     key_cache = torch.randn(num_blocks, args.block_size, args.kv_heads, HEAD_DIM).to(dtype)
     value_cache = torch.randn_like(key_cache)
     spans = [SeqSpan(0, args.queries, args.context, table)]
-    slots = [table[p // args.block_size] * args.block_size + p % args.block_size for p in range(args.context, keys)]
+    slots = kv_slots(table, range(args.context, keys), args.block_size)
     # The chunk's own keys and values, as the step wrote them to the cache.
     key = key_cache.view(-1, args.kv_heads, HEAD_DIM)[slots]          # (Q, KVH, D)
     value = value_cache.view(-1, args.kv_heads, HEAD_DIM)[slots]

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from vllm.config import SchedulerConfig
-from vllm.core.block_manager import BlockManager
+from vllm.core.block_manager import BlockManager, kv_slots
 from vllm.core.scheduler import Scheduler
 from vllm.core.scheduler_output import SchedulerOutput
 from vllm.sampling_params import SamplingParams
@@ -65,11 +65,12 @@ class FakeEngine:
         bs = self.bm.block_size
         for s in out.scheduled:  # attention reads the context before the step writes anything
             tokens = all_tokens(self.seqs[s.request_id])
-            context = [self.kv.get(s.block_table[p // bs] * bs + p % bs) for p in range(s.start_position)]
+            context = [self.kv.get(slot) for slot in kv_slots(s.block_table, range(s.start_position), bs)]
             assert context == list(enumerate(tokens[:s.start_position])), f"{s.request_id} reads wrong KV"
         for s in out.scheduled:
-            for p in range(s.start_position, s.start_position + s.num_tokens):
-                self.kv[s.block_table[p // bs] * bs + p % bs] = (p, s.token_ids[p - s.start_position])
+            chunk = range(s.start_position, s.start_position + s.num_tokens)
+            for p, slot in zip(chunk, kv_slots(s.block_table, chunk, bs)):
+                self.kv[slot] = (p, s.token_ids[p - s.start_position])
         sampled = {}
         for s in out.scheduled:
             seq = self.seqs[s.request_id]
