@@ -11,7 +11,7 @@ Prints vLLM's lines
 and, with --output-json PATH (or --save-result: benchmarks/results/<name>.json), vLLM's keys
 avg_latency, latencies, percentiles plus the prefill/decode split of the measured iterations
 (from per-step timings), machine info and a roofline section (prefill as a fraction of the
-measured bf16 matmul peak, decode as a fraction of the measured memory bandwidth; common.py).
+measured bf16 matmul peak, decode as a fraction of the measured memory bandwidth; roofline.py).
 
 Defaults: vLLM's input/output/batch sizes (32/128/8); fewer iterations than vLLM's 10+30 so a
 2-core CPU finishes in minutes.
@@ -30,27 +30,31 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import common  # noqa: E402
+import result_files  # noqa: E402
+import engine_setup  # noqa: E402
+import workload_prompts  # noqa: E402
+import roofline  # noqa: E402
+import step_stats  # noqa: E402
 
 PERCENTAGES = (10, 25, 50, 75, 90, 99)
 
 
 def main(args: argparse.Namespace) -> dict:
     print(args)
-    common.apply_threads(args)
+    engine_setup.apply_threads(args)
     import numpy as np
     from vllm import SamplingParams
 
-    llm, init_s = common.build_llm(args)
+    llm, init_s = engine_setup.build_llm(args)
     engine = llm.llm_engine
-    vocab, special = common.tokenizer_vocab(llm.get_tokenizer())
+    vocab, special = workload_prompts.tokenizer_vocab(llm.get_tokenizer())
     rng = random.Random(args.seed)
-    prompts = [{"prompt_token_ids": common.random_token_ids(rng, args.input_len, vocab, special)}
+    prompts = [{"prompt_token_ids": workload_prompts.random_token_ids(rng, args.input_len, vocab, special)}
                for _ in range(args.batch_size)]
     params = SamplingParams(n=1, temperature=1.0, top_p=1.0, ignore_eos=True,
                             max_tokens=args.output_len)
 
-    def run_once(recorder: common.StepRecorder | None = None) -> float:
+    def run_once(recorder: step_stats.StepRecorder | None = None) -> float:
         start = time.perf_counter()
         if recorder is None:
             llm.generate(prompts, params, use_tqdm=False)
@@ -60,14 +64,14 @@ def main(args: argparse.Namespace) -> dict:
 
     print("Warming up...")
     for i in range(args.num_iters_warmup):
-        common.log(f"warm-up iteration {i + 1}/{args.num_iters_warmup}: {run_once():.3f} s")
+        result_files.log(f"warm-up iteration {i + 1}/{args.num_iters_warmup}: {run_once():.3f} s")
 
     latencies = []
     per_iter: list[dict] = []
-    all_records: list[common.StepRecord] = []
-    before = common.stats_snapshot(engine)
+    all_records: list[step_stats.StepRecord] = []
+    before = step_stats.stats_snapshot(engine)
     for i in range(args.num_iters):
-        recorder = common.StepRecorder(engine)
+        recorder = step_stats.StepRecorder(engine)
         latency = run_once(recorder)
         latencies.append(latency)
         all_records += recorder.records
@@ -76,11 +80,11 @@ def main(args: argparse.Namespace) -> dict:
                          "prefill_seconds": sum(r.seconds for r in pre),
                          "decode_seconds": sum(r.seconds for r in recorder.records
                                               if r.prefill_tokens == 0)})
-        common.log(f"iteration {i + 1}/{args.num_iters}: {latency:.3f} s")
-    stats = common.stats_diff(before, common.stats_snapshot(engine))
+        result_files.log(f"iteration {i + 1}/{args.num_iters}: {latency:.3f} s")
+    stats = step_stats.stats_diff(before, step_stats.stats_snapshot(engine))
 
     latencies_arr = np.array(latencies)
-    pct = common.percentiles(latencies, PERCENTAGES)
+    pct = step_stats.percentiles(latencies, PERCENTAGES)
     print(f"Avg latency: {np.mean(latencies_arr)} seconds")
     for p in PERCENTAGES:
         print(f"{p}% percentile latency: {pct[str(p)]} seconds")
@@ -93,7 +97,7 @@ def main(args: argparse.Namespace) -> dict:
           f"avg decode: {decode_s:.4f} s over {decode_steps:.0f} steps"
           + (f" ({1000 * decode_s / decode_steps:.2f} ms/step)" if decode_steps else ""))
 
-    dtype = common.engine_dtype_name(llm, args.dtype)
+    dtype = engine_setup.engine_dtype_name(llm, args.dtype)
     results = {
         "avg_latency": float(np.mean(latencies_arr)),
         "latencies": latencies,
@@ -109,20 +113,20 @@ def main(args: argparse.Namespace) -> dict:
         "engine_init_seconds": init_s,
         "engine_stats": stats,
         "dtype": dtype,
-        "model": common.resolve_model_path(args.model),
+        "model": engine_setup.resolve_model_path(args.model),
         "date": time.strftime("%Y%m%d-%H%M%S"),
-        "args": common.args_dict(args),
-        "machine": common.machine_info(),
+        "args": result_files.args_dict(args),
+        "machine": result_files.machine_info(),
     }
     if not args.no_roofline:
-        results["roofline"] = common.compute_roofline(
+        results["roofline"] = roofline.compute_roofline(
             args.model, dtype, all_records,
             fallback={"elapsed": sum(latencies), "prefill_tokens": stats["num_prefill_tokens"],
                       "decode_tokens": stats["num_decode_tokens"], "num_steps": stats["num_steps"]})
-        common.print_roofline(results["roofline"])
+        roofline.print_roofline(results["roofline"])
 
     mode = "chunked" if args.enable_chunked_prefill else "unchunked"
-    common.save_results(results, args.output_json, args.save_result,
+    result_files.save_results(results, args.output_json, args.save_result,
                         f"latency-{mode}-in{args.input_len}-out{args.output_len}-bs{args.batch_size}")
     return results
 
@@ -143,7 +147,7 @@ def make_parser() -> argparse.ArgumentParser:
                         help="write the results to benchmarks/results/<name>.json")
     parser.add_argument("--no-roofline", action="store_true",
                         help="skip the matmul/bandwidth microbenchmarks and the roofline fractions")
-    common.add_engine_args(parser)
+    engine_setup.add_engine_args(parser)
     return parser
 
 

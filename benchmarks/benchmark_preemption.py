@@ -22,24 +22,27 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import common  # noqa: E402
+import result_files  # noqa: E402
+import engine_setup  # noqa: E402
+import workload_prompts  # noqa: E402
+import step_stats  # noqa: E402
 
 
 def run(args: argparse.Namespace, num_blocks: int, prompts: list[dict]) -> tuple[dict, list]:
     from vllm import SamplingParams
 
     # The cache must hold one request of max_model_len: 2048 fits the tight one's 2080 tokens.
-    llm, _ = common.build_llm(args, block_size=16, max_num_batched_tokens=256,
+    llm, _ = engine_setup.build_llm(args, block_size=16, max_num_batched_tokens=256,
                               num_gpu_blocks_override=num_blocks, max_model_len=args.max_model_len or 2048)
     engine = llm.llm_engine
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate(prompts[:1], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
-    before = common.stats_snapshot(engine)
+    before = step_stats.stats_snapshot(engine)
     preemptions = engine.stats.num_preemptions
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
-    stats = common.stats_diff(before, common.stats_snapshot(engine))
+    stats = step_stats.stats_diff(before, step_stats.stats_snapshot(engine))
     preempted = engine.stats.num_preemptions - preemptions
     result = {"num_blocks": num_blocks, "seconds": seconds, "preemptions": preempted,
               "preemptions_per_request": preempted / len(prompts), **stats}
@@ -50,17 +53,18 @@ def run(args: argparse.Namespace, num_blocks: int, prompts: list[dict]) -> tuple
 
 def main(args: argparse.Namespace) -> dict:
     print(args)
-    common.apply_threads(args)
+    engine_setup.apply_threads(args)
     rng = random.Random(args.seed)
-    tokenizer = common.load_hf_tokenizer(args.model, args.tokenizer)
-    vocab, special = common.tokenizer_vocab(tokenizer)
-    prompts = [{"prompt_token_ids": common.random_token_ids(rng, args.input_len + rng.randrange(8), vocab, special)}
+    tokenizer = engine_setup.load_hf_tokenizer(args.model, args.tokenizer)
+    vocab, special = workload_prompts.tokenizer_vocab(tokenizer)
+    prompts = [{"prompt_token_ids": workload_prompts.random_token_ids(rng, args.input_len + rng.randrange(8),
+                                                                      vocab, special)}
                for _ in range(args.num_prompts)]
     roomy, roomy_tokens = run(args, args.roomy_blocks, prompts)
     tight, tight_tokens = run(args, args.tight_blocks, prompts)
     results = {
-        "args": common.args_dict(args),
-        "machine": common.machine_info(),
+        "args": result_files.args_dict(args),
+        "machine": result_files.machine_info(),
         "roomy": roomy,
         "tight": tight,
         "wall_time_ratio": tight["seconds"] / roomy["seconds"],
@@ -75,13 +79,13 @@ def main(args: argparse.Namespace) -> dict:
     print(f"tight/roomy wall time: {results['wall_time_ratio']:.2f}x, preemptions per request "
           f"{tight['preemptions_per_request']:.2f}, outputs identical: {results['outputs_identical']} "
           f"({results['requests_identical']} of {len(prompts)} requests)")
-    common.save_results(results, args.output_json, args.save_result, "preemption")
+    result_files.save_results(results, args.output_json, args.save_result, "preemption")
     return results
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    common.add_engine_args(parser)
+    engine_setup.add_engine_args(parser)
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--input-len", type=int, default=800, help="each prompt adds 0-7 tokens to it")
     parser.add_argument("--output-len", type=int, default=64)

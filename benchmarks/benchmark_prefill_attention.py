@@ -21,13 +21,15 @@ import time
 import torch
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [_HERE, os.path.dirname(_HERE)]  # common.py beside it, vllm of this checkout
+sys.path[:0] = [_HERE, os.path.dirname(_HERE)]  # the helper modules beside it, vllm of this checkout
 
-from common import machine_info, measure_matmul_flops, write_json  # noqa: E402
+from result_files import machine_info, write_json  # noqa: E402
+from roofline import measure_matmul_flops  # noqa: E402
 from vllm.attention.backends.abstract import SeqSpan  # noqa: E402
 from vllm.attention.backends.cpu_attn import paged_attention  # noqa: E402
 from vllm.attention.backends.cpu_metadata import build_attention_metadata  # noqa: E402
 from vllm.attention.ops import cpu_paged_prefill  # noqa: E402
+from vllm.core.block_manager import kv_slots  # noqa: E402
 
 HEAD_DIM = 64
 
@@ -73,7 +75,7 @@ def main() -> int:
     key_cache = torch.randn(num_blocks, args.block_size, args.kv_heads, HEAD_DIM).to(dtype)
     value_cache = torch.randn_like(key_cache)
     spans = [SeqSpan(0, args.queries, args.context, table)]
-    slots = [table[p // args.block_size] * args.block_size + p % args.block_size for p in range(args.context, keys)]
+    slots = kv_slots(table, range(args.context, keys), args.block_size)
     # The chunk's own keys and values, as the step wrote them to the cache.
     key = key_cache.view(-1, args.kv_heads, HEAD_DIM)[slots]          # (Q, KVH, D)
     value = value_cache.view(-1, args.kv_heads, HEAD_DIM)[slots]

@@ -17,7 +17,10 @@ import argparse
 import random
 import time
 
-import common
+import result_files
+import engine_setup
+import workload_prompts
+import step_stats
 
 
 def _size(n: int, scale: float) -> int:
@@ -27,12 +30,12 @@ def _size(n: int, scale: float) -> int:
 def run_mode(args: argparse.Namespace, caching: bool, prompts: list[list[int]], output_len: int,
              warmup: list[list[int]]) -> dict:
     from vllm import SamplingParams
-    llm, init_s = common.build_llm(args, enable_prefix_caching=caching)
+    llm, init_s = engine_setup.build_llm(args, enable_prefix_caching=caching)
     engine = llm.llm_engine
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     llm.generate([{"prompt_token_ids": p} for p in warmup], SamplingParams(max_tokens=2), use_tqdm=False)
     assert llm.reset_prefix_cache()
-    before = common.stats_snapshot(engine)
+    before = step_stats.stats_snapshot(engine)
     hits0, queries0 = engine.stats.num_prefix_cache_hits, engine.stats.num_prefix_cache_queries
     first_token: dict[str, float] = {}
     start = time.perf_counter()
@@ -45,7 +48,7 @@ def run_mode(args: argparse.Namespace, caching: bool, prompts: list[list[int]], 
     wall = time.perf_counter() - start
     assert len(first_token) == len(prompts)
     tokens = sum(map(len, prompts)) + len(prompts) * output_len
-    ttft = common.percentiles(first_token.values(), ps=(50, 99))
+    ttft = step_stats.percentiles(first_token.values(), ps=(50, 99))
     hits = engine.stats.num_prefix_cache_hits - hits0
     queries = engine.stats.num_prefix_cache_queries - queries0
     return {
@@ -53,25 +56,27 @@ def run_mode(args: argparse.Namespace, caching: bool, prompts: list[list[int]], 
         "total_tokens_per_s": tokens / wall,
         "prefix_cache_hit_rate": hits / queries if queries else 0.0,
         "prefix_cache_hits": hits, "prefix_cache_queries": queries,
-        "engine_stats": common.stats_diff(before, common.stats_snapshot(engine)),
+        "engine_stats": step_stats.stats_diff(before, step_stats.stats_snapshot(engine)),
         "init_s": init_s,
     }
 
 
 def run(args: argparse.Namespace) -> dict:
-    common.apply_threads(args)
+    engine_setup.apply_threads(args)
     s = args.scale
     rng = random.Random(args.seed)
-    vocab, special = common.tokenizer_vocab(common.load_hf_tokenizer(args.model, args.tokenizer))
-    system = common.random_token_ids(rng, _size(args.prefix_len, s), vocab, special)
-    prompts = [system + common.random_token_ids(rng, _size(args.suffix_len, s), vocab, special)
+    tokenizer = engine_setup.load_hf_tokenizer(args.model, args.tokenizer)
+    vocab, special = workload_prompts.tokenizer_vocab(tokenizer)
+    system = workload_prompts.random_token_ids(rng, _size(args.prefix_len, s), vocab, special)
+    prompts = [system + workload_prompts.random_token_ids(rng, _size(args.suffix_len, s), vocab, special)
                for _ in range(args.num_requests)]
-    warmup = [common.random_token_ids(rng, _size(args.suffix_len, s), vocab, special) for _ in range(2)]
+    warmup = [workload_prompts.random_token_ids(rng, _size(args.suffix_len, s), vocab, special)
+              for _ in range(2)]
     output_len = _size(args.output_len, s)
     modes = {}
     for caching in (False, True):
         name = "caching_on" if caching else "caching_off"
-        common.log(f"F: {name}")
+        result_files.log(f"F: {name}")
         modes[name] = run_mode(args, caching, prompts, output_len, warmup)
     off, on = modes["caching_off"], modes["caching_on"]
     return {
@@ -84,8 +89,8 @@ def run(args: argparse.Namespace) -> dict:
             "ttft_p99_off_over_on": off["ttft_p99_s"] / on["ttft_p99_s"],
             "throughput_on_over_off": on["total_tokens_per_s"] / off["total_tokens_per_s"],
         },
-        "machine": common.machine_info(),
-        "args": common.args_dict(args),
+        "machine": result_files.machine_info(),
+        "args": result_files.args_dict(args),
     }
 
 
@@ -98,7 +103,7 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--scale", type=float, default=1.0, help="multiplies every length")
     parser.add_argument("--output-json", default=None, help="write the results here (without it, only print them)")
-    common.add_engine_args(parser)
+    engine_setup.add_engine_args(parser)
     return parser
 
 
@@ -111,7 +116,7 @@ def main() -> None:
     for k, v in result["ratios"].items():
         print(f"{k}: {v:.2f}")
     if args.output_json:
-        print(f"Results written to {common.write_json(result, args.output_json)}")
+        print(f"Results written to {result_files.write_json(result, args.output_json)}")
 
 
 if __name__ == "__main__":

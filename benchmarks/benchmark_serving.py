@@ -67,7 +67,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import common  # noqa: E402
+import result_files  # noqa: E402
+import engine_setup  # noqa: E402
+import workload_prompts  # noqa: E402
 from serving_http import (LaunchedServer, RequestRecord, request_body, run_requests,  # noqa: E402
                           scrape_metrics, server_report)
 
@@ -97,11 +99,11 @@ def parse_range(text: str) -> tuple[int, int]:
 def make_workload(args: argparse.Namespace, tokenizer) -> list[dict]:
     """[{"prompt_token_ids", "prompt_len", "output_len", "kind"}] in arrival order."""
     if args.dataset_path is not None:
-        reqs = common.load_dataset(args.dataset_path, tokenizer, args.num_prompts)
+        reqs = workload_prompts.load_dataset(args.dataset_path, tokenizer, args.num_prompts)
         for r in reqs:
             r["kind"] = "dataset"
         return reqs
-    vocab, special = common.tokenizer_vocab(tokenizer)
+    vocab, special = workload_prompts.tokenizer_vocab(tokenizer)
     rng = random.Random(args.seed)
     n = args.num_prompts
     specs: list[tuple[int, int, str]] = []
@@ -121,7 +123,7 @@ def make_workload(args: argparse.Namespace, tokenizer) -> list[dict]:
             kind = "long" if i in long_positions else "short"
             prompt_range = args.long_input_len if kind == "long" else args.short_input_len
             specs.append((rng.randint(*prompt_range), rng.randint(*args.output_len_range), kind))
-    return [{"prompt_token_ids": common.random_token_ids(rng, p, vocab, special), "prompt_len": p,
+    return [{"prompt_token_ids": workload_prompts.random_token_ids(rng, p, vocab, special), "prompt_len": p,
              "output_len": o, "kind": kind} for p, o, kind in specs]
 
 
@@ -468,7 +470,7 @@ def main(args: argparse.Namespace, extra_flags: list[str]) -> dict:
     if args.model is None and not args.compare_chunked:  # the server's model gives the tokenizer
         import httpx2
         args.served_model = httpx2.get(f"{base_url}/v1/models").json()["data"][0]["id"]
-    tokenizer = common.load_hf_tokenizer(args.served_model, args.tokenizer)
+    tokenizer = engine_setup.load_hf_tokenizer(args.served_model, args.tokenizer)
     workload = make_workload(args, tokenizer)
     if args.endpoint.endswith("chat/completions"):
         for w in workload:
@@ -518,9 +520,9 @@ def main(args: argparse.Namespace, extra_flags: list[str]) -> dict:
                      "total_output_tokens": sum(r["output_len"] for r in workload)},
         "servers": servers,
         "runs": runs,
-        "args": common.args_dict(args),
+        "args": result_files.args_dict(args),
         "server_flags": extra_flags,
-        "machine": common.machine_info(),
+        "machine": result_files.machine_info(),
     })
     if searches:
         results["capacity_search"] = searches
@@ -535,7 +537,7 @@ def main(args: argparse.Namespace, extra_flags: list[str]) -> dict:
         print("=" * 50)
 
     if args.save_result or args.output_json:
-        path = common.write_json(results, output_path(args))
+        path = result_files.write_json(results, output_path(args))
         print(f"Results written to {path}")
         if runs and not args.no_plot:
             png = args.plot or os.path.splitext(str(path))[0] + ".png"
@@ -560,8 +562,8 @@ def output_path(args: argparse.Namespace) -> str:
     if args.output_json:
         return args.output_json
     if args.result_filename:
-        return os.path.join(args.result_dir or str(common.RESULTS_DIR), args.result_filename)
-    return str(common.default_result_path(result_name(args)) if not args.result_dir
+        return os.path.join(args.result_dir or str(result_files.RESULTS_DIR), args.result_filename)
+    return str(result_files.default_result_path(result_name(args)) if not args.result_dir
                else os.path.join(args.result_dir, result_name(args) + ".json"))
 
 

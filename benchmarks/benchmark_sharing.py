@@ -30,7 +30,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-import common
+import result_files
 
 HERE = Path(__file__).resolve().parent
 POLICIES = {
@@ -91,8 +91,8 @@ def main(args: argparse.Namespace) -> dict:
                   f"default alone: {s['alone_over_default_alone']:.2f} alone, "
                   f"{s['busy_over_default_alone']:.2f} busy")
     results = {"runs_tokens_per_s": runs, "summary": summary, "policies": POLICIES,
-               "args": vars(args), "machine": common.machine_info()}
-    common.save_results(results, args.output_json, False, "sharing")
+               "args": vars(args), "machine": result_files.machine_info()}
+    result_files.save_results(results, args.output_json, False, "sharing")
     return results
 
 

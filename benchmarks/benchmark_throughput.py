@@ -28,7 +28,7 @@ and, with --output-json PATH (or --save-result: benchmarks/results/<name>.json),
 elapsed_time, num_requests, total_num_tokens, requests_per_second, tokens_per_second plus
 output_tokens_per_second, backend, args, machine, engine step statistics and (vllm backend)
 a roofline section: prefill as a fraction of the measured bf16 matmul peak and decode as a
-fraction of the measured memory bandwidth (see common.py).
+fraction of the measured memory bandwidth (see roofline.py).
 
 Examples:
     python benchmarks/benchmark_throughput.py --input-len 128 --output-len 128 --num-prompts 64
@@ -48,7 +48,11 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import common  # noqa: E402
+import result_files  # noqa: E402
+import engine_setup  # noqa: E402
+import workload_prompts  # noqa: E402
+import roofline  # noqa: E402
+import step_stats  # noqa: E402
 
 WARMUP_PROMPTS = 2
 WARMUP_PROMPT_LEN = 16
@@ -59,10 +63,10 @@ WARMUP_OUTPUT_LEN = 4
 
 def make_requests(args: argparse.Namespace, tokenizer) -> list[dict]:
     if args.dataset is not None:
-        return common.load_dataset(args.dataset, tokenizer, args.num_prompts, args.output_len)
-    vocab, special = common.tokenizer_vocab(tokenizer)
+        return workload_prompts.load_dataset(args.dataset, tokenizer, args.num_prompts, args.output_len)
+    vocab, special = workload_prompts.tokenizer_vocab(tokenizer)
     rng = random.Random(args.seed)
-    return [{"prompt_token_ids": common.random_token_ids(rng, args.input_len, vocab, special),
+    return [{"prompt_token_ids": workload_prompts.random_token_ids(rng, args.input_len, vocab, special),
              "prompt_len": args.input_len, "output_len": args.output_len}
             for _ in range(args.num_prompts)]
 
@@ -72,7 +76,7 @@ def make_requests(args: argparse.Namespace, tokenizer) -> list[dict]:
 def run_vllm(requests: list[dict], args: argparse.Namespace) -> dict:
     from vllm import SamplingParams
 
-    llm, init_s = common.build_llm(args)
+    llm, init_s = engine_setup.build_llm(args)
     engine = llm.llm_engine
 
     warm = [{"prompt_token_ids": r["prompt_token_ids"][:WARMUP_PROMPT_LEN]}
@@ -85,12 +89,12 @@ def run_vllm(requests: list[dict], args: argparse.Namespace) -> dict:
     prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in requests]
     params = [SamplingParams(n=1, temperature=1.0, top_p=1.0, ignore_eos=True,
                              max_tokens=r["output_len"]) for r in requests]
-    before = common.stats_snapshot(engine)
-    recorder = common.StepRecorder(engine)
+    before = step_stats.stats_snapshot(engine)
+    recorder = step_stats.StepRecorder(engine)
     start = time.perf_counter()
     outputs = recorder.generate(prompts, params)
     elapsed = time.perf_counter() - start
-    stats = common.stats_diff(before, common.stats_snapshot(engine))
+    stats = step_stats.stats_diff(before, step_stats.stats_snapshot(engine))
 
     errors = [o.error for o in outputs if getattr(o, "error", None)]
     extra = {
@@ -101,10 +105,10 @@ def run_vllm(requests: list[dict], args: argparse.Namespace) -> dict:
         "errors": errors[:10],
         "engine_stats": stats,
         "step_composition": recorder.composition(),
-        "dtype": common.engine_dtype_name(llm, args.dtype),
+        "dtype": engine_setup.engine_dtype_name(llm, args.dtype),
     }
     if not args.no_roofline:
-        extra["roofline"] = common.compute_roofline(
+        extra["roofline"] = roofline.compute_roofline(
             args.model, extra["dtype"], recorder.records,
             fallback={"elapsed": elapsed, "prefill_tokens": stats["num_prefill_tokens"],
                       "decode_tokens": stats["num_decode_tokens"], "num_steps": stats["num_steps"]})
@@ -115,8 +119,8 @@ def run_hf(requests: list[dict], args: argparse.Namespace, tokenizer) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    dtype_name = common.resolve_dtype_name(args.dtype)
-    directory, kwargs = common.hf_load_kwargs(common.resolve_model_path(args.model))
+    dtype_name = engine_setup.resolve_dtype_name(args.dtype)
+    directory, kwargs = engine_setup.hf_load_kwargs(engine_setup.resolve_model_path(args.model))
     t0 = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=getattr(torch, dtype_name),
                                                  local_files_only=True, **kwargs).eval()
@@ -155,7 +159,7 @@ def run_hf(requests: list[dict], args: argparse.Namespace, tokenizer) -> dict:
         for i, batch in enumerate(batches):
             generated += generate(batch)
             if not args.disable_tqdm:
-                common.log(f"hf: batch {i + 1}/{len(batches)} done, "
+                result_files.log(f"hf: batch {i + 1}/{len(batches)} done, "
                            f"{time.perf_counter() - start:.1f} s")
         elapsed = time.perf_counter() - start
     return {"elapsed": elapsed, "extra": {"engine_init_seconds": init_s, "warmup_seconds": warmup_s,
@@ -181,7 +185,7 @@ def run_llama_cpp(requests: list[dict], args: argparse.Namespace) -> dict:
             "llama-cpp-python (it compiles llama.cpp; not part of the test requirements).") from None
     import numpy as np
 
-    path = common.resolve_model_path(args.model)
+    path = engine_setup.resolve_model_path(args.model)
     if not (os.path.isfile(path) and path.endswith(".gguf")):
         raise SystemExit(f"--backend llama.cpp needs a .gguf model file, got {path}")
     n_seq = max(1, min(len(requests), args.max_num_seqs or 64, 64))
@@ -324,10 +328,10 @@ def result_name(args: argparse.Namespace) -> str:
 
 def main(args: argparse.Namespace) -> dict:
     print(args)
-    common.apply_threads(args)
+    engine_setup.apply_threads(args)
     random.seed(args.seed)
 
-    tokenizer = common.load_hf_tokenizer(args.model, args.tokenizer)
+    tokenizer = engine_setup.load_hf_tokenizer(args.model, args.tokenizer)
     requests = make_requests(args, tokenizer)
 
     if args.backend == "vllm":
@@ -346,7 +350,7 @@ def main(args: argparse.Namespace) -> dict:
           f"{total_num_tokens / elapsed:.2f} total tokens/s, "
           f"{total_output_tokens / elapsed:.2f} output tokens/s")
     extra = run["extra"]
-    common.print_roofline(extra.get("roofline"))
+    roofline.print_roofline(extra.get("roofline"))
 
     results = {
         "elapsed_time": elapsed,
@@ -358,14 +362,14 @@ def main(args: argparse.Namespace) -> dict:
         "output_tokens_per_second": total_output_tokens / elapsed,
         "total_input_tokens": total_num_tokens - total_output_tokens,
         "backend": args.backend,
-        "model": common.resolve_model_path(args.model),
+        "model": engine_setup.resolve_model_path(args.model),
         "enable_chunked_prefill": args.enable_chunked_prefill if args.backend == "vllm" else None,
         "date": time.strftime("%Y%m%d-%H%M%S"),
-        "args": common.args_dict(args),
-        "machine": common.machine_info(),
+        "args": result_files.args_dict(args),
+        "machine": result_files.machine_info(),
         **extra,
     }
-    common.save_results(results, args.output_json, args.save_result, result_name(args))
+    result_files.save_results(results, args.output_json, args.save_result, result_name(args))
     return results
 
 
@@ -393,7 +397,7 @@ def make_parser() -> argparse.ArgumentParser:
                         help="keep llama.cpp's own log output (llama.cpp backend)")
     parser.add_argument("--no-roofline", action="store_true",
                         help="skip the matmul/bandwidth microbenchmarks and the roofline fractions")
-    common.add_engine_args(parser)
+    engine_setup.add_engine_args(parser)
     return parser
 
 

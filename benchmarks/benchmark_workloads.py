@@ -22,7 +22,9 @@ import random
 import statistics
 import time
 
-import common
+import result_files
+import engine_setup
+import roofline
 
 REPEATS = 3  # B and C: best of
 
@@ -39,7 +41,7 @@ class Engine:
     """The workloads on this engine: `vllm.LLM` and its `LLMEngine` step loop."""
 
     def __init__(self, args: argparse.Namespace, **overrides) -> None:
-        self.llm, self.init_seconds = common.build_llm(args, **overrides)
+        self.llm, self.init_seconds = engine_setup.build_llm(args, **overrides)
         self.engine = self.llm.llm_engine
 
     def generate(self, prompts: list[list[int]], output_len: int) -> float:
@@ -94,8 +96,8 @@ class HF:
     def __init__(self, args: argparse.Namespace) -> None:
         import torch
         from transformers import AutoModelForCausalLM
-        directory, kwargs = common.hf_load_kwargs(common.resolve_model_path(args.model))
-        dtype = getattr(torch, common.resolve_dtype_name(args.dtype))
+        directory, kwargs = engine_setup.hf_load_kwargs(engine_setup.resolve_model_path(args.model))
+        dtype = getattr(torch, engine_setup.resolve_dtype_name(args.dtype))
         self.model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, local_files_only=True,
                                                           **kwargs).eval()
 
@@ -133,18 +135,18 @@ BACKENDS = {"vllm": Engine, "hf": HF, "llama.cpp": LlamaCpp}
 
 def run(args: argparse.Namespace) -> dict:
     import torch
-    common.apply_threads(args)
+    engine_setup.apply_threads(args)
     s = args.scale
     rng = random.Random(args.seed)
-    tokenizer = common.load_hf_tokenizer(args.model, args.tokenizer)
+    tokenizer = engine_setup.load_hf_tokenizer(args.model, args.tokenizer)
     vocab = len(tokenizer)
     want = set(args.workloads.split(","))
     result: dict = {"workloads": {}, "definitions": __doc__.split("\n\n")[1]}
     w = result["workloads"]
 
-    dtype_name = common.resolve_dtype_name(args.dtype)
-    result["machine_roofline"] = common.measure_machine_roofline(dtype_name)
-    params = common.model_param_counts(common.resolve_model_path(args.model))
+    dtype_name = engine_setup.resolve_dtype_name(args.dtype)
+    result["machine_roofline"] = roofline.measure_machine_roofline(dtype_name)
+    params = roofline.model_param_counts(engine_setup.resolve_model_path(args.model))
     bytes_per_param = torch.finfo(getattr(torch, dtype_name)).bits // 8
 
     a_prompts = _prompts(rng, [_size(256, s)] * 16, vocab)
@@ -155,7 +157,7 @@ def run(args: argparse.Namespace) -> dict:
 
     backends = args.backends.split(",")
     for backend in backends:
-        common.log(f"{backend}: loading")
+        result_files.log(f"{backend}: loading")
         runner = BACKENDS[backend](args)
         runner.generate(a_prompts[:2], 4)  # warm-up
         res = w.setdefault(backend, {})
@@ -226,8 +228,8 @@ def run(args: argparse.Namespace) -> dict:
         if "D" in want:
             ratios[f"D_wall_ours_over_{other}"] = ours["D_wall_s"] / ref["D_wall_s"]
     result["ratios"] = ratios
-    result["machine"] = common.machine_info()
-    result["args"] = common.args_dict(args)
+    result["machine"] = result_files.machine_info()
+    result["args"] = result_files.args_dict(args)
     return result
 
 
@@ -238,7 +240,7 @@ def make_parser() -> argparse.ArgumentParser:
                         help="comma-separated: vllm, hf, llama.cpp (needs llama-cpp-python)")
     parser.add_argument("--scale", type=float, default=1.0, help="multiplies every length (smoke tests)")
     parser.add_argument("--output-json", default=None, help="write the results here (without it, only print them)")
-    common.add_engine_args(parser)
+    engine_setup.add_engine_args(parser)
     return parser
 
 
@@ -261,7 +263,7 @@ def main() -> None:
     for k, v in result.get("ratios", {}).items():
         print(f"{k}: {v:.2f}")
     if args.output_json:  # only when asked: a run of a subset must not replace the recorded file
-        print(f"Results written to {common.write_json(result, args.output_json)}")
+        print(f"Results written to {result_files.write_json(result, args.output_json)}")
 
 
 if __name__ == "__main__":

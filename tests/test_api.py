@@ -55,6 +55,30 @@ def test_bad_prompt_rejects_the_whole_batch_before_anything_runs(llm):
         llm.generate({"prompt_token_ids": [10**9]}, use_tqdm=False)
 
 
+def test_generate_tokenizes_each_prompt_once(llm, monkeypatch):
+    engine = llm.llm_engine
+    texts = []
+
+    class CountingTokenizer:
+        def __init__(self, tokenizer):
+            self._tokenizer = tokenizer
+
+        def __call__(self, text, *args, **kwargs):
+            texts.append(text)
+            return self._tokenizer(text, *args, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(self._tokenizer, name)
+
+        def __len__(self):
+            return len(self._tokenizer)
+
+    monkeypatch.setattr(engine, "tokenizer", CountingTokenizer(engine.tokenizer))
+    llm.generate(["one prompt", {"prompt": "another"}, {"prompt_token_ids": [5, 6]}],
+                 SamplingParams(max_tokens=1), use_tqdm=False)
+    assert texts == ["one prompt", "another"]
+
+
 @pytest.mark.parametrize("prompt, message", [
     ({"prompt": None}, "must be a string, got NoneType"),
     ("a lone surrogate \ud800 here", "not valid Unicode: surrogates not allowed at character 17"),

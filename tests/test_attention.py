@@ -6,11 +6,12 @@ import shutil
 import pytest
 import torch
 
-from vllm.attention.backends.cpu_attn import paged_attention, write_to_kv_cache
+from tests.reference_attention import reference_paged_attention
 from vllm.attention.backends.abstract import SeqSpan
+from vllm.attention.backends.cpu_attn import paged_attention, write_to_kv_cache
 from vllm.attention.backends.cpu_metadata import build_attention_metadata
 from vllm.attention.ops import cpu_kv_cache, cpu_paged_decode, cpu_paged_prefill
-from vllm.attention.ops.reference import reference_paged_attention
+from vllm.core.block_manager import kv_slots
 from vllm.platforms.cpu import cpu_flags
 
 
@@ -35,7 +36,7 @@ def _random_step(rng: random.Random, num_decodes: int, num_prefills: int, block_
             ctx, q_len = rng.choice([0, rng.randint(1, 70)]), rng.randint(1, 45)
         table = [free.pop() for _ in range(-(-(ctx + q_len) // block_size))]
         spans.append(SeqSpan(offset, q_len, ctx, table))
-        slots += [table[p // block_size] * block_size + p % block_size for p in range(ctx, ctx + q_len)]
+        slots += kv_slots(table, range(ctx, ctx + q_len), block_size)
         offset += q_len
     return spans, slots
 
@@ -185,7 +186,7 @@ def test_paged_decode_kernel_on_model_shapes(dtype, sliding_window, heads, decod
         # NaN: kernels that read whole tiles of keys must never let one into a result.
         first = 0 if sliding_window is None else max(0, ctx + 1 - sliding_window)
         unseen = list(range(first)) + list(range(ctx + 1, len(table) * block_size))
-        slots = [table[p // block_size] * block_size + p % block_size for p in unseen]
+        slots = kv_slots(table, unseen, block_size)
         for cache in (key_cache, value_cache):
             cache.view(-1, num_kv_heads, head_dim)[slots] = float("nan")
     meta = build_attention_metadata(spans, len(spans), [0] * len(spans), block_size,
@@ -278,7 +279,7 @@ def test_paged_prefill_kernel_matches_reference(block_size, sliding_window, head
     spans, offset = [], 0
     for context, queries in steps:
         table = [free.pop() for _ in range(-(-(context + queries) // block_size))]
-        slots = [table[p // block_size] * block_size + p % block_size for p in range(context + queries)]
+        slots = kv_slots(table, range(context + queries), block_size)
         for cache in (key_cache, value_cache):
             cache.view(-1, num_kv_heads, head_dim)[slots] = torch.randn(len(slots), num_kv_heads,
                                                                          head_dim).bfloat16()
@@ -322,7 +323,7 @@ def test_paged_prefill_kernel_one_chunk(queries, context, heads, block_size, sli
     table = torch.randperm(num_blocks)[:-(-keys // block_size)].tolist()
     key_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), float("nan"), dtype=torch.bfloat16)
     value_cache = key_cache.clone()
-    slots = [table[p // block_size] * block_size + p % block_size for p in range(keys)]
+    slots = kv_slots(table, range(keys), block_size)
     for cache in (key_cache, value_cache):
         cache.view(-1, num_kv_heads, head_dim)[slots] = torch.randn(keys, num_kv_heads, head_dim).bfloat16()
     spans = [SeqSpan(0, queries, context, table)]

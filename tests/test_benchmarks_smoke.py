@@ -46,7 +46,7 @@ def check_ok(proc: subprocess.CompletedProcess) -> None:
 
 
 def load_module(name: str):
-    """Imports benchmarks/<name>.py (its `import common` finds benchmarks/common.py)."""
+    """Imports benchmarks/<name>.py (its imports find the helper modules beside it)."""
     if name in sys.modules:
         return sys.modules[name]
     sys.path.insert(0, BENCH)

@@ -3,7 +3,7 @@
 from collections import Counter
 import pytest
 
-from vllm.core.block_manager import BlockManager, cdiv
+from vllm.core.block_manager import BlockManager, cdiv, kv_slots
 
 
 def _assert_partition(bm: BlockManager) -> None:
@@ -81,7 +81,7 @@ def test_slot_arithmetic_matches_module_docstring():
         bm.free(f"r{i}")  # the free list is FIFO: 7, 2, 9
     bm.grow("req", 41)
     assert bm.block_table("req") == [7, 2, 9]
-    assert [bm.slot("req", p) for p in (0, 15, 16, 31, 32, 40)] == [112, 127, 32, 47, 144, 152]
+    assert kv_slots(bm.block_table("req"), (0, 15, 16, 31, 32, 40), 16) == [112, 127, 32, 47, 144, 152]
     _assert_partition(bm)
 
 
@@ -91,11 +91,11 @@ def test_slots_of_one_request_are_distinct_and_inside_its_blocks():
     bm.grow("y", 9)
     bm.free("x")
     bm.grow("z", 10)
+    slots = {rid: kv_slots(bm.block_table(rid), range(n), 4) for rid, n in (("y", 9), ("z", 10))}
     for rid, n in (("y", 9), ("z", 10)):
-        slots = [bm.slot(rid, p) for p in range(n)]
-        assert len(set(slots)) == n
-        assert {s // 4 for s in slots} == set(bm.block_table(rid))
-    assert not {bm.slot("y", p) for p in range(9)} & {bm.slot("z", p) for p in range(10)}
+        assert len(set(slots[rid])) == n
+        assert {s // 4 for s in slots[rid]} == set(bm.block_table(rid))
+    assert not set(slots["y"]) & set(slots["z"])
     _assert_partition(bm)
 
 

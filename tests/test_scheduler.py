@@ -1,7 +1,8 @@
 """The chunked-prefill scheduler, driven by a fake model step (no torch model, no runner).
 
 `FakeEngine.step()` mimics `LLMEngine.step()`: schedule, then every chunk with `sample=True`
-gets one new token, and a request finishes (FINISHED_LENGTH) at `max_tokens` or `max_model_len`.
+gets one new token through `Scheduler.update_from_output`, which finishes a request
+(FINISHED_LENGTH) at `max_tokens` or `max_model_len`.
 It also keeps a fake KV cache (the token id written to each slot), and checks that every chunk
 finds its earlier tokens in the slots its block table names, written by an earlier step: what
 attention would read, shared blocks and the prefix cache included.
@@ -13,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from vllm.config import SchedulerConfig
-from vllm.core.block_manager import BlockManager
+from vllm.core.block_manager import BlockManager, kv_slots
 from vllm.core.scheduler import Scheduler
 from vllm.core.scheduler_output import SchedulerOutput
 from vllm.sampling_params import SamplingParams
@@ -30,12 +31,16 @@ def make_seq(request_id: str, prompt_len: int, max_tokens: int = 4,
                     sampling_params=SamplingParams(max_tokens=max_tokens), arrival_time=0.0)
 
 
+def all_tokens(seq: Sequence) -> list[int]:
+    return seq.prompt_token_ids + seq.output_token_ids
+
+
 def calls(out: SchedulerOutput) -> list[tuple[str, int, int]]:
     return [(s.request_id, s.num_tokens, s.start_position) for s in out.scheduled]
 
 
 class FakeEngine:
-    """A Scheduler plus the bookkeeping LLMEngine does after a forward pass."""
+    """A Scheduler plus a fake KV cache, stepped as LLMEngine steps it."""
 
     def __init__(self, *, budget: int = 64, max_num_seqs: int = 8, max_model_len: int = 256,
                  num_blocks: int = 64, block_size: int = 16, enable_prefix_caching: bool = False,
@@ -59,21 +64,20 @@ class FakeEngine:
         out = self.sched.schedule()
         bs = self.bm.block_size
         for s in out.scheduled:  # attention reads the context before the step writes anything
-            tokens = self.seqs[s.request_id].token_ids()
-            context = [self.kv.get(s.block_table[p // bs] * bs + p % bs) for p in range(s.start_position)]
+            tokens = all_tokens(self.seqs[s.request_id])
+            context = [self.kv.get(slot) for slot in kv_slots(s.block_table, range(s.start_position), bs)]
             assert context == list(enumerate(tokens[:s.start_position])), f"{s.request_id} reads wrong KV"
         for s in out.scheduled:
-            for p in range(s.start_position, s.start_position + s.num_tokens):
-                self.kv[s.block_table[p // bs] * bs + p % bs] = (p, s.token_ids[p - s.start_position])
+            chunk = range(s.start_position, s.start_position + s.num_tokens)
+            for p, slot in zip(chunk, kv_slots(s.block_table, chunk, bs)):
+                self.kv[slot] = (p, s.token_ids[p - s.start_position])
+        sampled = {}
         for s in out.scheduled:
             seq = self.seqs[s.request_id]
-            assert s.token_ids == seq.token_ids()[s.start_position:s.start_position + s.num_tokens]
-            if not s.sample:
-                continue
-            seq.output_token_ids.append(7 + len(seq.output_token_ids))
-            if (len(seq.output_token_ids) >= seq.sampling_params.max_tokens
-                    or seq.num_tokens >= self.sched.config.max_model_len):
-                self.sched.finish(seq, SequenceStatus.FINISHED_LENGTH)
+            assert s.token_ids == all_tokens(seq)[s.start_position:s.start_position + s.num_tokens]
+            if s.sample:
+                sampled[s.request_id] = 7 + len(seq.output_token_ids)
+        self.sched.update_from_output(out, sampled, lambda seq, status: status)
         self.outputs.append(out)
         return out
 

@@ -15,7 +15,12 @@ def _config(llm):
     return llm.llm_engine.config
 
 
-# (keyword arguments, check of the built engine) -- the check shows the setting took effect.
+def _platform(llm):
+    return llm.llm_engine.runner.platform
+
+
+# (keyword arguments, check of the built engine's config) -- the check shows the setting took
+# effect; `device` chooses the platform, which the engine's runner holds.
 TAKES_EFFECT = {
     "dtype": ({"dtype": "bfloat16"}, lambda c: c.model.dtype == torch.bfloat16),
     "seed": ({"seed": 7}, lambda c: c.model.seed == 7),
@@ -35,7 +40,6 @@ TAKES_EFFECT = {
     "kv_cache_memory_bytes": ({"kv_cache_memory_bytes": 2**20, "num_gpu_blocks_override": None},
                               lambda c: c.cache.num_blocks == 2**20 // (16 * 512)),
     "num_gpu_blocks_override": ({"num_gpu_blocks_override": 40}, lambda c: c.cache.num_blocks == 40),
-    "device": ({"device": "cpu"}, lambda c: c.device == "cpu"),
     "trust_remote_code": ({"trust_remote_code": True}, lambda c: c.model.trust_remote_code),
     "disable_log_stats": ({"disable_log_stats": False}, lambda c: not c.disable_log_stats),
     "generation_config": ({"generation_config": "vllm"}, lambda c: c.model.generation_config == "vllm"),
@@ -72,6 +76,12 @@ def test_argument_takes_effect(tiny_checkpoints, name):
     kwargs, check = TAKES_EFFECT[name]
     llm = LLM(tiny_checkpoints["llama"], **{"dtype": "float32", **SMALL, **kwargs})
     assert check(_config(llm)), name
+    _generate_one(llm)
+
+
+def test_device_chooses_the_platform(tiny_checkpoints):
+    llm = LLM(tiny_checkpoints["llama"], device="cpu", dtype="float32", **SMALL)
+    assert _platform(llm).device_type == "cpu"
     _generate_one(llm)
 
 

@@ -161,6 +161,5 @@ class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
     scheduler: SchedulerConfig
-    device: str = "cpu"
     enforce_eager: bool = True
     disable_log_stats: bool = False  # read by the server's periodic statistics

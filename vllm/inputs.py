@@ -1,5 +1,7 @@
-"""Prompt forms accepted by `generate` and `add_request`, as in vLLM."""
+"""Prompt forms accepted by `generate` and `add_request`, as in vLLM, and the checked,
+tokenized form the engine queues."""
 
+from dataclasses import dataclass
 from typing import TypedDict, Union
 
 
@@ -14,8 +16,21 @@ class TokensPrompt(TypedDict):
 PromptType = Union[str, TextPrompt, TokensPrompt]
 
 
-def parse_prompt(prompt: PromptType, tokenizer) -> tuple[str | None, list[int]]:
-    """Returns (prompt text or None, prompt token ids); raises ValueError on malformed prompts."""
+@dataclass(frozen=True, slots=True)
+class ProcessedPrompt:
+    """A prompt checked and tokenized once, by `parse_prompt`: `add_request` takes it as is, so
+    a caller that checks prompts before queuing them (`LLM.generate`, the server's length
+    checks) does not tokenize them again."""
+
+    text: str | None
+    token_ids: list[int]
+
+
+def parse_prompt(prompt: PromptType | ProcessedPrompt, tokenizer) -> ProcessedPrompt:
+    """Checks and tokenizes `prompt` (a ProcessedPrompt is returned as is); raises ValueError on
+    malformed prompts."""
+    if isinstance(prompt, ProcessedPrompt):
+        return prompt
     if isinstance(prompt, str):
         text, token_ids = prompt, tokenizer(_checked_text(prompt)).input_ids
     elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
@@ -35,7 +50,7 @@ def parse_prompt(prompt: PromptType, tokenizer) -> tuple[str | None, list[int]]:
                          f"got {type(prompt).__name__}")
     if not token_ids:
         raise ValueError("the prompt is empty (it has no tokens)")
-    return text, token_ids
+    return ProcessedPrompt(text, token_ids)
 
 
 def _checked_text(text) -> str:

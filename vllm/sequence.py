@@ -55,7 +55,7 @@ class Sequence:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     arrival_time: float
-    eos_token_id: int | None = None
+    eos_token_id: int | None = None  # the tokenizer's; ends the request unless ignore_eos
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
@@ -110,9 +110,6 @@ class Sequence:
     def num_seats(self) -> int:
         """Sequences this one stands for in the `max_num_seqs` limit (itself and its forks)."""
         return 1 + len(self.pending_forks)
-
-    def token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """Token ids at positions [start, end) of prompt + output, without copying both lists."""

@@ -1,7 +1,7 @@
 """Paged KV cache bookkeeping: which cache blocks belong to which request. Imports no torch.
 
 A request's tokens live in fixed-size blocks; its block table lists them in order, so token
-position p sits in slot `table[p // block_size] * block_size + p % block_size`:
+position p sits in slot `table[p // block_size] * block_size + p % block_size` (`kv_slots`):
 
     positions  0 .. 15 | 16 .. 31 | 32 .. 40
     table      [   7   ,    2     ,    9    ]     (block_size = 16)
@@ -21,7 +21,7 @@ first, then by evicting the least recently freed named one.
 """
 
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from vllm.core.prefix_cache import BlockHash, PrefixCache, hash_block
 
@@ -31,6 +31,11 @@ TokenSlice = Callable[[int, int], Sequence[int]]
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def kv_slots(block_table: Sequence[int], positions: Iterable[int], block_size: int) -> list[int]:
+    """The cache slot of each token position of a request whose blocks `block_table` lists."""
+    return [block_table[p // block_size] * block_size + p % block_size for p in positions]
 
 
 class BlockManager:
@@ -203,10 +208,6 @@ class BlockManager:
         # more requests share and without which they could not be found anyway.
         for block in reversed(named):
             self.prefix_cache.park(block)
-
-    def slot(self, request_id: str, position: int) -> int:
-        table = self._tables[request_id]
-        return table[position // self.block_size] * self.block_size + position % self.block_size
 
     def _allocate(self) -> int:
         block = self._free.popleft() if self._free else self.prefix_cache.evict()

@@ -22,6 +22,7 @@ skip the cache: the other positions are computed to score them.
 """
 
 from collections import deque
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from vllm.config import SchedulerConfig
@@ -172,6 +173,57 @@ class Scheduler:
             self.waiting.appendleft(seq)
         self._finished_since_last_step[:0] = step.finished_request_ids
         self._blocks_to_copy[:0] = step.blocks_to_copy
+
+    def update_from_output(
+            self, step: SchedulerOutput, sampled_token_ids: Mapping[str, int],
+            check_stop_string: Callable[[Sequence, SequenceStatus | None], SequenceStatus | None],
+    ) -> list[Sequence]:
+        """Takes in the tokens sampled for `step`, the last one scheduled (the runner's
+        `sampled_token_ids`, by sample id): forks the pending samples of each prompt that
+        completed, appends each sample's token and finishes the samples that stop. Returns the
+        sequences that got a token, in step order (a prompt's forks right after it).
+
+        The scheduler decides the stops that tokens and lengths make (EOS, `stop_token_ids`,
+        `max_tokens`, `max_model_len`). Stop strings need the text, and the scheduler holds no
+        tokenizer: after each token it calls `check_stop_string(seq, status)` with its own
+        decision (None while the request goes on), and the returned status is final. A stop
+        string may thus turn None or FINISHED_LENGTH into FINISHED_STOPPED (a stop completed by
+        the last allowed token wins, as in vLLM).
+        """
+        assert self._log.output is step, "update_from_output() of a step other than the last one"
+        seqs = {seq.request_id: seq for seq, _, _ in self._log.taken}
+        updated: list[Sequence] = []
+        for scheduled in step.scheduled:
+            if scheduled.request_id not in sampled_token_ids:
+                continue  # a non-final prefill chunk: nothing sampled
+            seq = seqs[scheduled.request_id]
+            samples = [seq, *seq.pending_forks] if scheduled.forks else [seq]
+            if scheduled.forks:
+                self.fork(seq)  # before the token: the samples share the prompt's blocks only
+            for sample in samples:
+                token = sampled_token_ids[sample.request_id]
+                sample.output_token_ids.append(token)
+                status = check_stop_string(sample, self._check_stop(sample, token))
+                if status is not None:
+                    self.finish(sample, status)
+                updated.append(sample)
+        return updated
+
+    def _check_stop(self, seq: Sequence, token: int) -> SequenceStatus | None:
+        """How `token`, just appended, ends `seq`, if it does (stop strings aside)."""
+        params = seq.sampling_params
+        num_outputs = len(seq.output_token_ids)
+        if num_outputs >= params.min_tokens:
+            if not params.ignore_eos and token == seq.eos_token_id:
+                return SequenceStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                seq.stop_reason = token
+                return SequenceStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and num_outputs >= params.max_tokens:
+            return SequenceStatus.FINISHED_LENGTH
+        if seq.num_tokens >= self.config.max_model_len:
+            return SequenceStatus.FINISHED_LENGTH
+        return None
 
     def _schedule_chunked(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens

@@ -250,7 +250,6 @@ class EngineArgs:
             max_num_partial_prefills=self.max_num_partial_prefills,
             long_prefill_token_threshold=self.long_prefill_token_threshold)
         config = EngineConfig(model=model_config, cache=cache_config, scheduler=scheduler_config,
-                              device=platform.device_type,
                               enforce_eager=(platform.default_enforce_eager if self.enforce_eager is None
                                              else self.enforce_eager),
                               disable_log_stats=self.disable_log_stats)

@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator
 from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.exceptions import EngineDeadError
 from vllm.engine.llm_engine import LLMEngine
-from vllm.inputs import PromptType
+from vllm.inputs import ProcessedPrompt, PromptType
 from vllm.logger import init_logger
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
@@ -75,7 +75,7 @@ class AsyncLLMEngine:
 
     # ---------------------------------------------------------------- requests
 
-    async def generate(self, prompt: PromptType, sampling_params: SamplingParams,
+    async def generate(self, prompt: PromptType | ProcessedPrompt, sampling_params: SamplingParams,
                        request_id: str) -> AsyncIterator[RequestOutput]:
         """Yields the request's cumulative output each time it changes; the last one is finished.
 
@@ -112,7 +112,7 @@ class AsyncLLMEngine:
                 queue.get_nowait()
             queue.put_nowait(_END_OF_STREAM)
 
-    async def _add_request(self, request_id: str, prompt: PromptType,
+    async def _add_request(self, request_id: str, prompt: PromptType | ProcessedPrompt,
                            params: SamplingParams) -> asyncio.Queue[StreamItem]:
         self._check_alive()
         self._start_loop()

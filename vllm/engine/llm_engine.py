@@ -15,7 +15,7 @@ from vllm.engine.detokenizer import detokenize_incrementally
 from vllm.engine.exceptions import EngineDeadError
 from vllm.engine.interrupts import deferred_interrupts
 from vllm.engine.metrics_types import IterationStats, StatLoggerBase, Stats
-from vllm.inputs import PromptType, parse_prompt
+from vllm.inputs import ProcessedPrompt, PromptType, parse_prompt
 from vllm.logger import init_logger
 from vllm.logprobs import Logprob
 from vllm.model_executor.layers.logprobs import TokenLogprobs
@@ -104,14 +104,15 @@ class LLMEngine:
 
     # ---------------------------------------------------------------- requests
 
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+    def add_request(self, request_id: str, prompt: PromptType | ProcessedPrompt, params: SamplingParams,
                     arrival_time: float | None = None) -> None:
-        """Queues a request. Raises ValueError, changing nothing, on bad input."""
+        """Queues a request. Raises ValueError, changing nothing, on bad input. A prompt
+        already checked by `process_prompt` is not tokenized again."""
         self._check_alive()
         if not isinstance(request_id, str):
             raise ValueError(f"request_id must be a string, got {type(request_id).__name__}")
         self.validate_sampling_params(params)
-        text, token_ids = parse_prompt(prompt, self.tokenizer)
+        prompt = parse_prompt(prompt, self.tokenizer)
         if set(self.config.model.eos_token_ids) - {self.eos_token_id}:  # they stop it too
             params = params.clone()
             params.update_from_generation_config(self.config.model.generation_config_fields,
@@ -121,8 +122,9 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
 
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        seqs = [Sequence(request_id=sid, prompt=text, prompt_token_ids=token_ids,
-                         sampling_params=_sample_params(params, i), arrival_time=arrival, index=i)
+        seqs = [Sequence(request_id=sid, prompt=prompt.text, prompt_token_ids=prompt.token_ids,
+                         sampling_params=_sample_params(params, i), arrival_time=arrival,
+                         eos_token_id=self.eos_token_id, index=i)
                 for i, sid in enumerate(ids)]
         seqs[0].pending_forks = seqs[1:]
         group = SequenceGroup(request_id, seqs,
@@ -139,6 +141,10 @@ class LLMEngine:
                 return
             self.requests[request_id] = group
             self._seqs.update((seq.request_id, (seq, group)) for seq in seqs)
+
+    def process_prompt(self, prompt: PromptType | ProcessedPrompt) -> ProcessedPrompt:
+        """Checks and tokenizes a prompt for `add_request`; raises ValueError on a malformed one."""
+        return parse_prompt(prompt, self.tokenizer)
 
     def validate_sampling_params(self, params: SamplingParams) -> None:
         """Raises ValueError if this engine cannot serve `params` (SamplingParams checks the rest
@@ -213,7 +219,8 @@ class LLMEngine:
         return outputs
 
     def _process(self, step: SchedulerOutput, result: ModelRunnerOutput) -> None:
-        """Takes the step's sampled tokens and logprobs into its requests; queues their outputs."""
+        """Hands the step's sampled tokens to the scheduler and records what the requests
+        need beyond them (times, logprobs, text); queues the outputs of those that changed."""
         now = time.monotonic()
         self._count(step)
         changed: dict[str, SequenceGroup] = {}
@@ -223,13 +230,11 @@ class LLMEngine:
                 seq.metrics.first_scheduled_time = now
             if scheduled.request_id in result.prompt_logprobs:
                 self._add_prompt_logprobs(group, seq, *result.prompt_logprobs[scheduled.request_id])
-            if scheduled.request_id not in result.sampled_token_ids:
-                continue  # a non-final prefill chunk: nothing to report
-            if scheduled.forks:
-                self.scheduler.fork(seq)  # the other samples start from this prompt's blocks
-            for sid in (scheduled.request_id, *(fork_id for fork_id, _ in scheduled.forks)):
-                self._append_token(self._seqs[sid][0], sid, result)
-            changed[group.request_id] = group
+            if scheduled.request_id in result.sampled_token_ids:
+                changed[group.request_id] = group
+        for seq in self.scheduler.update_from_output(step, result.sampled_token_ids,
+                                                     self._check_stop_string):
+            self._record_token(seq, result.logprobs.get(seq.request_id), now)
         for group in changed.values():
             self._pending_outputs.append(self._make_output(group))
             if group.is_finished:
@@ -284,42 +289,27 @@ class LLMEngine:
     def is_dead(self) -> bool:
         return self._dead_error is not None
 
-    def _append_token(self, seq: Sequence, sid: str, result: ModelRunnerOutput) -> None:
-        now = time.monotonic()
+    def _record_token(self, seq: Sequence, logprobs: TokenLogprobs | None, now: float) -> None:
+        """The times and logprobs of the token the scheduler just appended to `seq`."""
         if self.stat_loggers:
             self._iteration.record_token(seq, now)
         if seq.metrics.first_token_time is None:
             seq.metrics.first_token_time = now
         seq.metrics.last_token_time = now
-        token = result.sampled_token_ids[sid]
-        seq.output_token_ids.append(token)
-        entry = result.logprobs.get(sid)
-        if entry is not None:
-            seq.output_logprobs.append(self._logprob_dict(entry))
-            seq.cumulative_logprob += entry.logprob
-        status = self._stop_status(seq, token)
+        if logprobs is not None:
+            seq.output_logprobs.append(self._logprob_dict(logprobs))
+            seq.cumulative_logprob += logprobs.logprob
+        if seq.is_finished:
+            seq.metrics.finished_time = now
+
+    def _check_stop_string(self, seq: Sequence, status: SequenceStatus | None) -> SequenceStatus | None:
+        """The scheduler's stop check for stop strings (see `Scheduler.update_from_output`):
+        extends the text with the new token's, and stops at a stop string it completes."""
         new_text = detokenize_incrementally(self.tokenizer, seq, final=status is not None)
         # A stop string completed by the last allowed token wins over the length limit, as in vLLM.
         if status in (None, SequenceStatus.FINISHED_LENGTH) and self._hit_stop_string(seq, new_text):
-            status = SequenceStatus.FINISHED_STOPPED
-        if status is not None:
-            seq.metrics.finished_time = now
-            self.scheduler.finish(seq, status)
-
-    def _stop_status(self, seq: Sequence, token: int) -> SequenceStatus | None:
-        params = seq.sampling_params
-        num_outputs = len(seq.output_token_ids)
-        if num_outputs >= params.min_tokens:
-            if not params.ignore_eos and token == self.eos_token_id:
-                return SequenceStatus.FINISHED_STOPPED
-            if token in params.stop_token_ids:
-                seq.stop_reason = token
-                return SequenceStatus.FINISHED_STOPPED
-        if params.max_tokens is not None and num_outputs >= params.max_tokens:
-            return SequenceStatus.FINISHED_LENGTH
-        if seq.num_tokens >= self.config.model.max_model_len:
-            return SequenceStatus.FINISHED_LENGTH
-        return None
+            return SequenceStatus.FINISHED_STOPPED
+        return status
 
     def _hit_stop_string(self, seq: Sequence, new_text: str) -> bool:
         """Ends the text at the earliest stop string that ends in `new_text` (a stop may span

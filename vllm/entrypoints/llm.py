@@ -7,7 +7,7 @@ from tqdm.auto import tqdm
 
 from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.llm_engine import LLMEngine
-from vllm.inputs import PromptType, parse_prompt
+from vllm.inputs import PromptType
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
 
@@ -53,12 +53,12 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
-        # Validate every request before adding any, so a bad one leaves the engine untouched.
+        # Validate every request before adding any, so a bad one leaves the engine untouched;
+        # the prompts are tokenized here, once.
         engine = self.llm_engine
         for p in params:
             engine.validate_sampling_params(p)
-        for prompt in prompts:
-            parse_prompt(prompt, engine.tokenizer)
+        prompts = [engine.process_prompt(prompt) for prompt in prompts]
 
         ids = [str(next(self._request_counter)) for _ in prompts]
         added: list[str] = []

@@ -19,6 +19,7 @@ from torch._dynamo.utils import counters as dynamo_counters
 
 from vllm.attention.backends.abstract import SeqSpan, StepBatch
 from vllm.config import EngineConfig
+from vllm.core.block_manager import kv_slots
 from vllm.core.scheduler_output import SchedulerOutput
 from vllm.forward_context import ForwardContext, forward_context
 from vllm.logger import init_logger
@@ -165,11 +166,10 @@ class HPUModelRunner:
         for s in step.scheduled:
             offset = len(input_ids)
             input_ids.extend(s.token_ids)
-            table = s.block_table
-            for pos in range(s.start_position, s.start_position + s.num_tokens):
-                positions.append(pos)
-                slots.append(table[pos // block_size] * block_size + pos % block_size)
-            spans.append(SeqSpan(offset, s.num_tokens, s.context_len, table))
+            chunk = range(s.start_position, s.start_position + s.num_tokens)
+            positions.extend(chunk)
+            slots.extend(kv_slots(s.block_table, chunk, block_size))
+            spans.append(SeqSpan(offset, s.num_tokens, s.context_len, s.block_table))
             if s.sample:
                 sampled.append(offset + s.num_tokens - 1)
             if s.prompt_logprob_targets:

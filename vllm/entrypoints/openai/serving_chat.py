@@ -8,9 +8,10 @@ from vllm.entrypoints.openai.protocol import (AssistantMessage, ChatCompletionLo
                                               ChatCompletionStreamChoice,
                                               ChatCompletionStreamResponse, ChatCompletionTopLogprob,
                                               DeltaMessage, UsageInfo, random_id)
-from vllm.entrypoints.openai.serving_engine import (SSE_DONE, EnginePrompt, OpenAIServing,
+from vllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing,
                                                     OpenAIServingError, merge_streams, sse,
                                                     stop_hold, text_delta)
+from vllm.inputs import ProcessedPrompt
 from vllm.logprobs import Logprob
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
@@ -36,7 +37,7 @@ class OpenAIServingChat(OpenAIServing):
             final = out
         return self._response(request, request_id, model, final)
 
-    def _apply_chat_template(self, request: ChatCompletionRequest) -> EnginePrompt:
+    def _apply_chat_template(self, request: ChatCompletionRequest) -> ProcessedPrompt:
         if not getattr(self.tokenizer, "chat_template", None):
             raise OpenAIServingError("this model's tokenizer has no chat template; use /v1/completions")
         try:
@@ -46,7 +47,8 @@ class OpenAIServingChat(OpenAIServing):
         text = self.tokenizer.apply_chat_template(
             conversation, tokenize=False, add_generation_prompt=request.add_generation_prompt)
         # The template writes the special tokens itself; tokenizing must not add more.
-        return EnginePrompt(text, self.tokenizer(text, add_special_tokens=False).input_ids)
+        ids = self.tokenizer(text, add_special_tokens=False).input_ids
+        return self.tokenize({"prompt": text, "prompt_token_ids": ids})
 
     def _response(self, request: ChatCompletionRequest, request_id: str, model: str,
                   final: RequestOutput) -> ChatCompletionResponse:
@@ -62,7 +64,7 @@ class OpenAIServingChat(OpenAIServing):
             total_tokens=num_prompt + num_completion))
 
     async def _stream(self, request: ChatCompletionRequest, request_id: str, model: str,
-                      prompt: EnginePrompt, params: SamplingParams,
+                      prompt: ProcessedPrompt, params: SamplingParams,
                       streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[str]:
         def chunk(index: int, delta: DeltaMessage, **fields) -> str:
             return sse(ChatCompletionStreamResponse(id=request_id, model=model, choices=[

@@ -5,8 +5,9 @@ from collections.abc import AsyncIterator
 from vllm.entrypoints.openai.protocol import (CompletionLogProbs, CompletionRequest,
                                               CompletionResponse, CompletionResponseChoice, UsageInfo,
                                               random_id)
-from vllm.entrypoints.openai.serving_engine import (SSE_DONE, EnginePrompt, OpenAIServing,
+from vllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing,
                                                     merge_streams, sse, stop_hold, text_delta)
+from vllm.inputs import ProcessedPrompt
 from vllm.logprobs import Logprob
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
@@ -57,7 +58,7 @@ class OpenAIServingCompletion(OpenAIServing):
         return CompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
 
     async def _stream(self, request: CompletionRequest, request_id: str, model: str,
-                      prompts: list[EnginePrompt], params: SamplingParams,
+                      prompts: list[ProcessedPrompt], params: SamplingParams,
                       streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[str]:
         hold = stop_hold(params)
         sent_text: dict[int, int] = {}

@@ -3,14 +3,13 @@
 import asyncio
 import json
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from http import HTTPStatus
 
 from pydantic import BaseModel
 
 from vllm.engine.async_llm_engine import AsyncLLMEngine
 from vllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, ModelCard, ModelList
-from vllm.inputs import parse_prompt
+from vllm.inputs import ProcessedPrompt, parse_prompt
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
 
@@ -32,17 +31,6 @@ def error_response(message: str, status: HTTPStatus, param: str | None = None) -
     kind = {HTTPStatus.BAD_REQUEST: "BadRequestError", HTTPStatus.NOT_FOUND: "NotFoundError",
             HTTPStatus.UNAUTHORIZED: "AuthenticationError"}.get(status, "InternalServerError")
     return ErrorResponse(error=ErrorInfo(message=message, type=kind, param=param, code=int(status)))
-
-
-@dataclass
-class EnginePrompt:
-    """A prompt as the engine takes it, with its token ids (the length checks need them)."""
-
-    text: str | None
-    token_ids: list[int]
-
-    def as_engine_prompt(self) -> dict:
-        return {"prompt": self.text, "prompt_token_ids": self.token_ids}
 
 
 class OpenAIServing:
@@ -77,14 +65,13 @@ class OpenAIServing:
             raise OpenAIServingError(f"n={n} exceeds this server's max_num_seqs={self.max_num_seqs}",
                                      param="n")
 
-    def tokenize(self, prompt: dict) -> EnginePrompt:
+    def tokenize(self, prompt: dict) -> ProcessedPrompt:
         try:
-            text, token_ids = parse_prompt(prompt, self.tokenizer)
+            return parse_prompt(prompt, self.tokenizer)
         except ValueError as e:
             raise OpenAIServingError(str(e), param="prompt") from None
-        return EnginePrompt(text, token_ids)
 
-    def max_tokens_for(self, prompt: EnginePrompt, requested: int | None) -> int:
+    def max_tokens_for(self, prompt: ProcessedPrompt, requested: int | None) -> int:
         """`requested`, or all that max_model_len leaves; a prompt that leaves too little is a 400
         naming both lengths (vLLM's message)."""
         num_prompt = len(prompt.token_ids)
@@ -111,11 +98,11 @@ class OpenAIServing:
         except ValueError as e:
             raise OpenAIServingError(str(e)) from None
 
-    async def start(self, prompts: list[EnginePrompt], params: SamplingParams,
+    async def start(self, prompts: list[ProcessedPrompt], params: SamplingParams,
                     request_id: str) -> list[AsyncIterator[RequestOutput]]:
         """Adds one engine request per prompt and waits for each one's first output, so that a
         request the engine refuses (it can never run) is a 400 before any response starts."""
-        streams = [self.engine.generate(p.as_engine_prompt(), params, f"{request_id}-{i}")
+        streams = [self.engine.generate(p, params, f"{request_id}-{i}")
                    for i, p in enumerate(prompts)]
         firsts = await asyncio.gather(*(anext(s) for s in streams), return_exceptions=True)
         error = next((f for f in firsts if isinstance(f, BaseException)), None)

@@ -4,18 +4,16 @@ Where it cannot be built, the CPU lacks AVX512-BF16, or VLLM_CPU_C_KERNELS=0, li
 oneDNN for every row count.
 """
 
-import ctypes
 import functools
 from pathlib import Path
 
 import torch
 
-from vllm.platforms.c_library import CFunction, CLibrary
+from vllm.model_executor.layers.cpu_product import PRODUCT, call_product
+from vllm.platforms.c_library import CLibrary
 
-_ptr, _i64 = ctypes.c_void_p, ctypes.c_int64
 _LIBRARY = CLibrary(Path(__file__).with_name("cpu_gemv.c"), "linear layers use oneDNN for decode rows too",
-                    {"gemv_bf16": CFunction([_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64])},
-                    supported="gemv_supported")
+                    {"gemv_bf16": PRODUCT}, supported="gemv_supported")
 
 
 @functools.cache
@@ -29,18 +27,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> to
     """x: (M, K) bf16 with M <= max_rows(); weight: (N, K) bf16 -> (M, N) bf16."""
     lib = _LIBRARY.get()
     assert lib is not None and 0 < x.shape[0] <= max_rows()
-    assert x.dtype == weight.dtype == torch.bfloat16 and weight.is_contiguous()
-    assert bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous())
-    x = x.contiguous()
-    (m, k), n = x.shape, weight.shape[0]
-    assert weight.shape[1] == k
-    if bias is not None and bias.shape != (n,):  # the kernel reads n values of it
-        raise ValueError(f"bias of shape {tuple(bias.shape)} for a product of {n} outputs")
-    y = x.new_empty(m, n)
-    status = lib.gemv_bf16(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
-                           y.data_ptr(), m, n, k)
-    assert status == 0
-    return y
+    assert weight.dtype == torch.bfloat16 and weight.is_contiguous()
+    return call_product(lib.gemv_bf16, x, weight, bias, weight.shape[0])
 
 
 def kernel_address() -> int | None:

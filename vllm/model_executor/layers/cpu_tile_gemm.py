@@ -12,12 +12,12 @@ from pathlib import Path
 
 import torch
 
+from vllm.model_executor.layers.cpu_product import PRODUCT, call_product
 from vllm.platforms.c_library import CFunction, CLibrary
 
 _ptr, _i64 = ctypes.c_void_p, ctypes.c_int64
-_GEMM = CFunction([_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64])
 _LIBRARY = CLibrary(Path(__file__).with_name("cpu_tile_gemm.c"), "products of 5-512 rows stay on oneDNN",
-                    {"tile_gemm_bf16": _GEMM, "tile_gemm_silu_mul_bf16": _GEMM,
+                    {"tile_gemm_bf16": PRODUCT, "tile_gemm_silu_mul_bf16": PRODUCT,
                      "tile_pack_bf16": CFunction([_ptr, _ptr, _i64, _i64]),
                      "tile_gemm_fits": CFunction([_i64, _i64])},
                     supported="tile_gemm_supported")
@@ -52,7 +52,7 @@ def _built() -> ctypes.CDLL:
 
 def gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x: (M, K) bf16, any M >= 1; packed: `pack(weight)` of an (N, K) weight -> (M, N)."""
-    return _call(_built().tile_gemm_bf16, x, packed, bias, packed.shape[0])
+    return call_product(_built().tile_gemm_bf16, x, packed, bias, packed.shape[0])
 
 
 def gemm_silu_mul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -60,24 +60,7 @@ def gemm_silu_mul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     gate's rows then up's, 2 I % 32 == 0 -> silu(gate) * up, (M, I), rounded to bf16 as the
     product followed by SiLU-and-multiply would round. gate_up never goes to memory."""
     assert packed.shape[0] % 32 == 0
-    return _call(_built().tile_gemm_silu_mul_bf16, x, packed, bias, packed.shape[0] // 2)
-
-
-def _call(kernel, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
-          columns: int) -> torch.Tensor:
-    """kernel: the library's tile_gemm_bf16 or tile_gemm_silu_mul_bf16 (same arguments)."""
-    assert x.shape[0] > 0 and x.dtype == torch.bfloat16
-    assert bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous())
-    x = x.contiguous()
-    (m, k), n = x.shape, packed.shape[0]
-    assert packed.shape[1] == k
-    if bias is not None and bias.shape != (n,):  # the kernel reads n values of it
-        raise ValueError(f"bias of shape {tuple(bias.shape)} for a product of {n} outputs")
-    y = x.new_empty(m, columns)                                                # (M, columns)
-    status = kernel(x.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(),
-                    y.data_ptr(), m, n, k)
-    assert status == 0
-    return y
+    return call_product(_built().tile_gemm_silu_mul_bf16, x, packed, bias, packed.shape[0] // 2)
 
 
 def kernel_address(silu_mul: bool = False) -> int | None:

