@@ -136,6 +136,9 @@ class SchedulerConfig:
     max_num_partial_prefills: int = 4
     max_long_partial_prefills: int = 1
     long_prefill_token_threshold: int = 0
+    # Chunked prefill: the predicted step time to stay under (None: the budget is
+    # max_num_batched_tokens every step). See vllm/core/step_time_model.py.
+    max_step_latency_ms: float | None = None
 
     @property
     def long_prompt_threshold(self) -> int:
@@ -160,6 +163,12 @@ class SchedulerConfig:
         if self.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be >= 0 (0: derived), "
                              f"got {self.long_prefill_token_threshold}")
+        if self.max_step_latency_ms is not None:
+            if not self.max_step_latency_ms > 0:
+                raise ValueError(f"max_step_latency_ms must be > 0 (or None), got {self.max_step_latency_ms}")
+            if not self.enable_chunked_prefill:
+                raise ValueError("max_step_latency_ms sizes prefill chunks: it needs "
+                                 "enable_chunked_prefill=True")
         if not 1 <= self.max_long_partial_prefills <= self.max_num_partial_prefills:
             raise ValueError(f"max_long_partial_prefills={self.max_long_partial_prefills} must be "
                              f"in [1, max_num_partial_prefills={self.max_num_partial_prefills}]")

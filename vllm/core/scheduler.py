@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from vllm.config import SchedulerConfig
 from vllm.core.block_manager import BlockManager
 from vllm.core.scheduler_output import ScheduledSequence, SchedulerOutput
+from vllm.core.step_time_model import StepBudget, StepShape, StepTimeModel, attended_pairs, latency_budget, padded_size
 from vllm.logger import init_logger
 from vllm.sequence import Sequence, SequenceStatus
 
@@ -92,6 +93,10 @@ class Scheduler:
         # the tokens found in the cache.
         self.num_prefix_cache_queries = 0
         self.num_prefix_cache_hits = 0
+        # With max_step_latency_ms: the model that sizes each step, and the token counts a
+        # step may be padded to (the warmed buckets; empty: any count).
+        self.step_time_model: StepTimeModel | None = None
+        self.token_buckets: list[int] = []
 
     # ---------------------------------------------------------------- requests in and out
 
@@ -215,10 +220,36 @@ class Scheduler:
             scheduled_ids.add(seq.request_id)
             budget -= 1
 
-        # 2. Prefill chunks in the budget the decodes leave.
+        # 2. Prefill chunks in the budget the decodes leave (or the latency target does).
+        chosen = self._latency_budget(decodes)
+        if chosen is not None:
+            budget = min(budget, chosen.num_tokens - len(decodes))
         prefills = self._schedule_prefills(budget, scheduled_ids, preempted)
         return SchedulerOutput(decodes + prefills, num_decodes=len(decodes),
-                               preempted_request_ids=preempted)
+                               preempted_request_ids=preempted,
+                               token_budget=None if chosen is None else chosen.num_tokens,
+                               predicted_seconds=None if chosen is None else chosen.predicted_seconds)
+
+    def _latency_budget(self, decodes: list[ScheduledSequence]) -> StepBudget | None:
+        """The step's token budget under `max_step_latency_ms`, when a prompt waits or is
+        mid-prefill and the step-time model has data; else None (the budget is
+        max_num_batched_tokens)."""
+        target_ms = self.config.max_step_latency_ms
+        model = self.step_time_model
+        if target_ms is None or model is None or not model.is_fitted:
+            return None
+        partial = [s for s in self.running if s.is_prefill and s.status is SequenceStatus.RUNNING]
+        if not partial and not self.waiting:
+            return None
+        return latency_budget(
+            model, target_ms / 1000, decode_pairs=attended_pairs((1, d.start_position) for d in decodes),
+            num_decodes=len(decodes), prefill_context=max((s.num_computed_tokens for s in partial), default=0),
+            sizes=self.token_buckets, max_num_batched_tokens=self.config.max_num_batched_tokens)
+
+    def step_shape(self, step: SchedulerOutput) -> StepShape:
+        """What the step-time model reads of a scheduled step (padded as the runner pads it)."""
+        return StepShape(padded_size(self.token_buckets, step.num_batched_tokens),
+                         attended_pairs((s.num_tokens, s.context_len) for s in step.scheduled))
 
     def _schedule_prefills(self, budget: int, scheduled_ids: set[str],
                            preempted: list[str]) -> list[ScheduledSequence]:
@@ -279,21 +310,31 @@ class Scheduler:
         return threshold > 0 and num_uncomputed_tokens > threshold
 
     def _next_waiting_long(self, round_: "_PrefillRound") -> Sequence | None:
-        """The oldest waiting long prompt, if a long and a partial slot are free for it."""
+        """The oldest waiting long prompt, if it can start now: a long and a partial slot are
+        free, and its seats and blocks fit. (Budget set aside for a prompt that cannot start
+        would be lost to the others, every step.)"""
         if (round_.num_long >= self.config.max_long_partial_prefills
                 or round_.held >= self.config.max_num_partial_prefills):
             return None
-        return next((s for s in self.waiting if self._is_long(s.num_tokens)), None)
+        seq = next((s for s in self.waiting if self._is_long(s.num_tokens)), None)
+        if (seq is None or self._num_seats() + seq.num_seats > self.config.max_num_seqs
+                or not self._has_room_for(seq, self._cached_prefix(seq))):
+            return None
+        return seq
 
     def _waiting_short_need(self, budget: int) -> int:
-        """Tokens the waiting short prompts could take this step (up to `budget`), counting
-        their whole prompts (before any prefix cache hit)."""
-        need = 0
+        """Tokens the waiting short prompts that can start now could take this step (up to
+        `budget`), counting their whole prompts (before any prefix cache hit)."""
+        need, seats = 0, self._num_seats()
         for seq in self.waiting:
             if need >= budget:
                 break
-            if not self._is_long(seq.num_tokens):
-                need += min(seq.num_tokens, budget)
+            if self._is_long(seq.num_tokens):
+                continue
+            seats += seq.num_seats
+            if seats > self.config.max_num_seqs or not self._has_room_for(seq, []):
+                break  # admission stops here too
+            need += seq.num_tokens
         return min(need, budget)
 
     def _continue_prefill(self, seq: Sequence, round_: "_PrefillRound", scheduled_ids: set[str],

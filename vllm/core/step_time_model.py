@@ -95,3 +95,61 @@ def _non_negative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
             best = np.zeros(num_cols)
             best[cols] = coef
     return best / scale
+
+
+# Prefill tokens a step holds beside its decodes even when the model predicts it over target:
+# the waiting prompts always progress.
+MIN_PREFILL_CHUNK = 16
+
+
+def padded_size(sizes: Sequence[int], num_tokens: int) -> int:
+    """The size a step of `num_tokens` runs at: the smallest of `sizes` (ascending) that holds
+    it, or `num_tokens` itself when there is none (no buckets, or an eager step)."""
+    for size in sizes:
+        if size >= num_tokens:
+            return size
+    return num_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class StepBudget:
+    num_tokens: int          # the step's token budget, decodes included
+    predicted_seconds: float
+
+
+def latency_budget(model: StepTimeModel, target_seconds: float, *, decode_pairs: int,
+                   num_decodes: int, prefill_context: int, sizes: Sequence[int],
+                   max_num_batched_tokens: int) -> StepBudget:
+    """The largest step whose predicted time is within `target_seconds`, the decodes plus one
+    prefill chunk of the rest after `prefill_context` cached tokens (several chunks with less
+    context attend fewer pairs, so this bounds them).
+
+    With `sizes` (the warmed token buckets, ascending) the step is one of them: the chunk then
+    fills its bucket, with no padding. Without, any count. Never above `max_num_batched_tokens`;
+    at least `MIN_PREFILL_CHUNK` prefill tokens (or the budget's end) even over the target.
+    """
+    def predict(total: int) -> float:
+        chunk = total - num_decodes
+        return model.predict(StepShape(padded_size(sizes, total),
+                                       decode_pairs + attended_pairs([(chunk, prefill_context)])))
+
+    floor = min(num_decodes + MIN_PREFILL_CHUNK, max_num_batched_tokens)
+    if sizes:
+        candidates = [s for s in sizes if s <= max_num_batched_tokens]
+        if not candidates or candidates[-1] < max_num_batched_tokens:
+            candidates.append(max_num_batched_tokens)
+        smallest = next(s for s in candidates if s >= floor)
+        fitting = [s for s in candidates if s >= smallest and predict(s) <= target_seconds]
+        total = fitting[-1] if fitting else smallest
+        return StepBudget(total, predict(total))
+    # Any count: the prediction grows with it, so bisect for the largest within target.
+    lo, hi = floor, max_num_batched_tokens
+    if predict(lo) > target_seconds:
+        return StepBudget(lo, predict(lo))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if predict(mid) <= target_seconds:
+            lo = mid
+        else:
+            hi = mid - 1
+    return StepBudget(lo, predict(lo))

@@ -113,6 +113,11 @@ class EngineArgs:
     long_prefill_token_threshold: int = arg(
         0, "prompts with more tokens left than this are long, and no chunk is larger (0: 4%% of "
         "max_model_len with several partial prefills, not a cap on chunks; else no prompt is long)")
+    max_step_latency_ms: float | None = arg(
+        None, "time-between-tokens target: each step's prefill chunk is sized so that the step's "
+        "predicted time (a model fitted at start-up on timed token buckets, refined on measured "
+        "steps) stays under it; max_num_batched_tokens stays the upper bound (default: none, "
+        "every step may use max_num_batched_tokens)")
     disable_chunked_mm_input: bool = arg(
         False, "keep multimodal items in one chunk (accepted; no multimodal model is supported)")
 
@@ -247,7 +252,8 @@ class EngineArgs:
             enable_chunked_prefill=self.enable_chunked_prefill,
             max_num_partial_prefills=self.max_num_partial_prefills,
             max_long_partial_prefills=self.max_long_partial_prefills,
-            long_prefill_token_threshold=self.long_prefill_token_threshold)
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
+            max_step_latency_ms=self.max_step_latency_ms)
         if self.enable_chunked_prefill and scheduler_config.max_num_partial_prefills > 1:
             logger.info("Concurrent partial prefills enabled with max_num_partial_prefills=%d, "
                         "max_long_partial_prefills=%d, long_prefill_token_threshold=%d",
