@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from tests.test_metrics import Recorder
 from tests.utils import random_prompts
 from vllm import LLM, SamplingParams
+from vllm.core.step_time_model import StepShape
 from vllm.engine.metrics import LoggingStatLogger, PrometheusStatLogger
 
 LENGTHS = [100, 7, 60, 5, 3, 90]
@@ -33,7 +34,9 @@ def test_a_latency_target_keeps_greedy_tokens_and_reports_its_budgets(tiny_check
     tokens, its, llm = _run(tiny_checkpoints["llama"], max_step_latency_ms=1e-3)
     assert tokens == reference
     model = llm.llm_engine.scheduler.step_time_model
-    assert model.is_fitted and model.coefficients[1] > 0  # time grows with the tokens
+    assert model.is_fitted and model.predict(StepShape(64, 0)) > 0
+    # Fitted on the 6 token sizes (2, 4, ..., 64), then on every step run.
+    assert model.num_observations == 6 + llm.llm_engine.stats.num_steps
     budgets = [b for i in its for b in i.step_token_budgets]
     measured = [t for i in its for t in i.measured_step_seconds]
     predicted = [t for i in its for t in i.predicted_step_seconds]

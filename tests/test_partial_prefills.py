@@ -112,6 +112,17 @@ def test_taking_back_a_step_that_admitted_out_of_order_restores_the_queue():
     assert calls(eng.step()) == calls(step)
 
 
+def test_no_budget_is_set_aside_for_a_long_prompt_that_cannot_start():
+    # One seat: the waiting long prompt b cannot start beside a, which is short once its first
+    # token is computed. Half the budget of one token kept for b would stall a forever.
+    eng = FakeEngine(budget=1, max_num_seqs=1, max_model_len=50, num_blocks=50, block_size=1)
+    assert eng.sched.config.long_prompt_threshold == 2
+    eng.add("a", 3, max_tokens=1)
+    eng.add("b", 3, max_tokens=1)
+    eng.run(max_steps=20)
+    assert eng.seqs["a"].is_finished and eng.seqs["b"].is_finished
+
+
 @st.composite
 def mixed_workloads(draw):
     max_partial = draw(st.integers(2, 4))
