@@ -2,8 +2,9 @@
 
 There are no phases. Every request has `num_tokens` and `num_computed_tokens`; a step gives it
 `min(tokens left, budget left)`. Decodes (one token left) go first, so a long prompt never
-stalls them; the budget they leave is filled by the continuing partial prefill(s), then by new
-requests in arrival order. Imports no torch.
+stalls them; the budget they leave is shared by the prompts mid-prefill and new ones, short
+prompts beside long ones (`_schedule_prefills`). With `max_step_latency_ms` that budget comes
+from a model of step time (vllm/core/step_time_model.py). Imports no torch.
 
 With prefix caching a request starts from the cached blocks that hold its first tokens: they
 count as computed, and its first chunk starts after them. At least the last token is always
@@ -27,7 +28,8 @@ from dataclasses import dataclass, field
 from vllm.config import SchedulerConfig
 from vllm.core.block_manager import BlockManager
 from vllm.core.scheduler_output import ScheduledSequence, SchedulerOutput
-from vllm.core.step_time_model import StepBudget, StepShape, StepTimeModel, attended_pairs, latency_budget, padded_size
+from vllm.core.step_time_model import (StepBudget, StepShape, StepTimeModel, attended_pairs, latency_budget,
+                                       padded_size)
 from vllm.logger import init_logger
 from vllm.sequence import Sequence, SequenceStatus
 
@@ -238,7 +240,7 @@ class Scheduler:
         model = self.step_time_model
         if target_ms is None or model is None or not model.is_fitted:
             return None
-        partial = [s for s in self.running if s.is_prefill and s.status is SequenceStatus.RUNNING]
+        partial = [s for s in self.running if s.is_prefill]
         if not partial and not self.waiting:
             return None
         return latency_budget(
