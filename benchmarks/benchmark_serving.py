@@ -37,7 +37,8 @@ Servers:
                      and then off, with every flag this script does not know passed to it (engine
                      arguments: --max-num-batched-tokens 512 --block-size 16 ...; the unchunked
                      server keeps its own token budget, max(max_model_len, 2048), since a whole
-                     prompt must fit one step), and runs the same workload and arrival times on each
+                     prompt must fit one step, and drops --max-step-latency-ms), and runs the same
+                     workload and arrival times on each
   --capacity-search --itl-slo-ms X
                      bisects the request rate for the highest one whose P99 ITL <= X ms and median
                      TTFT <= --max-median-ttft-ms (default 2000), in at most --max-probes runs
@@ -425,18 +426,23 @@ def result_name(args: argparse.Namespace) -> str:
     return f"serving-{mode}-{work}-n{args.num_prompts}-{what}"
 
 
+# Flags of chunked prefill alone, which the unchunked server goes without (with their values).
+CHUNKED_ONLY_FLAGS = ("--max-num-batched-tokens", "--max-step-latency-ms")
+
+
 def server_flags(flags: list[str], chunked: bool) -> list[str]:
     """The engine flags for one of --compare-chunked's servers: chunking on or off; the
-    unchunked server keeps its own token budget (a whole prompt must fit one step)."""
+    unchunked server keeps its own token budget (a whole prompt must fit one step) and has no
+    step latency target (it sizes chunks)."""
     out, skip = [], False
-    for i, flag in enumerate(flags):
+    for flag in flags:
         if skip:
             skip = False
             continue
         name = flag.split("=", 1)[0]
         if name in ("--enable-chunked-prefill", "--no-enable-chunked-prefill"):
             continue
-        if name == "--max-num-batched-tokens" and not chunked:
+        if name in CHUNKED_ONLY_FLAGS and not chunked:
             skip = "=" not in flag
             continue
         out.append(flag)

@@ -11,7 +11,13 @@ with the decodes, so the short requests keep producing tokens and finish early.
 
 The --async mode is the serving picture: each request is an asyncio task that arrives at its own
 time and streams its tokens from one AsyncLLMEngine; the short chat requests get their first token
-while the long documents are still being prefilled, chunk by chunk.
+while the long documents are still being prefilled, chunk by chunk. Per request it prints the
+arrival, the TTFT, and "steps": the engine steps that ended from its arrival to its first token,
+counting the step under way when it arrives (its request is added between steps) and the one
+that samples it. A short request starts beside the long prompts being prefilled
+(max_long_partial_prefills, on by default), so it sees two or three steps. `--max-num-partial-prefills 1` shows
+plain FCFS chunking, where it waits for the long prompts ahead of it; `--max-step-latency-ms`
+sizes each step from a time-between-tokens target instead of the fixed budget.
 """
 
 import argparse
@@ -101,36 +107,41 @@ async def run_async(engine: AsyncLLMEngine, requests: list[tuple[float, str, str
     tok = await engine.get_tokenizer()
     start = time.perf_counter()
 
+    stats = engine.engine.stats
+
     async def client(delay: float, name: str, prompt: str) -> tuple:
         await asyncio.sleep(delay)
-        sent = time.perf_counter()
-        first = None
+        sent, sent_step = time.perf_counter(), stats.num_steps
+        first = first_step = None
         async for out in engine.generate(prompt, params, name):
-            first = first or time.perf_counter()
+            if first is None:
+                # The first output comes out of the step that sampled it, already counted.
+                first, first_step = time.perf_counter(), stats.num_steps
         done = time.perf_counter()
-        return name, out, sent - start, first - sent, done - sent, done - start
+        return name, out, sent - start, first - sent, first_step - sent_step, done - sent, done - start
 
     results = await asyncio.gather(*(client(*r) for r in requests))
     await engine.shutdown()
-    print(f"\n{'request':<8} | {'prompt':>6} | {'arrives':>7} | {'TTFT':>6} | {'latency':>7} | "
-          f"{'done at':>7} | output")
-    for name, out, arrives, ttft, latency, done_at in sorted(results, key=lambda r: r[5]):
+    print(f"\n{'request':<8} | {'prompt':>6} | {'arrives':>7} | {'TTFT':>6} | {'steps':>5} | "
+          f"{'latency':>7} | {'done at':>7} | output")
+    for name, out, arrives, ttft, steps, latency, done_at in sorted(results, key=lambda r: r[6]):
         text = tok.decode(out.outputs[0].token_ids, skip_special_tokens=True).strip()
         text = text.replace("\n", " ")[:40]
         print(f"{name:<8} | {len(out.prompt_token_ids):>6} | {arrives:>6.2f}s | {ttft:>5.2f}s | "
-              f"{latency:>6.2f}s | {done_at:>6.2f}s | {text}")
+              f"{steps:>5} | {latency:>6.2f}s | {done_at:>6.2f}s | {text}")
     for kind in ("small", "large"):
         rows = [r for r in results if r[0].startswith(kind)]
-        print(f"{kind} requests: mean TTFT {sum(r[3] for r in rows) / len(rows):.2f} s, "
-              f"mean latency {sum(r[4] for r in rows) / len(rows):.2f} s")
-    stats = engine.engine.stats
+        print(f"{kind} requests: mean TTFT {sum(r[3] for r in rows) / len(rows):.2f} s "
+              f"(at most {max(r[4] for r in rows)} steps after arrival), "
+              f"mean latency {sum(r[5] for r in rows) / len(rows):.2f} s")
     print(f"{stats.num_steps} steps, {stats.num_mixed_steps} of them mixed prefill+decode")
 
 
 def main_async(args: argparse.Namespace) -> None:
     engine = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(
         model=args.model, enable_chunked_prefill=True, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=64, max_model_len=args.max_model_len, dtype=args.dtype))
+        max_num_seqs=64, max_model_len=args.max_model_len, dtype=args.dtype,
+        max_num_partial_prefills=args.max_num_partial_prefills, max_step_latency_ms=args.max_step_latency_ms))
     tok = engine.engine.tokenizer
     questions = ["What is 2+2?", "Hello, how are you?", "Translate 'hello' to French.",
                  "Name a prime number.", "What colour is the sky?", "Give me a synonym for fast."]
@@ -138,7 +149,9 @@ def main_async(args: argparse.Namespace) -> None:
         (0.00, "large_1", long_prompt(tok, args.long_tokens, "the history of computing")),
         (0.05, "large_2", long_prompt(tok, args.long_tokens * 3 // 4, "computer memory")),
     ] + [(0.02 + 0.15 * i, f"small_{i + 1}", chat_prompt(tok, q)) for i, q in enumerate(questions)]
-    print(f"=== AsyncLLMEngine, chunked prefill (budget {args.max_num_batched_tokens} tokens per step) ===")
+    target = "" if args.max_step_latency_ms is None else f", step latency target {args.max_step_latency_ms} ms"
+    print(f"=== AsyncLLMEngine, chunked prefill (budget {args.max_num_batched_tokens} tokens per step, "
+          f"{args.max_num_partial_prefills} partial prefills{target}) ===")
     asyncio.run(run_async(engine, requests, args.max_tokens))
 
 
@@ -153,6 +166,10 @@ def main() -> None:
                         help="staggered streaming clients on AsyncLLMEngine instead")
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--long-tokens", type=int, default=2000, help="length of the longest prompt")
+    parser.add_argument("--max-num-partial-prefills", type=int, default=4,
+                        help="--async: prompts mid-prefill at once (1: FCFS, short prompts wait)")
+    parser.add_argument("--max-step-latency-ms", type=float, default=None,
+                        help="--async: size steps from this time-between-tokens target")
     args = parser.parse_args()
     if args.use_async:
         main_async(args)

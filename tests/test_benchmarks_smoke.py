@@ -284,7 +284,7 @@ def test_serving_compare_chunked(tiny_checkpoints, tmp_path):
     png = tmp_path / "serving.png"
     proc = run_script("benchmark_serving.py", "--model", tiny_checkpoints["llama"], *SERVING_TINY,
                       "--request-rate", "50", "--burstiness", "0.5", "--compare-chunked",
-                      "--goodput", "ttft:60000", "tpot:60000", *ENGINE,
+                      "--goodput", "ttft:60000", "tpot:60000", *ENGINE, "--max-step-latency-ms", "500",
                       "--output-json", str(out), "--plot", str(png))
     check_ok(proc)
     assert "Serving Benchmark Result (chunked)" in proc.stdout
@@ -313,6 +313,9 @@ def test_serving_compare_chunked(tiny_checkpoints, tmp_path):
     assert unchunked["mixed_steps"] == 0
     assert "--no-enable-chunked-prefill" in result["servers"]["unchunked"]["flags"]
     assert "--max-num-batched-tokens" not in result["servers"]["unchunked"]["flags"]
+    # The latency target goes to the chunked server only (the unchunked one refuses it).
+    assert "--max-step-latency-ms" in result["servers"]["chunked"]["flags"]
+    assert "--max-step-latency-ms" not in result["servers"]["unchunked"]["flags"]
     assert "comparison" in result and "p99_itl_ms" in result["comparison"]
     assert result["mean_ttft_ms"] == result["runs"]["chunked"]["mean_ttft_ms"]  # top level = first run
     if importlib.util.find_spec("matplotlib") is not None:

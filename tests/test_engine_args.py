@@ -53,6 +53,9 @@ def test_every_field_has_a_flag_with_help():
     ("--dtype bfloat16", "dtype", "bfloat16"),
     ("-tp 1", "tensor_parallel_size", 1),
     ("--long-prefill-token-threshold 2048", "long_prefill_token_threshold", 2048),
+    ("--max-long-partial-prefills 2", "max_long_partial_prefills", 2),
+    ("--max-step-latency-ms 75.5", "max_step_latency_ms", 75.5),
+    ("", "max_step_latency_ms", None),
 ])
 def test_flag_values(flags, field, value):
     assert getattr(parse(flags), field) == value

@@ -196,7 +196,7 @@ def test_long_prefill_token_threshold_caps_chunks():
     assert not eng.sched.has_unfinished()
 
 
-def test_one_partial_prefill_at_a_time_by_default():
+def test_one_long_partial_prefill_at_a_time_by_default():
     eng = FakeEngine(budget=64, long_prefill_token_threshold=16)
     eng.add("a", 40, max_tokens=1)
     eng.add("b", 40, max_tokens=1)
@@ -205,7 +205,8 @@ def test_one_partial_prefill_at_a_time_by_default():
 
 
 def test_two_partial_prefills_run_concurrently():
-    eng = FakeEngine(budget=64, long_prefill_token_threshold=16, max_num_partial_prefills=2)
+    eng = FakeEngine(budget=64, long_prefill_token_threshold=16, max_num_partial_prefills=2,
+                     max_long_partial_prefills=2)
     eng.add("a", 40, max_tokens=1)
     eng.add("b", 40, max_tokens=1)
     eng.add("c", 40, max_tokens=1)

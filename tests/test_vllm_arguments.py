@@ -33,6 +33,8 @@ TAKES_EFFECT = {
     "max_num_seqs": ({"max_num_seqs": 3}, lambda c: c.scheduler.max_num_seqs == 3),
     "max_num_partial_prefills": ({"max_num_partial_prefills": 2},
                                  lambda c: c.scheduler.max_num_partial_prefills == 2),
+    "max_long_partial_prefills": ({"max_num_partial_prefills": 2, "max_long_partial_prefills": 2},
+                                  lambda c: c.scheduler.max_long_partial_prefills == 2),
     "long_prefill_token_threshold": ({"long_prefill_token_threshold": 8},
                                      lambda c: c.scheduler.long_prefill_token_threshold == 8),
     "max_logprobs": ({"max_logprobs": 3}, lambda c: c.model.max_logprobs == 3),
@@ -58,8 +60,6 @@ LOGGED = {
                                "gpu_memory_utilization=0.5 does not apply on cpu"),
     "swap_space": ({"swap_space": 16}, "swap_space=16 does not apply"),
     "revision": ({"revision": "main"}, "revision='main' does not apply to the local path"),
-    "max_long_partial_prefills": ({"max_num_partial_prefills": 2, "max_long_partial_prefills": 2},
-                                  "max_long_partial_prefills=2 does not apply"),
     "disable_chunked_mm_input": ({"disable_chunked_mm_input": True},
                                  "disable_chunked_mm_input does not apply"),
 }

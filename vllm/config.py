@@ -133,8 +133,27 @@ class SchedulerConfig:
     max_num_seqs: int
     max_model_len: int
     enable_chunked_prefill: bool = True
-    max_num_partial_prefills: int = 1
+    max_num_partial_prefills: int = 4
+    max_long_partial_prefills: int = 1
     long_prefill_token_threshold: int = 0
+    # Chunked prefill: the predicted step time to stay under (None: the budget is
+    # max_num_batched_tokens every step). See vllm/core/step_time_model.py.
+    max_step_latency_ms: float | None = None
+
+    @property
+    def long_prompt_threshold(self) -> int:
+        """Prompts with more tokens left to compute than this are long (0: none is).
+
+        `long_prefill_token_threshold` when set. Otherwise, with several partial prefills, 4% of
+        `max_model_len`, vLLM's rule; vLLM then also caps every chunk at that number, while here
+        only a threshold set by the user caps chunks (`_chunk_size`), so a long prompt alone
+        still fills the budget. With one partial prefill no prompt is long: FCFS SARATHI.
+        """
+        if self.long_prefill_token_threshold > 0:
+            return self.long_prefill_token_threshold
+        if self.max_num_partial_prefills > 1:
+            return max(1, int(self.max_model_len * 0.04))
+        return 0
 
     def __post_init__(self) -> None:
         _require_positive("max_num_batched_tokens", self.max_num_batched_tokens)
@@ -142,8 +161,17 @@ class SchedulerConfig:
         _require_positive("max_model_len", self.max_model_len)
         _require_positive("max_num_partial_prefills", self.max_num_partial_prefills)
         if self.long_prefill_token_threshold < 0:
-            raise ValueError("long_prefill_token_threshold must be >= 0 (0 disables it), "
+            raise ValueError("long_prefill_token_threshold must be >= 0 (0: derived), "
                              f"got {self.long_prefill_token_threshold}")
+        if self.max_step_latency_ms is not None:
+            if not self.max_step_latency_ms > 0:
+                raise ValueError(f"max_step_latency_ms must be > 0 (or None), got {self.max_step_latency_ms}")
+            if not self.enable_chunked_prefill:
+                raise ValueError("max_step_latency_ms sizes prefill chunks: it needs "
+                                 "enable_chunked_prefill=True")
+        if not 1 <= self.max_long_partial_prefills <= self.max_num_partial_prefills:
+            raise ValueError(f"max_long_partial_prefills={self.max_long_partial_prefills} must be "
+                             f"in [1, max_num_partial_prefills={self.max_num_partial_prefills}]")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than "

@@ -2,8 +2,9 @@
 
 There are no phases. Every request has `num_tokens` and `num_computed_tokens`; a step gives it
 `min(tokens left, budget left)`. Decodes (one token left) go first, so a long prompt never
-stalls them; the budget they leave is filled by the continuing partial prefill(s), then by new
-requests in arrival order. Imports no torch.
+stalls them; the budget they leave is shared by the prompts mid-prefill and new ones, short
+prompts beside long ones (`_schedule_prefills`). With `max_step_latency_ms` that budget comes
+from a model of step time (vllm/core/step_time_model.py). Imports no torch.
 
 With prefix caching a request starts from the cached blocks that hold its first tokens: they
 count as computed, and its first chunk starts after them. At least the last token is always
@@ -28,6 +29,8 @@ from dataclasses import dataclass, field
 from vllm.config import SchedulerConfig
 from vllm.core.block_manager import BlockManager
 from vllm.core.scheduler_output import ScheduledSequence, SchedulerOutput
+from vllm.core.step_time_model import (StepBudget, StepShape, StepTimeModel, attended_pairs, latency_budget,
+                                       padded_size)
 from vllm.logger import init_logger
 from vllm.sequence import Sequence, SequenceStatus
 
@@ -42,6 +45,31 @@ class _StepLog:
     # (sequence, num_computed_tokens, num_prompt_logprob_positions) before the step took tokens.
     taken: list[tuple[Sequence, int, int]] = field(default_factory=list)
     admitted: list[Sequence] = field(default_factory=list)  # in admission order
+    # The waiting queue before the first admission: short prompts may start ahead of long ones.
+    waiting: list[Sequence] | None = None
+
+
+@dataclass(slots=True)
+class _PrefillRound:
+    """The prefill part of one step as it fills: the budget left of it and the part the prompts
+    being scheduled may use (`limit`, counted from the start), the prompts mid-prefill after the
+    step (`held`, running ones not yet scheduled included) and of those the long ones, and
+    whether waiting prompts may still start."""
+
+    budget: int
+    held: int
+    limit: int = 0
+    num_long: int = 0
+    can_admit: bool = True
+    chunks: list[ScheduledSequence] = field(default_factory=list)
+    start: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.start = self.budget
+
+    def available(self) -> int:
+        """Tokens the next chunk may take: within the limit and the budget."""
+        return max(0, min(self.budget, self.limit - (self.start - self.budget)))
 
 
 class Scheduler:
@@ -68,6 +96,10 @@ class Scheduler:
         # the tokens found in the cache.
         self.num_prefix_cache_queries = 0
         self.num_prefix_cache_hits = 0
+        # With max_step_latency_ms: the model that sizes each step, and the token counts a
+        # step may be padded to (the warmed buckets; empty: any count).
+        self.step_time_model: StepTimeModel | None = None
+        self.token_buckets: list[int] = []
 
     # ---------------------------------------------------------------- requests in and out
 
@@ -165,12 +197,13 @@ class Scheduler:
         for seq, num_computed, num_logprob_positions in log.taken:
             seq.num_computed_tokens = num_computed
             seq.num_prompt_logprob_positions = num_logprob_positions
-        for seq in reversed(log.admitted):
+        for seq in log.admitted:
             self.running.remove(seq)
             self.block_manager.free(seq.request_id)
             seq.status = SequenceStatus.WAITING
             seq.num_computed_tokens = 0
-            self.waiting.appendleft(seq)
+        if log.admitted:
+            self._restore_waiting_order(log)
         self._finished_since_last_step[:0] = step.finished_request_ids
         self._blocks_to_copy[:0] = step.blocks_to_copy
 
@@ -228,7 +261,6 @@ class Scheduler:
     def _schedule_chunked(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         decodes: list[ScheduledSequence] = []
-        prefills: list[ScheduledSequence] = []
         preempted: list[str] = []
         scheduled_ids: set[str] = set()
 
@@ -242,39 +274,173 @@ class Scheduler:
             scheduled_ids.add(seq.request_id)
             budget -= 1
 
-        # 2. Continuing partial prefills, then 3. new requests in arrival order.
-        num_partial = 0
-        for seq in [s for s in self.running if s.is_prefill]:
-            if budget == 0 or num_partial == self.config.max_num_partial_prefills:
-                break
-            if seq.status is not SequenceStatus.RUNNING:
-                continue
-            chunk = self._chunk_size(seq, budget)
-            if not self._reserve(seq, seq.num_computed_tokens + chunk, scheduled_ids, preempted):
-                continue
-            prefills.append(self._take(seq, chunk))
-            scheduled_ids.add(seq.request_id)
-            budget -= chunk
-            num_partial += seq.is_prefill  # still partial after this chunk
+        # 2. Prefill chunks in the budget the decodes leave (or the latency target does).
+        chosen = self._latency_budget(decodes)
+        if chosen is not None:
+            budget = min(budget, chosen.num_tokens - len(decodes))
+        prefills = self._schedule_prefills(budget, scheduled_ids, preempted)
+        return SchedulerOutput(decodes + prefills, num_decodes=len(decodes),
+                               preempted_request_ids=preempted,
+                               token_budget=None if chosen is None else chosen.num_tokens,
+                               predicted_seconds=None if chosen is None else chosen.predicted_seconds)
 
-        while (self.waiting and budget > 0 and not preempted
-               and num_partial < self.config.max_num_partial_prefills
-               and self._num_seats() + self.waiting[0].num_seats <= self.config.max_num_seqs):
-            seq = self.waiting[0]
+    def _latency_budget(self, decodes: list[ScheduledSequence]) -> StepBudget | None:
+        """The step's token budget under `max_step_latency_ms`, when a prompt waits or is
+        mid-prefill and the step-time model has data; else None (the budget is
+        max_num_batched_tokens)."""
+        target_ms = self.config.max_step_latency_ms
+        model = self.step_time_model
+        if target_ms is None or model is None or not model.is_fitted:
+            return None
+        partial = [s for s in self.running if s.is_prefill]
+        if not partial and not self.waiting:
+            return None
+        return latency_budget(
+            model, target_ms / 1000, decode_pairs=attended_pairs((1, d.start_position) for d in decodes),
+            num_decodes=len(decodes), prefill_context=max((s.num_computed_tokens for s in partial), default=0),
+            sizes=self.token_buckets, max_num_batched_tokens=self.config.max_num_batched_tokens)
+
+    def step_shape(self, step: SchedulerOutput) -> StepShape:
+        """What the step-time model reads of a scheduled step (padded as the runner pads it)."""
+        return StepShape(padded_size(self.token_buckets, step.num_batched_tokens),
+                         attended_pairs((s.num_tokens, s.context_len) for s in step.scheduled))
+
+    def _schedule_prefills(self, budget: int, scheduled_ids: set[str],
+                           preempted: list[str]) -> list[ScheduledSequence]:
+        """Prefill chunks for this step, in admission order, within `budget` tokens.
+
+        At most `max_num_partial_prefills` prompts are mid-prefill between steps, and of those at
+        most `max_long_partial_prefills` are long (more than `long_prompt_threshold` tokens left
+        to compute). Long and short prompts share the budget this way:
+
+            long share  = min(ceil(budget / 2), what the long prompts can take)
+            short share = min(budget - long share, what the short prompts can take)
+            order       = running short prompts, running long ones, the first waiting long
+                          one (if a long slot is free), waiting short ones; each takes at most
+                          its share while the other kind still has a claim, and what one kind
+                          leaves the other takes.
+
+        So a short prompt is admitted beside a long one being prefilled, past long prompts
+        still waiting for a long slot; long prompts start in arrival order among themselves, and
+        the oldest one waiting takes a long slot as soon as one is free; a stream of short
+        prompts never takes more than half the budget from long ones. A waiting prompt that
+        does not fit the KV cache stops admission for the step (new requests never preempt
+        running ones), so no later prompt is admitted ahead of it.
+        """
+        partial = [s for s in self.running if s.is_prefill]
+        round_ = _PrefillRound(budget=budget, held=len(partial))
+        round_.num_long = sum(self._is_long(s.num_uncomputed_tokens) for s in partial)
+        running_long = [s for s in partial if self._is_long(s.num_uncomputed_tokens)]
+        running_short = [s for s in partial if not self._is_long(s.num_uncomputed_tokens)]
+
+        next_long = self._next_waiting_long(round_)
+        long_need = sum(self._chunk_size(s, budget) for s in running_long)
+        if next_long is not None:
+            long_need += self._chunk_size(next_long, budget)
+        long_share = min(budget - budget // 2, long_need)
+        short_need = sum(self._chunk_size(s, budget) for s in running_short)
+        short_need += self._waiting_short_need(budget)
+        short_share = min(budget - long_share, short_need)
+
+        # Each kind may use its own share and whatever the other kind does not claim.
+        round_.limit = budget - long_share
+        for seq in running_short:
+            self._continue_prefill(seq, round_, scheduled_ids, preempted)
+        used_by_short = budget - round_.budget
+        round_.limit = budget - max(0, short_share - used_by_short)
+        for seq in running_long:
+            self._continue_prefill(seq, round_, scheduled_ids, preempted)
+        # Slots may have freed above (a long prompt's last chunk): the check is the admission's.
+        self._admit_waiting(round_, want_long=True, preempted=preempted)
+        round_.limit = budget
+        self._admit_waiting(round_, want_long=False, preempted=preempted)
+
+        # Admitted requests join `running` last: list the chunks in admission order.
+        order = {s.request_id: i for i, s in enumerate(self.running)}
+        return sorted(round_.chunks, key=lambda c: order[c.request_id])
+
+    def _is_long(self, num_uncomputed_tokens: int) -> bool:
+        threshold = self.config.long_prompt_threshold
+        return threshold > 0 and num_uncomputed_tokens > threshold
+
+    def _next_waiting_long(self, round_: "_PrefillRound") -> Sequence | None:
+        """The oldest waiting long prompt, if it can start now: a long and a partial slot are
+        free, and its seats and blocks fit. (Budget set aside for a prompt that cannot start
+        would be lost to the others, every step.)"""
+        if (round_.num_long >= self.config.max_long_partial_prefills
+                or round_.held >= self.config.max_num_partial_prefills):
+            return None
+        seq = next((s for s in self.waiting if self._is_long(s.num_tokens)), None)
+        if (seq is None or self._num_seats() + seq.num_seats > self.config.max_num_seqs
+                or not self._has_room_for(seq, self._cached_prefix(seq))):
+            return None
+        return seq
+
+    def _waiting_short_need(self, budget: int) -> int:
+        """Tokens the waiting short prompts that can start now could take this step (up to
+        `budget`), counting their whole prompts (before any prefix cache hit)."""
+        need, seats = 0, self._num_seats()
+        for seq in self.waiting:
+            if need >= budget:
+                break
+            if self._is_long(seq.num_tokens):
+                continue
+            seats += seq.num_seats
+            if seats > self.config.max_num_seqs or not self._has_room_for(seq, []):
+                break  # admission stops here too
+            need += seq.num_tokens
+        return min(need, budget)
+
+    def _continue_prefill(self, seq: Sequence, round_: "_PrefillRound", scheduled_ids: set[str],
+                          preempted: list[str]) -> None:
+        """The next chunk of a running partial prefill, within the round's limit."""
+        if seq.status is not SequenceStatus.RUNNING:
+            return  # preempted earlier in this step
+        available = round_.available()
+        if available == 0:
+            return
+        chunk = self._chunk_size(seq, available)
+        if not self._reserve(seq, seq.num_computed_tokens + chunk, scheduled_ids, preempted):
+            return
+        was_long = self._is_long(seq.num_uncomputed_tokens)
+        round_.chunks.append(self._take(seq, chunk))
+        scheduled_ids.add(seq.request_id)
+        round_.budget -= chunk
+        if not seq.is_prefill:  # its last chunk: its slot is free
+            round_.held -= 1
+            round_.num_long -= was_long
+
+    def _admit_waiting(self, round_: "_PrefillRound", *, want_long: bool,
+                       preempted: list[str]) -> None:
+        """Starts waiting prompts of one kind, in queue order, while the round allows: long ones
+        (`want_long`) up to the first that cannot start, short ones past the long ones."""
+        config = self.config
+        for seq in list(self.waiting):
+            if (preempted or round_.available() == 0 or not round_.can_admit
+                    or round_.held >= config.max_num_partial_prefills):
+                return
+            if self._num_seats() + seq.num_seats > config.max_num_seqs:
+                round_.can_admit = False
+                return
             cached = self._cached_prefix(seq)
             num_cached = len(cached) * self.block_manager.block_size
-            chunk = min(self._chunk_size(seq, budget), seq.num_tokens - num_cached)
+            is_long = self._is_long(seq.num_tokens - num_cached)
+            if is_long != want_long:
+                continue
+            if is_long and round_.num_long >= config.max_long_partial_prefills:
+                return
+            chunk = min(self._chunk_size(seq, round_.available()), seq.num_tokens - num_cached)
             if (not self.block_manager.can_allocate(cached, num_cached + chunk)
                     or not self._has_room_for(seq, cached)):
-                break  # new requests never preempt running ones
+                round_.can_admit = False  # new requests never preempt running ones
+                return
             self._admit(seq)
             self._allocate(seq, cached, num_cached + chunk)
-            prefills.append(self._take(seq, chunk))
-            budget -= chunk
-            num_partial += seq.is_prefill
-
-        return SchedulerOutput(decodes + prefills, num_decodes=len(decodes),
-                               preempted_request_ids=preempted)
+            round_.chunks.append(self._take(seq, chunk))
+            round_.budget -= chunk
+            if seq.is_prefill:
+                round_.held += 1
+                round_.num_long += is_long
 
     def _schedule_classic(self) -> SchedulerOutput:
         """vLLM's policy without chunking: whole prompts in prefill-only steps, else decodes."""
@@ -393,10 +559,21 @@ class Scheduler:
         )
 
     def _admit(self, seq: Sequence) -> None:
-        self.waiting.popleft()
+        if self._log.waiting is None:
+            self._log.waiting = list(self.waiting)
+        self.waiting.remove(seq)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
         self._log.admitted.append(seq)
+
+    def _restore_waiting_order(self, log: _StepLog) -> None:
+        """Puts the requests a step admitted back where they waited (requests queued since
+        then stay after them)."""
+        assert log.waiting is not None
+        back = set(log.admitted) | set(self.waiting)
+        restored = [s for s in log.waiting if s in back]
+        known = set(restored)
+        self.waiting = deque(restored + [s for s in self.waiting if s not in known])
 
     def _preempt(self, seq: Sequence) -> None:
         if self.num_preemptions % 50 == 0:  # the first, then every 50th, as vLLM does

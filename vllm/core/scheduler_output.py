@@ -54,6 +54,9 @@ class SchedulerOutput:
     # (source, destination) KV blocks to copy before the forward pass: the partial last prompt
     # block of each sample forked since the previous step.
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    # With a latency target: the token budget chosen for this step and its predicted seconds.
+    token_budget: int | None = None
+    predicted_seconds: float | None = None
 
     @property
     def num_batched_tokens(self) -> int:

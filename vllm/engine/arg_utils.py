@@ -104,11 +104,20 @@ class EngineArgs:
     max_num_seqs: int | None = arg(
         None, f"sequences per step (default: {DEFAULT_MAX_NUM_SEQS}, or the token budget if "
         "smaller)")
-    max_num_partial_prefills: int = arg(1, "prompts that may be partially prefilled at once")
+    max_num_partial_prefills: int = arg(
+        4, "prompts that may be mid-prefill at once (vLLM's default is 1; 4 lets short prompts "
+        "start beside a long one)")
     max_long_partial_prefills: int = arg(
-        1, "of those, prompts longer than long_prefill_token_threshold (accepted; prompts are "
-        "admitted in arrival order, so shorter ones do not overtake long ones)")
-    long_prefill_token_threshold: int = arg(0, "upper bound on one prefill chunk (0: none)")
+        1, "of those, prompts with more than long_prefill_token_threshold tokens left; a short "
+        "prompt starts ahead of long ones waiting for this slot")
+    long_prefill_token_threshold: int = arg(
+        0, "prompts with more tokens left than this are long, and no chunk is larger (0: 4%% of "
+        "max_model_len with several partial prefills, not a cap on chunks; else no prompt is long)")
+    max_step_latency_ms: float | None = arg(
+        None, "time-between-tokens target: each step's prefill chunk is sized so that the step's "
+        "predicted time (a model fitted at start-up on timed token buckets, refined on measured "
+        "steps) stays under it; max_num_batched_tokens stays the upper bound (default: none, "
+        "every step may use max_num_batched_tokens)")
     disable_chunked_mm_input: bool = arg(
         False, "keep multimodal items in one chunk (accepted; no multimodal model is supported)")
 
@@ -163,9 +172,6 @@ class EngineArgs:
         if self.swap_space != default["swap_space"]:
             logger.info("swap_space=%s does not apply: preempted requests are recomputed, never "
                         "swapped", self.swap_space)
-        if self.max_long_partial_prefills != default["max_long_partial_prefills"]:
-            logger.info("max_long_partial_prefills=%d does not apply: prompts start their "
-                        "prefill in arrival order, long or short", self.max_long_partial_prefills)
         if self.disable_chunked_mm_input:
             logger.info("disable_chunked_mm_input does not apply: no multimodal model is supported")
         if (self.gpu_memory_utilization != default["gpu_memory_utilization"]
@@ -189,9 +195,6 @@ class EngineArgs:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1], "
                              f"got {self.gpu_memory_utilization}")
-        if not 1 <= self.max_long_partial_prefills <= self.max_num_partial_prefills:
-            raise ValueError(f"max_long_partial_prefills={self.max_long_partial_prefills} must be "
-                             f"in [1, max_num_partial_prefills={self.max_num_partial_prefills}]")
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
         self._log_settings_that_do_not_apply(platform)
@@ -248,7 +251,15 @@ class EngineArgs:
             max_model_len=max_model_len,
             enable_chunked_prefill=self.enable_chunked_prefill,
             max_num_partial_prefills=self.max_num_partial_prefills,
-            long_prefill_token_threshold=self.long_prefill_token_threshold)
+            max_long_partial_prefills=self.max_long_partial_prefills,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
+            max_step_latency_ms=self.max_step_latency_ms)
+        if self.enable_chunked_prefill and scheduler_config.max_num_partial_prefills > 1:
+            logger.info("Concurrent partial prefills enabled with max_num_partial_prefills=%d, "
+                        "max_long_partial_prefills=%d, long_prefill_token_threshold=%d",
+                        scheduler_config.max_num_partial_prefills,
+                        scheduler_config.max_long_partial_prefills,
+                        scheduler_config.long_prompt_threshold)
         config = EngineConfig(model=model_config, cache=cache_config, scheduler=scheduler_config,
                               enforce_eager=(platform.default_enforce_eager if self.enforce_eager is None
                                              else self.enforce_eager),

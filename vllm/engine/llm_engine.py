@@ -10,6 +10,7 @@ from vllm.config import EngineConfig
 from vllm.core.block_manager import BlockManager
 from vllm.core.scheduler import Scheduler
 from vllm.core.scheduler_output import SchedulerOutput
+from vllm.core.step_time_model import StepShape, StepTimeModel
 from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.detokenizer import detokenize_incrementally
 from vllm.engine.exceptions import EngineDeadError
@@ -95,7 +96,23 @@ class LLMEngine:
                     time.perf_counter() - start)
         runner = HPUModelRunner(config, platform, model, eos_token_id=tokenizer.eos_token_id)
         runner.warmup()
-        return cls(config, tokenizer, runner)
+        engine = cls(config, tokenizer, runner)
+        if config.scheduler.max_step_latency_ms is not None:
+            engine.start_step_time_model()
+        return engine
+
+    def start_step_time_model(self) -> None:
+        """Fits the model that sizes steps under `max_step_latency_ms` on timed padding-only
+        runs of each token size; measured steps refine it from then on."""
+        start = time.perf_counter()
+        samples = self.runner.time_token_sizes()
+        model = StepTimeModel()
+        model.fit_warmup([(StepShape(tokens, 0), seconds) for tokens, seconds in samples])
+        self.scheduler.step_time_model = model
+        self.scheduler.token_buckets = self.runner.token_buckets
+        logger.info("Step-time model for max_step_latency_ms=%s fitted on %d token sizes in %.1f s: "
+                    "%.2f ms + %.4f ms/token", self.config.scheduler.max_step_latency_ms, len(samples),
+                    time.perf_counter() - start, 1e3 * model.coefficients[0], 1e3 * model.coefficients[1])
 
     @property
     def graph_stats(self):
@@ -192,6 +209,7 @@ class LLMEngine:
         (see the class docstring for what happens when it fails)."""
         self._check_alive()
         step, result, committed = None, None, False
+        start = time.perf_counter()
         try:
             with self._guard():
                 step = self.scheduler.schedule()
@@ -202,6 +220,7 @@ class LLMEngine:
                 committed = True
                 if result is not None:
                     self._process(step, result)
+                    self._observe_step_time(step, time.perf_counter() - start)
         except BaseException as error:
             if step is None or committed:
                 raise
@@ -239,6 +258,15 @@ class LLMEngine:
             self._pending_outputs.append(self._make_output(group))
             if group.is_finished:
                 self._forget(group)
+
+    def _observe_step_time(self, step: SchedulerOutput, seconds: float) -> None:
+        """A step's wall time (schedule to outputs) refines the step-time model."""
+        model = self.scheduler.step_time_model
+        if model is None or step.is_empty:
+            return
+        model.observe(self.scheduler.step_shape(step), seconds)
+        if self.stat_loggers:
+            self._iteration.record_step_time(step, seconds)
 
     def _fail_step(self, step: SchedulerOutput, error: Exception) -> None:
         """After `step` was taken back: its requests run it again, except those in their

@@ -2,7 +2,10 @@
 
 Besides vLLM's metrics, two chunked-prefill ones: `vllm:num_mixed_steps` (steps that ran decodes
 and prefill chunks together, out of `vllm:num_steps`) and `vllm:prefill_chunk_tokens` (the size
-of every prefill chunk scheduled).
+of every prefill chunk scheduled). With `max_step_latency_ms`, three of the latency target:
+`vllm:step_token_budget` (the budget of the last step it sized), `vllm:step_time_predicted_seconds`
+and `vllm:step_time_seconds` (each such step's predicted and measured time); the log line adds
+their averages.
 """
 
 import logging
@@ -64,10 +67,25 @@ class LoggingStatLogger(StatLoggerBase):
     def _reset(self) -> None:
         self.num_prompt_tokens = self.num_generation_tokens = 0
         self.num_prefix_queries = self.num_prefix_hits = 0
+        self.step_budgets: list[int] = []
+        self.predicted_seconds: list[float] = []
+        self.measured_seconds: list[float] = []
+
+    def _latency_target_text(self) -> str:
+        """The latency target's averages since the last line, or "" when no step was sized by it."""
+        if not self.step_budgets:
+            return ""
+        n = len(self.step_budgets)
+        return (f", Step budget: {sum(self.step_budgets) / n:.0f} tokens, step time predicted: "
+                f"{1e3 * sum(self.predicted_seconds) / n:.1f} ms, measured: "
+                f"{1e3 * sum(self.measured_seconds) / n:.1f} ms")
 
     def log(self, stats: Stats) -> None:
         self.num_prompt_tokens += stats.iteration.num_prompt_tokens
         self.num_generation_tokens += stats.iteration.num_generation_tokens
+        self.step_budgets += stats.iteration.step_token_budgets
+        self.predicted_seconds += stats.iteration.predicted_step_seconds
+        self.measured_seconds += stats.iteration.measured_step_seconds
         self.num_prefix_queries += stats.num_prefix_cache_queries
         self.num_prefix_hits += stats.num_prefix_cache_hits
         elapsed = stats.now - self.last_log_time
@@ -80,9 +98,10 @@ class LoggingStatLogger(StatLoggerBase):
             logger.info(
                 "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
                 "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, "
-                "Prefix cache hit rate: %.1f%%",
+                "Prefix cache hit rate: %.1f%%%s",
                 self.num_prompt_tokens / elapsed, self.num_generation_tokens / elapsed,
-                stats.num_running, stats.num_waiting, 100 * stats.kv_cache_usage, 100 * hit_rate)
+                stats.num_running, stats.num_waiting, 100 * stats.kv_cache_usage, 100 * hit_rate,
+                self._latency_target_text())
         self.last_line_idle = idle
         self.last_log_time = stats.now
         self._reset()
@@ -128,6 +147,14 @@ class PrometheusStatLogger(StatLoggerBase):
                                           "Histogram of the number of tokens per engine step.", step_buckets)
         self.prefill_chunk_tokens = histogram("vllm:prefill_chunk_tokens",
                                               "Histogram of the size of prefill chunks.", step_buckets)
+        self.step_token_budget = gauge("vllm:step_token_budget",
+                                       "Token budget the latency target chose for the last step it sized.")
+        self.step_time_predicted = histogram("vllm:step_time_predicted_seconds",
+                                             "Histogram of predicted engine step time in seconds, of "
+                                             "steps sized by the latency target.", ITL_BUCKETS)
+        self.step_time = histogram("vllm:step_time_seconds",
+                                   "Histogram of measured engine step time in seconds, of steps "
+                                   "sized by the latency target.", ITL_BUCKETS)
         self.ttft = histogram("vllm:time_to_first_token_seconds",
                               "Histogram of time to first token in seconds.", TTFT_BUCKETS)
         self.itl = histogram("vllm:inter_token_latency_seconds",
@@ -163,9 +190,13 @@ class PrometheusStatLogger(StatLoggerBase):
         for values, histogram in ((it.step_num_tokens, self.iteration_tokens),
                                   (it.prefill_chunk_tokens, self.prefill_chunk_tokens),
                                   (it.time_to_first_tokens, self.ttft),
-                                  (it.inter_token_latencies, self.itl)):
+                                  (it.inter_token_latencies, self.itl),
+                                  (it.predicted_step_seconds, self.step_time_predicted),
+                                  (it.measured_step_seconds, self.step_time)):
             for value in values:
                 histogram.observe(value)
+        if it.step_token_budgets:
+            self.step_token_budget.set(it.step_token_budgets[-1])
         for request in it.finished_requests:
             self._success.labels(self._model_name, request.finish_reason).inc()
             self.e2e.observe(request.e2e_latency)

@@ -34,10 +34,22 @@ class IterationStats:
     time_to_first_tokens: list[float] = field(default_factory=list)
     inter_token_latencies: list[float] = field(default_factory=list)
     finished_requests: list[FinishedRequestStats] = field(default_factory=list)
+    # With max_step_latency_ms, of each step sized by the latency target: its token budget, and
+    # its predicted and measured seconds.
+    step_token_budgets: list[int] = field(default_factory=list)
+    predicted_step_seconds: list[float] = field(default_factory=list)
+    measured_step_seconds: list[float] = field(default_factory=list)
 
     def record_step(self, step: SchedulerOutput) -> None:
         self.step_num_tokens.append(step.num_batched_tokens)
         self.prefill_chunk_tokens.extend(s.num_tokens for s in step.scheduled[step.num_decodes:])
+
+    def record_step_time(self, step: SchedulerOutput, seconds: float) -> None:
+        if step.token_budget is None:
+            return
+        self.step_token_budgets.append(step.token_budget)
+        self.predicted_step_seconds.append(step.predicted_seconds)
+        self.measured_step_seconds.append(seconds)
 
     def record_token(self, seq: Sequence, now: float) -> None:
         """A token for `seq` at `now`, before its metrics take the time in."""

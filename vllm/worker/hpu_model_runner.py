@@ -153,6 +153,37 @@ class HPUModelRunner:
                     stats.graphs_compiled_at_warmup, stats.device_graphs or "", len(stats.buckets), stats.buckets,
                     stats.warmup_seconds)
 
+    @property
+    def token_buckets(self) -> list[int]:
+        """The token counts steps are padded to (the warmed buckets); empty when steps run at
+        their own size (eager)."""
+        return list(self.graph_stats.buckets)
+
+    @torch.inference_mode()
+    def time_token_sizes(self, repeats: int = 2) -> list[tuple[int, float]]:
+        """(tokens, seconds) of a padding-only forward pass at each size a step runs at: the
+        warmed buckets, or without graphs the sizes the buckets would have. The fastest of
+        `repeats` runs after an untimed one; what the step-time model starts from."""
+        sizes = self.token_buckets or generate_buckets(bucket_config_from_env(
+            self.config.scheduler.max_num_batched_tokens, self.platform.min_token_bucket))
+        model = self._compiled_model if self.graph_stats.enabled else self.model
+        backend = self.attn_backend
+        samples = []
+        for size in sizes:
+            ids = torch.zeros(size, dtype=torch.int64, device=self.device)
+            positions = torch.zeros(size, dtype=torch.int64, device=self.device)
+            metadata = next(iter(backend.warmup_metadata(size)))
+            times = []
+            for _ in range(repeats + 1):
+                start = time.perf_counter()
+                with forward_context(ForwardContext(metadata, backend)):
+                    model(ids, positions)                                            # (size, hidden)
+                self.platform.mark_step()
+                self.platform.synchronize()
+                times.append(time.perf_counter() - start)
+            samples.append((size, min(times[1:])))
+        return samples
+
     # ---------------------------------------------------------------- inputs
 
     def prepare_inputs(self, step: SchedulerOutput, padded_size: int) -> ModelInputs:

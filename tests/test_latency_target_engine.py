@@ -1,0 +1,67 @@
+"""`max_step_latency_ms` end to end on the tiny random Llama: steps sized by the fitted
+step-time model give the same greedy tokens as fixed budgets, and their budgets and predicted
+and measured times reach the stat loggers and /metrics."""
+
+import logging
+
+from prometheus_client import CollectorRegistry, generate_latest
+
+from tests.test_metrics import Recorder
+from tests.utils import random_prompts
+from vllm import LLM, SamplingParams
+from vllm.core.step_time_model import StepShape
+from vllm.engine.metrics import LoggingStatLogger, PrometheusStatLogger
+
+LENGTHS = [100, 7, 60, 5, 3, 90]
+
+
+def _run(path: str, **kwargs):
+    llm = LLM(path, dtype="float32", max_model_len=128, block_size=16, max_num_batched_tokens=64,
+              max_num_seqs=8, enforce_eager=True, **kwargs)
+    recorder = Recorder()
+    llm.llm_engine.add_logger("recorder", recorder)
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(LENGTHS, seed=5)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    llm.llm_engine.do_log_stats()
+    return [o.outputs[0].token_ids for o in outs], [s.iteration for s in recorder.stats], llm
+
+
+def test_a_latency_target_keeps_greedy_tokens_and_reports_its_budgets(tiny_checkpoints, caplog):
+    reference, plain_its, _ = _run(tiny_checkpoints["llama"])
+    assert not any(i.step_token_budgets for i in plain_its)  # no target: nothing sized
+
+    # A target of a fraction of the largest step's predicted time: some steps are cut short.
+    tokens, its, llm = _run(tiny_checkpoints["llama"], max_step_latency_ms=1e-3)
+    assert tokens == reference
+    model = llm.llm_engine.scheduler.step_time_model
+    assert model.is_fitted and model.predict(StepShape(64, 0)) > 0
+    # Fitted on the 6 token sizes (2, 4, ..., 64), then on every step run.
+    assert model.num_observations == 6 + llm.llm_engine.stats.num_steps
+    budgets = [b for i in its for b in i.step_token_budgets]
+    measured = [t for i in its for t in i.measured_step_seconds]
+    predicted = [t for i in its for t in i.predicted_step_seconds]
+    assert budgets and len(budgets) == len(measured) == len(predicted)
+    # Far below any step: every sized step is the minimum chunk (16 tokens beside its decodes).
+    assert all(16 <= b < 64 for b in budgets)
+    assert all(t > 0 for t in measured)
+    steps = [n for i in its for n in i.step_num_tokens]
+    assert max(steps) < 64
+
+    # The log line and Prometheus carry them.
+    registry = CollectorRegistry()
+    engine = llm.llm_engine
+    engine.add_logger("prometheus", PrometheusStatLogger(registry, "tiny", 128, 64))
+    engine.add_logger("line", LoggingStatLogger(interval_s=1e-9))
+    monkeypatch_logger = logging.getLogger("vllm")
+    propagate, monkeypatch_logger.propagate = monkeypatch_logger.propagate, True  # to caplog's handler
+    try:
+        with caplog.at_level(logging.INFO):
+            llm.generate([{"prompt_token_ids": random_prompts([50], seed=9)[0]}],
+                         SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)
+    finally:
+        monkeypatch_logger.propagate = propagate
+    text = generate_latest(registry).decode()
+    assert 'vllm:step_token_budget{model_name="tiny"}' in text
+    assert 'vllm:step_time_seconds_count{model_name="tiny"}' in text
+    assert 'vllm:step_time_predicted_seconds_count{model_name="tiny"}' in text
+    assert "Step budget:" in caplog.text and "step time predicted:" in caplog.text

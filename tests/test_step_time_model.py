@@ -1,0 +1,145 @@
+"""The step-time model and the step budget it gives under `max_step_latency_ms`: the fit, the
+choice of a chunk, and the scheduler sizing its steps with a fake model (no torch model)."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.test_scheduler import FakeEngine
+from vllm.core.step_time_model import (MIN_PREFILL_CHUNK, StepShape, StepTimeModel, attended_pairs,
+                                       latency_budget)
+from vllm.worker.bucketing import BucketConfig, generate_buckets
+
+
+class FakeStepTimes:
+    """Exactly linear step times, no fitting: 1 ms + 20 us a token + 5 ns a query-key pair."""
+
+    is_fitted = True
+    coefficients = (1e-3, 2e-5, 5e-9)
+
+    def predict(self, shape: StepShape) -> float:
+        return float(np.dot(self.coefficients, shape.features()))
+
+
+def test_attended_pairs_counts_the_causal_triangle_after_the_context():
+    assert attended_pairs([(1, 0)]) == 1
+    assert attended_pairs([(3, 0)]) == 6           # 1 + 2 + 3
+    assert attended_pairs([(2, 10), (1, 4)]) == 11 + 12 + 5
+
+
+def test_the_fit_recovers_known_coefficients():
+    rng = np.random.default_rng(0)
+    truth = np.array([2e-3, 3e-5, 4e-9])
+    warmup = [(StepShape(t, 0), truth[0] + truth[1] * t) for t in (16, 32, 64, 128, 256, 512)]
+    model = StepTimeModel()
+    model.fit_warmup(warmup)
+    assert model.coefficients[2] == 0  # padding-only runs attend nothing
+    np.testing.assert_allclose(model.coefficients[:2], truth[:2], rtol=1e-6)
+    for _ in range(200):
+        shape = StepShape(int(rng.integers(1, 512)), int(rng.integers(0, 2_000_000)))
+        seconds = float(np.dot(truth, shape.features())) * (1 + 0.01 * rng.standard_normal())
+        model.observe(shape, seconds)
+    np.testing.assert_allclose(model.coefficients, truth, rtol=0.05)
+
+
+def test_the_fit_never_goes_negative():
+    # Times that fall with the tokens (noise, say): the slope is clamped at 0, not fitted below.
+    model = StepTimeModel()
+    model.fit_warmup([(StepShape(t, 0), 0.01 - 1e-6 * t) for t in (16, 64, 256)])
+    assert all(c >= 0 for c in model.coefficients)
+    assert model.predict(StepShape(512, 10**6)) >= model.predict(StepShape(16, 0)) > 0
+
+
+def test_the_recent_window_follows_a_change():
+    model = StepTimeModel(window=20)
+    for t in range(1, 41):
+        model.observe(StepShape(8 * t, 0), 1e-3 * (1 if t <= 20 else 3))
+    assert model.predict(StepShape(100, 0)) == pytest.approx(3e-3, rel=1e-3)
+
+
+BUCKETS = generate_buckets(BucketConfig(min=16, step=128, max=512))  # 16, 32, ..., 512
+
+
+@settings(max_examples=300, deadline=None)
+@given(target_ms=st.floats(0.5, 30), num_decodes=st.integers(0, 64), context=st.integers(0, 4000),
+       decode_context=st.integers(0, 4000), warmed=st.booleans())
+def test_the_chosen_step_is_the_largest_within_target_on_a_warmed_size(target_ms, num_decodes, context,
+                                                                        decode_context, warmed):
+    model, target = FakeStepTimes(), target_ms / 1000
+    sizes = BUCKETS if warmed else []
+    decode_pairs = attended_pairs([(1, decode_context)] * num_decodes)
+    chosen = latency_budget(model, target, decode_pairs=decode_pairs, num_decodes=num_decodes,
+                            prefill_context=context, sizes=sizes, max_num_batched_tokens=512)
+
+    def predicted(total: int) -> float:
+        padded = next((b for b in sizes if b >= total), total)
+        return model.predict(StepShape(padded, decode_pairs + attended_pairs([(total - num_decodes, context)])))
+
+    assert chosen.num_tokens <= 512
+    assert chosen.num_tokens - num_decodes >= MIN_PREFILL_CHUNK  # progress, target or not
+    assert chosen.predicted_seconds == pytest.approx(predicted(chosen.num_tokens))
+    allowed = [b for b in BUCKETS if b >= num_decodes + MIN_PREFILL_CHUNK] if warmed else \
+        list(range(num_decodes + MIN_PREFILL_CHUNK, 513))
+    if warmed:
+        assert chosen.num_tokens in BUCKETS  # never a size without a graph
+    if chosen.predicted_seconds > target:
+        assert chosen.num_tokens == allowed[0]  # over target only as the minimum chunk
+    else:
+        larger = [s for s in allowed if s > chosen.num_tokens]
+        assert not larger or predicted(larger[0]) > target  # the largest within target
+
+
+def _latency_engine(target_ms: float, budget: int = 512, **kwargs) -> FakeEngine:
+    eng = FakeEngine(budget=budget, max_num_seqs=16, max_model_len=2048, num_blocks=512, block_size=16,
+                     max_step_latency_ms=target_ms, **kwargs)
+    eng.sched.step_time_model = FakeStepTimes()
+    eng.sched.token_buckets = BUCKETS
+    return eng
+
+
+def test_the_scheduler_sizes_steps_under_the_target_and_always_progresses():
+    eng = _latency_engine(7.0)
+    eng.add("long", 1500, max_tokens=8)
+    for i in range(6):
+        eng.add(f"chat{i}", 20, max_tokens=30)
+    steps = eng.run()
+    sized = [out for out in steps if out.token_budget is not None]
+    assert sized and all(s.is_finished for s in eng.seqs.values())
+    for out in sized:
+        assert out.num_batched_tokens <= out.token_budget <= 512
+        assert out.token_budget in BUCKETS
+        assert out.num_prefill_tokens > 0  # a prompt waited or was mid-prefill: it progressed
+        minimum = next(b for b in BUCKETS if b >= out.num_decodes + MIN_PREFILL_CHUNK)
+        assert out.predicted_seconds <= 7e-3 or out.token_budget == minimum
+    # Later chunks of the long prompt attend more context: the budget shrinks as it proceeds.
+    long_budgets = [out.token_budget for out in sized if "long" in [s.request_id for s in out.scheduled]]
+    assert long_budgets[0] > long_budgets[-1]
+    # Decode-only steps are not sized.
+    assert all(out.token_budget is None for out in steps if out.num_prefill_tokens == 0)
+
+
+def test_without_a_target_or_a_model_the_budget_is_max_num_batched_tokens():
+    eng = FakeEngine(budget=512, max_model_len=2048, num_blocks=512, block_size=16)
+    eng.add("a", 1500, max_tokens=1)
+    assert eng.step().num_batched_tokens == 512
+    eng = FakeEngine(budget=512, max_model_len=2048, num_blocks=512, block_size=16, max_step_latency_ms=1.0)
+    eng.add("a", 1500, max_tokens=1)  # no model fitted yet
+    out = eng.step()
+    assert out.num_batched_tokens == 512 and out.token_budget is None
+
+
+def test_a_target_below_any_step_still_gives_the_minimum_chunk():
+    eng = _latency_engine(0.01)
+    eng.add("a", 100, max_tokens=1)
+    out = eng.step()
+    assert out.token_budget == 16 and out.num_batched_tokens == 16
+    assert out.predicted_seconds > 1e-5
+
+
+@pytest.mark.parametrize("kwargs", [{"max_step_latency_ms": 0}, {"max_step_latency_ms": -5.0},
+                                    {"max_step_latency_ms": 50.0, "enable_chunked_prefill": False}])
+def test_bad_targets_are_refused_naming_the_field(kwargs):
+    from vllm.config import SchedulerConfig
+    with pytest.raises(ValueError, match="max_step_latency_ms"):
+        SchedulerConfig(max_num_batched_tokens=4096, max_num_seqs=4, max_model_len=4096, **kwargs)

@@ -1,0 +1,155 @@
+"""Predicted time of one engine step, and the step size that keeps it under a latency target.
+
+A step's time is modelled as linear in three features of the step:
+
+    t = c0 + c1 * tokens + c2 * attended pairs
+
+`tokens` is the step's batched token count (the linear layers, padding included); `attended
+pairs` is the number of (query, key) pairs attention computes: a chunk of n tokens after a
+context of c reads c + 1 ... c + n keys, n * c + n * (n + 1) / 2 pairs; a decode reads c + 1.
+The coefficients are fitted by least squares, none negative (so the predicted time grows with
+the step), on the timed warm-up runs of every token bucket (padding only: `tokens` alone) and on
+the latest measured steps, which bring in attention. Imports no torch.
+"""
+
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+
+def attended_pairs(chunks: Iterable[tuple[int, int]]) -> int:
+    """Query-key pairs of a step whose chunks are (num_tokens, context_len) pairs."""
+    return sum(n * c + n * (n + 1) // 2 for n, c in chunks)
+
+
+@dataclass(frozen=True, slots=True)
+class StepShape:
+    """What the step-time model reads of a step."""
+
+    num_tokens: int       # batched tokens, as run (a padded bucket, or the real count)
+    attended_pairs: int
+
+    def features(self) -> tuple[float, float, float]:
+        return (1.0, float(self.num_tokens), float(self.attended_pairs))
+
+
+class StepTimeModel:
+    """Least-squares step times from warm-up runs (kept) and the last `window` measured steps.
+
+    Invariant: the coefficients are never negative, so `predict` grows with both features.
+    """
+
+    def __init__(self, window: int = 256) -> None:
+        self._warmup: list[tuple[tuple[float, float, float], float]] = []
+        self._recent: deque[tuple[tuple[float, float, float], float]] = deque(maxlen=window)
+        self.coefficients: tuple[float, float, float] = (0.0, 0.0, 0.0)
+        self.num_observations = 0
+
+    @property
+    def is_fitted(self) -> bool:
+        return self.num_observations > 0
+
+    def fit_warmup(self, samples: Sequence[tuple[StepShape, float]]) -> None:
+        """Replaces the warm-up samples, (shape, seconds) of timed runs, and refits."""
+        self._warmup = [(shape.features(), seconds) for shape, seconds in samples]
+        self._refit()
+
+    def observe(self, shape: StepShape, seconds: float) -> None:
+        """A measured step: refits with it."""
+        self._recent.append((shape.features(), seconds))
+        self._refit()
+
+    def predict(self, shape: StepShape) -> float:
+        """Seconds; 0 before any sample."""
+        return float(np.dot(self.coefficients, shape.features()))
+
+    def _refit(self) -> None:
+        rows = self._warmup + list(self._recent)
+        self.num_observations = len(rows)
+        if not rows:
+            return
+        x = np.array([f for f, _ in rows], dtype=np.float64)   # (N, 3)
+        y = np.array([t for _, t in rows], dtype=np.float64)   # (N,)
+        self.coefficients = tuple(float(c) for c in _non_negative_lstsq(x, y))
+
+
+def _non_negative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """argmin |x c - y| over c >= 0, for a few columns: least squares on every subset of the
+    columns whose solution is non-negative, keeping the best (3 columns: 7 subsets)."""
+    num_cols = x.shape[1]
+    # Columns scaled to unit norm, so that pairs (up to ~1e8) and the constant compare.
+    scale = np.linalg.norm(x, axis=0)
+    scale[scale == 0] = 1.0
+    xs = x / scale
+    best, best_error = np.zeros(num_cols), float(np.sum(y * y))
+    for mask in range(1, 1 << num_cols):
+        cols = [j for j in range(num_cols) if mask >> j & 1]
+        coef, *_ = np.linalg.lstsq(xs[:, cols], y, rcond=None)
+        if np.any(coef < 0):
+            continue
+        error = float(np.sum((xs[:, cols] @ coef - y) ** 2))
+        if error < best_error - 1e-18:
+            best_error = error
+            best = np.zeros(num_cols)
+            best[cols] = coef
+    return best / scale
+
+
+# Prefill tokens a step holds beside its decodes even when the model predicts it over target:
+# the waiting prompts always progress.
+MIN_PREFILL_CHUNK = 16
+
+
+def padded_size(sizes: Sequence[int], num_tokens: int) -> int:
+    """The size a step of `num_tokens` runs at: the smallest of `sizes` (ascending) that holds
+    it, or `num_tokens` itself when there is none (no buckets, or an eager step)."""
+    for size in sizes:
+        if size >= num_tokens:
+            return size
+    return num_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class StepBudget:
+    num_tokens: int          # the step's token budget, decodes included
+    predicted_seconds: float
+
+
+def latency_budget(model: StepTimeModel, target_seconds: float, *, decode_pairs: int,
+                   num_decodes: int, prefill_context: int, sizes: Sequence[int],
+                   max_num_batched_tokens: int) -> StepBudget:
+    """The largest step whose predicted time is within `target_seconds`, the decodes plus one
+    prefill chunk of the rest after `prefill_context` cached tokens (several chunks with less
+    context attend fewer pairs, so this bounds them).
+
+    With `sizes` (the warmed token buckets, ascending) the step is one of them: the chunk then
+    fills its bucket, with no padding. Without, any count. Never above `max_num_batched_tokens`;
+    at least `MIN_PREFILL_CHUNK` prefill tokens (or the budget's end) even over the target.
+    """
+    def predict(total: int) -> float:
+        chunk = total - num_decodes
+        return model.predict(StepShape(padded_size(sizes, total),
+                                       decode_pairs + attended_pairs([(chunk, prefill_context)])))
+
+    floor = min(num_decodes + MIN_PREFILL_CHUNK, max_num_batched_tokens)
+    if sizes:
+        candidates = [s for s in sizes if s <= max_num_batched_tokens]
+        if not candidates or candidates[-1] < max_num_batched_tokens:
+            candidates.append(max_num_batched_tokens)
+        smallest = next(s for s in candidates if s >= floor)
+        fitting = [s for s in candidates if s >= smallest and predict(s) <= target_seconds]
+        total = fitting[-1] if fitting else smallest
+        return StepBudget(total, predict(total))
+    # Any count: the prediction grows with it, so bisect for the largest within target.
+    lo, hi = floor, max_num_batched_tokens
+    if predict(lo) > target_seconds:
+        return StepBudget(lo, predict(lo))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if predict(mid) <= target_seconds:
+            lo = mid
+        else:
+            hi = mid - 1
+    return StepBudget(lo, predict(lo))
