@@ -34,7 +34,7 @@ struct dot_group {
     int blocks, fused;      /* fused: blocks / 2 gate blocks, then the matching up blocks */
 };
 
-/* A pair of bf16 at p, broadcast to the 16 lanes (an embedded broadcast of vdpbf16ps). */
+/* A pair of bf16 at p, broadcast to the 16 lanes (one load, for all the blocks of a step). */
 static inline __m512bh dot_broadcast_pair(const uint16_t *p) {
     uint32_t pair;
     memcpy(&pair, p, sizeof pair);
