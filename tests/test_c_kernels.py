@@ -1,5 +1,5 @@
 """The C kernels' build and loader (vllm/platforms/c_build.py, c_library.py), the bf16 GEMV, the
-AMX tile GEMM and the element-wise C."""
+tile GEMM (AMX and AVX512-BF16 copies) and the element-wise C."""
 
 import ctypes
 import shutil
@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.utils import on_tile_gemm_copy
 from vllm.model_executor.layers import cpu_gemv, cpu_layer_ops, cpu_tile_gemm
 from vllm.platforms import c_build
 from vllm.platforms.c_library import CFunction, CLibrary
@@ -105,43 +106,71 @@ def test_gemv_matches_float32_linear(rows, shape, with_bias):
 
 
 @needs_cc
-def test_tile_gemm_is_built_where_the_cpu_has_amx():
-    has_amx = {"amx_tile", "amx_bf16"} <= cpu_flags()
-    assert cpu_tile_gemm.max_rows() == (32 if has_amx else 0)
+def test_tile_gemm_is_built_where_the_cpu_has_amx_or_avx512_bf16():
+    flags = cpu_flags()
+    has_amx, has_avx512 = {"amx_tile", "amx_bf16"} <= flags, {"avx512_bf16", "avx512bw"} <= flags
+    assert cpu_tile_gemm.max_rows() == (32 if has_amx or has_avx512 else 0)
+    if cpu_tile_gemm.max_rows():
+        assert cpu_tile_gemm.use_amx(True) == has_amx  # AMX where the CPU has it (and Linux allows it)
+
+
+@pytest.fixture(params=["amx", "avx512"])
+def tile_copy(request):
+    """The tile GEMM on each of its copies that this CPU has."""
+    yield from on_tile_gemm_copy(request.param)
+
+
+def _assert_within_product_bound(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                                 bias: torch.Tensor | None) -> None:
+    """got (M, N) bf16 against the exact x @ weight^T + bias of the bf16 inputs (float64 holds it
+    exactly enough). Both copies add the exact bf16 products (8-bit significands: exact in
+    float32) into float32 sums, one round-to-nearest-even per addition (vdpbf16ps and AMX's
+    tdpbf16ps alike, whatever the order), so with u = 2^-24 and k + 1 additions counting the
+    bias's: |sum - exact| <= e = 1.01 (k + 1) u sum|terms|. Their flushing of denormal inputs and
+    outputs to zero cannot matter at these magnitudes. Then one rounding to bf16 (8 significant
+    bits): |got - sum| <= 2^-8 |sum|. Together: |got - exact| <= 2^-8 (|exact| + e) + e."""
+    x64, w64 = x.double(), weight.double()
+    exact = x64 @ w64.T                                                    # (M, N)
+    magnitude = x64.abs() @ w64.abs().T                                    # (M, N): sum |terms|
+    if bias is not None:
+        exact, magnitude = exact + bias.double(), magnitude + bias.double().abs()
+    e = 1.01 * (x.shape[1] + 1) * 2.0 ** -24 * magnitude
+    excess = (got.double() - exact).abs() - (2.0 ** -8 * (exact.abs() + e) + e)
+    assert excess.max() <= 0, f"{(excess > 0).sum()} outputs outside the bound, by up to {excess.max():.3g}"
 
 
 @needs_cc
-@pytest.mark.skipif(cpu_tile_gemm.max_rows() == 0, reason="the CPU lacks AMX")
-@pytest.mark.parametrize("rows", [1, 5, 8, 13, 16, 17, 24, 32, 50, 64, 77, 250, 264])
+@pytest.mark.parametrize("rows", [1, 4, 5, 8, 13, 16, 17, 24, 31, 32, 33, 50, 64, 77, 100, 250, 264])
 @pytest.mark.parametrize("shape", [(576, 960), (1536, 576), (64, 1024), (64, 48), (32, 16)])  # in, out
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_tile_gemm_matches_float32_linear(rows, shape, with_bias):
-    """Output widths that fill all accumulator tiles of a group and ones that leave some idle (up
-    to 16 rows, groups of 4, 3 and 2 blocks: 1024, 960 and 48 columns on 2 threads); one tile of
-    x (up to 16 rows) and two; past 32 rows, 32-row slabs with a last one of 17-32 rows
-    (50 = 32 + 18, 250 = 224 + 26) or of 1-16 rows on one tile (77 = 64 + 13, 264 = 256 + 8).
-    With in = 1536 and 250 or 264 rows the threads split the slabs, not the column blocks."""
+def test_tile_gemm_matches_exact_product(rows, shape, with_bias, tile_copy):
+    """Output widths that fill every group and ones that leave the last short (groups of 4, 3
+    and 2 blocks of 16 columns on 2 threads: 1024, 960 and 48 columns; 16: one block). AMX: one
+    tile of x (up to 16 rows) and two; past 32 rows, 32-row slabs with a last one of 17-32 rows
+    (50 = 32 + 18, 250 = 224 + 26) or of 1-16 rows on one tile (77 = 64 + 13, 264 = 256 + 8);
+    with in = 1536 and 250 or 264 rows the threads split the slabs, not the column blocks.
+    AVX512: blocks of rows of every height 1-12 (4, 3 and 2 column blocks take up to 6, 8 and
+    12 rows at a time) and the uneven splits of 13-264 rows between them."""
     torch.manual_seed(rows)
     k, n = shape
     x = torch.randn(rows, k).bfloat16()
     weight = torch.randn(n, k).bfloat16()
     bias = torch.randn(n).bfloat16() if with_bias else None
     got = cpu_tile_gemm.gemm(x, cpu_tile_gemm.pack(weight), bias)
-    want = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
     assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
-    torch.testing.assert_close(got.float(), want, rtol=2 ** -8, atol=1e-3)
+    _assert_within_product_bound(got, x, weight, bias)
 
 
 @needs_cc
-@pytest.mark.skipif(cpu_tile_gemm.max_rows() == 0, reason="the CPU lacks AMX")
-@pytest.mark.parametrize("rows", [1, 5, 13, 16, 17, 32, 50, 77, 264])
+@pytest.mark.parametrize("rows", [1, 4, 5, 13, 16, 17, 31, 32, 33, 50, 77, 100, 264])
 @pytest.mark.parametrize("shape", [(576, 3072), (64, 96), (64, 64), (96, 160), (1024, 96)])  # in, out (gate | up)
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_tile_gemm_silu_mul_equals_the_product_then_silu_mul(rows, shape, with_bias):
-    """Bit for bit the two steps it fuses: gate block j meets up block j half the weight later.
-    Up to 16 rows, groups of 2 pairs (3072 and 64 columns on 2 threads) and of 1 (96: 3 pairs,
-    160: 5); then 32-row slabs with a last one of 17-32 or 1-16 rows (with in = 1024 and 264
-    rows, split between the threads by slabs)."""
+def test_tile_gemm_silu_mul_equals_the_product_then_silu_mul(rows, shape, with_bias, tile_copy):
+    """Bit for bit the two steps it fuses, on each copy: gate block j meets up block j half the
+    weight later. Groups of 2 pairs (3072 and 64 columns on 2 threads) and of 1 (96: 3 pairs,
+    160: 5). AMX: up to 16 rows on one tile of x, then 32-row slabs with a last one of 17-32 or
+    1-16 rows (with in = 1024 and 264 rows, split between the threads by slabs). AVX512: blocks of
+    up to 6 rows (2 pairs) or 12 (1 pair)."""
     torch.manual_seed(rows)
     k, n = shape
     x = torch.randn(rows, k).bfloat16()
@@ -154,7 +183,7 @@ def test_tile_gemm_silu_mul_equals_the_product_then_silu_mul(rows, shape, with_b
 
 
 @needs_cc
-@pytest.mark.skipif(cpu_tile_gemm.max_rows() == 0, reason="the CPU lacks AMX")
+@pytest.mark.skipif(cpu_tile_gemm.max_rows() == 0, reason="the CPU has neither AMX nor AVX512-BF16")
 def test_tile_pack_only_takes_shapes_that_fill_whole_tiles():
     assert cpu_tile_gemm.pack(torch.randn(48, 64).bfloat16()) is not None
     assert cpu_tile_gemm.pack(torch.randn(40, 64).bfloat16()) is None   # out % 16

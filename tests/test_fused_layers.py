@@ -6,12 +6,11 @@ import random
 import pytest
 import torch
 
-from tests.utils import build_tiny_checkpoint, random_prompts
+from tests.utils import build_tiny_checkpoint, on_tile_gemm_copy, random_prompts
 from vllm import LLM, SamplingParams
 from vllm.attention.backends.abstract import SeqSpan
 from vllm.attention.backends.cpu_metadata import build_attention_metadata
 from vllm.forward_context import ForwardContext, forward_context
-from vllm.model_executor.layers import cpu_gemv, cpu_tile_gemm
 from vllm.model_executor.layers.linear import PACKED_MAX_ROWS
 from vllm.platforms.cpu import cpu_flags
 
@@ -79,25 +78,24 @@ def _assert_fused_matches_op_by_op(runner, contexts: list[int], chunks: list[tup
         torch.testing.assert_close(v, rv, rtol=2 ** -6, atol=2 ** -6)
 
 
+@pytest.fixture(params=["amx", "avx512"])
+def tile_copy(request):
+    """Products past the GEMV's rows on each copy of the tile GEMM this CPU has (with
+    AVX512-BF16, which the C layers need, it has the AVX512 one at least)."""
+    yield from on_tile_gemm_copy(request.param)
+
+
 @pytest.mark.parametrize("contexts", [[0], [37], [5, 200, 16], [130, 1, 64, 300],
                                       [3, 90, 17, 250, 64, 0, 33],
                                       [11 * i % 170 for i in range(16)], [7 * i % 150 for i in range(32)]])
-def test_eager_steps_match_op_by_op(bf16_llm, contexts):
+def test_eager_steps_match_op_by_op(bf16_llm, contexts, tile_copy):
     """Same hidden states and the same cache writes, for 1-32 decodes (the GEMV up to 4 rows, the
-    AMX tile GEMM above) at contexts that cross blocks and (Mistral) the sliding window of 96;
-    past keys are random. Where the machine has no tile GEMM, steps past the GEMV's rows must be
-    refused (the runner then takes the op-by-op layers)."""
+    tile GEMM's AMX or AVX512 copy above) at contexts that cross blocks and (Mistral) the sliding
+    window of 96; past keys are random."""
     runner = bf16_llm.llm_engine.runner
     fused = runner.attn_backend.fused_layers
-    assert fused is not None
-    tiled = cpu_tile_gemm.kernel_address() is not None
-    assert fused.max_tokens == (PACKED_MAX_ROWS if tiled else cpu_gemv.max_rows())
-    rng = random.Random(len(contexts))
-    if len(contexts) > fused.max_tokens:
-        metadata, positions = _step(runner, contexts, [], rng)
-        assert not fused.accepts(metadata, positions.shape[0])
-        return
-    _assert_fused_matches_op_by_op(runner, contexts, [], rng)
+    assert fused is not None and fused.max_tokens == PACKED_MAX_ROWS
+    _assert_fused_matches_op_by_op(runner, contexts, [], random.Random(len(contexts)))
 
 
 def test_engine_decodes_through_fused_layers(bf16_llm):
@@ -121,14 +119,11 @@ def test_engine_decodes_through_fused_layers(bf16_llm):
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "mistral"])
 def bf16_llm_d64(request, tokenizer_dir, tmp_path_factory) -> LLM:
-    """head_dim 64, so that prefill chunks take the C prefill kernel and the C layers with it.
-    Its token budget (64) is cut to the rows the C layers take where there is no tile GEMM (the
-    GEMV's 4), so that every step of a generation can take them."""
+    """head_dim 64, so that prefill chunks take the C prefill kernel and the C layers with it."""
     path = build_tiny_checkpoint(request.param, str(tmp_path_factory.mktemp(request.param)), tokenizer_dir,
                                  hidden_size=256)
-    budget = 64 if cpu_tile_gemm.kernel_address() is not None else cpu_gemv.max_rows()
     llm = LLM(path, dtype="bfloat16", max_model_len=512, block_size=BLOCK, num_gpu_blocks_override=512,
-              enforce_eager=True, enable_chunked_prefill=True, max_num_batched_tokens=budget)
+              enforce_eager=True, enable_chunked_prefill=True, max_num_batched_tokens=64)
     if not llm.llm_engine.runner.attn_backend.fused_layers.takes_prefills:
         pytest.skip("the C prefill kernel needs AVX512-BF16")
     return llm
@@ -140,18 +135,23 @@ def bf16_llm_d64(request, tokenizer_dir, tmp_path_factory) -> LLM:
     ([3 * i for i in range(8)], [(248, 150)]), ([70], [(120, 50), (2, 95)]),
     ([0, 17, 300], [(300, 10), (150, 0)]),
 ])
-def test_fused_mixed_steps_match_op_by_op(bf16_llm_d64, contexts, chunks):
+def test_fused_mixed_steps_match_op_by_op(bf16_llm_d64, contexts, chunks, tile_copy):
     """Same hidden states and cache writes for steps of prefill chunks, with and without decodes
     before them: chunks with and without context, across blocks, past (Mistral) the window of
-    96, on the GEMV (1-4 rows) and the tile GEMM (up to 456 rows); past keys are random. Where
-    the machine has no tile GEMM, steps past the GEMV's rows must be refused."""
+    96, on the GEMV (1-4 rows) and the tile GEMM's AMX or AVX512 copy (up to 456 rows); past
+    keys are random."""
     runner = bf16_llm_d64.llm_engine.runner
-    rng = random.Random(len(contexts) + len(chunks))
-    if len(contexts) + sum(q for q, _ in chunks) > runner.attn_backend.fused_layers.max_tokens:
-        metadata, positions = _step(runner, contexts, chunks, rng)
-        assert not runner.attn_backend.fused_layers.accepts(metadata, positions.shape[0])
-        return
-    _assert_fused_matches_op_by_op(runner, contexts, chunks, rng)
+    _assert_fused_matches_op_by_op(runner, contexts, chunks, random.Random(len(contexts) + len(chunks)))
+
+
+def test_steps_past_the_packed_rows_are_refused(bf16_llm_d64):
+    """The C layers take steps of up to PACKED_MAX_ROWS tokens; the runner keeps larger ones op
+    by op."""
+    runner = bf16_llm_d64.llm_engine.runner
+    fused, rng = runner.attn_backend.fused_layers, random.Random(0)
+    for tokens in (PACKED_MAX_ROWS, PACKED_MAX_ROWS + 1):
+        metadata, positions = _step(runner, [40], [(tokens - 201, 0), (200, 16)], rng)
+        assert fused.accepts(metadata, positions.shape[0]) == (tokens == PACKED_MAX_ROWS)
 
 
 class _Recording:

@@ -72,7 +72,7 @@ def test_bf16_graphs_call_the_packed_ops_at_run_time(tiny_checkpoints, monkeypat
     `vllm::packed_linear` and `vllm::silu_mul_linear` ops, which pick the tile GEMM (and its
     SiLU-and-multiply epilogue) at run time, so the one graph still serves every bucket."""
     if cpu_tile_gemm.max_rows() == 0:
-        pytest.skip("the CPU lacks AMX: no tile copies")
+        pytest.skip("the CPU has neither AMX nor AVX512-BF16: no tile copies")
     calls = []
     fused = cpu_tile_gemm.gemm_silu_mul
     monkeypatch.setattr(cpu_tile_gemm, "gemm_silu_mul", lambda *a: calls.append(a[0].shape[0]) or fused(*a))

@@ -81,3 +81,24 @@ def hf_greedy(model_path: str, prompts: list[list[int]], max_new_tokens: int,
                     break
             outs.append(gen)
     return outs
+
+
+def on_tile_gemm_copy(copy: str):
+    """For a fixture: runs the tile GEMM (cpu_tile_gemm) on its `copy`, "amx" or "avx512",
+    skipping where this CPU has no such copy; back to AMX-where-present afterwards."""
+    import pytest
+
+    from vllm.model_executor.layers import cpu_tile_gemm
+    from vllm.platforms.cpu import cpu_flags
+
+    if cpu_tile_gemm.max_rows() == 0:
+        pytest.skip("no tile GEMM here (no C compiler, or neither AMX nor AVX512-BF16)")
+    if copy == "amx" and not cpu_tile_gemm.use_amx(True):
+        pytest.skip("no AMX here")
+    if copy == "avx512" and not {"avx512_bf16", "avx512bw"} <= cpu_flags():
+        pytest.skip("no AVX512-BF16 here")
+    cpu_tile_gemm.use_amx(copy == "amx")
+    try:
+        yield copy
+    finally:
+        cpu_tile_gemm.use_amx(True)

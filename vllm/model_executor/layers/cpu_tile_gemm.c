@@ -1,22 +1,19 @@
 /*
- * y = x @ W^T + bias on AMX tiles, bf16 in and out: 5-32 rows (batched decodes) and, in slabs
- * of 32 rows, prefill chunks.
+ * y = x @ W^T + bias, bf16 in and out, on a copy of W packed once at load: 5-32 rows (batched
+ * decodes) and, in slabs of 32 rows, prefill chunks.
  *
  * Past 4 rows the AVX512-BF16 GEMV (cpu_gemv.c) runs out of dot-product throughput, and oneDNN's
- * blocked kernel does not keep up with memory at these row counts. One AMX tile product multiplies all the
- * rows (16 at a time) by a 32 x 16 block of W at once, so the weights stream at memory speed. W is
- * packed once, at load, into the tiles' layout:
+ * blocked kernel does not keep up with memory at these row counts. W is packed once, at load,
+ * into the layout of AMX's tiles:
  *
  *   packed[b][kb] = 16 x 16 pairs: row r, column c = W[16 b + c][32 kb + 2 r], W[16 b + c][32 kb + 2 r + 1]
  *
- * so that each block of 16 output columns reads one contiguous run of 1 KB tiles. Each thread
- * computes groups of such blocks in its four accumulator tiles: two to four blocks for up to 16
- * rows (sharing each load of x's tile; units_per_group), two blocks for 17-32 rows (each W
- * tile used by x's two).
- * Past 16 rows, each pair of column blocks meets every 32-row slab of x in turn (a last slab of
- * 1-16 rows takes one tile of x). x is loaded with the streaming hint, so that the pair's W
- * tiles stay in L1 for the next slab where the pair fits in it (K = 576: 36 KB of a 48 KB L1);
- * loaded plainly, x evicts them and every tile load goes to L2.
+ * so that each block b of 16 output columns reads one contiguous run of 1 KB tiles. Two copies
+ * of the product read it: on AMX tiles (cpu_tile_gemm_amx.h), where a tile of it is a tile
+ * product's operand, and on AVX512-BF16 dot products (cpu_tile_gemm_avx512.h), where a row of
+ * a tile is a vdpbf16ps operand (16 columns' pair of weights). The compiler's ISA macros decide
+ * which copies are built; AMX runs where both are and Linux grants the tile state
+ * (tile_gemm_use_amx). Without either, tile_gemm_supported() is 0 and oneDNN keeps the products.
  *
  * tile_gemm_silu_mul_bf16 runs a merged gate/up weight with SiLU-and-multiply in the epilogue:
  * its groups pair gate's column blocks with up's, half the weight apart, so the (m, n) product
@@ -34,12 +31,10 @@
 #include "layer_ops.h"
 
 #define MAX_ROWS 32
-#define GROUP 4  /* output blocks of 16 columns per x-tile load */
-#define L1_BYTES (48 * 1024)  /* a core's L1 data cache on AMX Xeons (Sapphire Rapids and later) */
 
 int tile_gemm_fits(int64_t n, int64_t k) { return n > 0 && k > 0 && n % 16 == 0 && k % 32 == 0; }
 
-/* W (n, k) -> the tile layout above; any CPU can pack, only tile_gemm_bf16 needs AMX. */
+/* W (n, k) -> the tile layout above; any CPU can pack. */
 int tile_pack_bf16(const uint16_t *w, uint16_t *packed, int64_t n, int64_t k) {
     if (!tile_gemm_fits(n, k)) return 1;
     const int64_t kblocks = k / 32;
@@ -54,116 +49,11 @@ int tile_pack_bf16(const uint16_t *w, uint16_t *packed, int64_t n, int64_t k) {
     return 0;
 }
 
-#ifdef VLLM_HAVE_AMX
-
-int tile_gemm_supported(void) { return amx_request_tiles() ? MAX_ROWS : 0; }
-
-/* One thread's tiles: `rows` of the accumulators and of x's tiles, 16 pair rows for W's. */
-static void configure_tiles(int64_t first_rows, int64_t second_rows) {
-    struct tile_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64;  /* 16 floats, 32 bf16 or 16 bf16 pairs */
-    if (second_rows == 0) {  /* accumulators 0-3 and x's tile 4: all rows; W's tiles 5-7 */
-        for (int t = 0; t < 8; ++t) cfg.rows[t] = t < 5 ? (uint8_t)first_rows : 16;
-    } else {  /* accumulators 0-1 and x's tile 4: rows 0-15; 2-3 and 5: the rest; W's 6-7 */
-        const uint8_t rows[8] = {16, 16, (uint8_t)second_rows, (uint8_t)second_rows, 16,
-                                 (uint8_t)second_rows, 16, 16};
-        memcpy(cfg.rows, rows, sizeof rows);
-    }
-    amx_load_config(&cfg);
-}
-
-/* y[:, 16 b0 : 16 (b0 + blocks)] of `out` (float32, GROUP * 16 columns a row), plus bias. */
-static void store_group(const float *out, const uint16_t *bias, uint16_t *y, int64_t m, int64_t n,
-                        int64_t b0, int64_t blocks) {
-    for (int64_t r = 0; r < m; ++r)
-        for (int64_t c = 0; c < blocks * 16; c += 16) {
-            const int64_t j = b0 * 16 + c;
-#ifdef __AVX512BF16__
-            __m512 v = _mm512_loadu_ps(out + r * GROUP * 16 + c);
-            if (bias) v = _mm512_add_ps(v, bf16x16_to_float(bias + j));
-            store_bf16x16(y + r * n + j, v);
-#else
-            for (int64_t i = 0; i < 16; ++i)
-                y[r * n + j + i] = float_to_bf16(out[r * GROUP * 16 + c + i] + (bias ? bf16_to_float(bias[j + i]) : 0.0f));
-#endif
-        }
-}
-
-/* y[:, 16 j0 : 16 (j0 + pairs)] = silu(gate) * up, where `out` (float32, GROUP * 16 columns a
- * row) holds gate blocks j0 .. j0 + pairs - 1 and then the up blocks of the same columns; each
- * value rounded to bf16 where torch rounds it (gate_up's output, silu's, the product). */
-static void store_silu_mul(const float *out, const uint16_t *bias, uint16_t *y, int64_t m, int64_t n,
-                           int64_t j0, int64_t pairs) {
-    for (int64_t r = 0; r < m; ++r)
-        for (int64_t p = 0; p < pairs; ++p) {
-            const float *gate = out + r * GROUP * 16 + 16 * p, *up = gate + 16 * pairs;
-            const int64_t j = (j0 + p) * 16;
-#ifdef VLLM_LAYER_OPS_X16
-            __m512 g = _mm512_loadu_ps(gate), u = _mm512_loadu_ps(up);
-            if (bias) {
-                g = _mm512_add_ps(g, bf16x16_to_float(bias + j));
-                u = _mm512_add_ps(u, bf16x16_to_float(bias + n + j));
-            }
-            const __m512 act = round_bf16x16(silu_x16(round_bf16x16(g)));
-            store_bf16x16(y + r * n + j, _mm512_mul_ps(act, round_bf16x16(u)));
-#else
-            for (int64_t i = 0; i < 16; ++i) {
-                const uint16_t g = round_bf16(gate[i] + (bias ? bf16_to_float(bias[j + i]) : 0.0f));
-                const uint16_t u = round_bf16(up[i] + (bias ? bf16_to_float(bias[n + j + i]) : 0.0f));
-                y[r * n + j + i] = round_bf16(mul_bf16(round_bf16(silu(bf16_to_float(g))), u));
-            }
-#endif
-        }
-}
-
-/* The column blocks of one group: the plain product's are consecutive (b0, b0 + 1, ..); the
- * SiLU-and-multiply's are gate blocks j0 .. j0 + pairs - 1, then the up blocks half later. */
-static inline int64_t group_block(int fused, int64_t b0, int64_t pairs, int64_t half, int64_t i) {
-    return !fused ? b0 + i : i < pairs ? b0 + i : b0 + half + i - pairs;
-}
-
-#define W_TILE(B) (packed + (group_block(fused, b0, pairs, half, (B)) * kblocks + kb) * 512)
-
-static inline void zero_accumulators(void) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-}
-
-/* A group's products, stored from the tiles to `out` (float32, GROUP * 16 columns a row), on
- * their way to y: rows [done, rows) still to go. They are written while the tiles compute the
- * next group's (or slab's) products, a few rows after each step over k: a tile load holds up
- * the vector work issued after it, so written in one go they would wait for the tiles and the
- * tiles for them; interleaved, the tile unit multiplies while the vector units convert and store
- * (benchmarks/benchmark_tile_load_overlap.py measures whether the two overlap on a CPU). */
-struct epilogue {
-    const float *out;
-    const uint16_t *bias;
-    uint16_t *y;                /* y's row of out's first row */
-    int64_t rows, done, n;      /* n: y's columns */
-    int64_t first, units;       /* store_group's b0 and blocks, or store_silu_mul's j0 and pairs */
-    int fused;
-};
-
-/* Writes up to `count` more rows of e to y. */
-static inline void epilogue_rows(struct epilogue *e, int64_t count) {
-    const int64_t r = e->done, end = e->rows - r < count ? e->rows : r + count;
-    if (r >= end) return;
-    if (e->fused)
-        store_silu_mul(e->out + r * GROUP * 16, e->bias, e->y + r * e->n, end - r, e->n, e->first, e->units);
-    else
-        store_group(e->out + r * GROUP * 16, e->bias, e->y + r * e->n, end - r, e->n, e->first, e->units);
-    e->done = end;
-}
-
 /* Units (blocks of 16 columns, or gate/up pairs of them) per group, smallest to largest: the
  * fewest units on the busiest thread (ties to the larger group). 36 blocks on 2 threads are 12
  * groups of 3, 18 blocks each, where groups of 4 would give one thread 20 and the other 16
  * while both share the memory's bandwidth. */
-static int64_t units_per_group(int64_t nblocks, int64_t threads, int64_t smallest, int64_t largest) {
+static inline int64_t units_per_group(int64_t nblocks, int64_t threads, int64_t smallest, int64_t largest) {
     int64_t best = largest, best_load = INT64_MAX;
     for (int64_t size = largest; size >= smallest; --size) {
         const int64_t groups = (nblocks + size - 1) / size;
@@ -173,147 +63,55 @@ static int64_t units_per_group(int64_t nblocks, int64_t threads, int64_t smalles
     return best;
 }
 
-/* Up to 16 rows: the blocks of a group (up to four) share each load of x's tile. n: W's rows;
- * fused: y gets silu(gate) * up, (m, n / 2). */
-static void gemm_16(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y,
-                    int64_t m, int64_t n, int64_t k, int fused) {
-    const int64_t kblocks = k / 32, nblocks = n / 16, half = nblocks / 2, threads = omp_get_max_threads();
-    /* the unit: a block, or (fused) a pair of gate and up blocks */
-    const int64_t units = fused ? half : nblocks;
-    const int64_t size = fused ? units_per_group(units, threads, 1, GROUP / 2) : units_per_group(units, threads, 2, GROUP);
-    const int64_t groups = (units + size - 1) / size;
-    const int64_t rows_per_step = (m + kblocks - 1) / kblocks;  /* the last group's epilogue in one pass over k */
-    #pragma omp parallel
-    {
-        configure_tiles(m, 0);
-        float out[16 * GROUP * 16];
-        struct epilogue last = {0};  /* the last group's products, written during this group's */
-        #pragma omp for schedule(static)
-        for (int64_t g = 0; g < groups; ++g) {
-            const int64_t b0 = g * size, count = units - b0 < size ? units - b0 : size;
-            const int64_t pairs = fused ? count : 0, blocks = fused ? 2 * count : count;
-            zero_accumulators();
-            for (int64_t kb = 0; kb < kblocks; ++kb) {
-                _tile_loadd(4, x + kb * 32, k * 2);
-                _tile_loadd(5, W_TILE(0), 64);
-                _tile_dpbf16ps(0, 4, 5);
-                if (blocks > 1) { _tile_loadd(6, W_TILE(1), 64); _tile_dpbf16ps(1, 4, 6); }
-                if (blocks > 2) { _tile_loadd(7, W_TILE(2), 64); _tile_dpbf16ps(2, 4, 7); }
-                if (blocks > 3) { _tile_loadd(5, W_TILE(3), 64); _tile_dpbf16ps(3, 4, 5); }
-                epilogue_rows(&last, rows_per_step);
-            }
-            /* (the last group's rows are all written by now: out is free) */
-            _tile_stored(0, out, GROUP * 64);
-            _tile_stored(1, out + 16, GROUP * 64);
-            _tile_stored(2, out + 32, GROUP * 64);
-            _tile_stored(3, out + 48, GROUP * 64);
-            last = fused ? (struct epilogue){out, bias, y, m, 0, n / 2, b0, pairs, 1}
-                         : (struct epilogue){out, bias, y, m, 0, n, b0, blocks, 0};
-        }
-        epilogue_rows(&last, m);
-        _tile_release();
-    }
+/* The column blocks of one group: the plain product's are consecutive (b0, b0 + 1, ..); the
+ * SiLU-and-multiply's are gate blocks j0 .. j0 + pairs - 1, then the up blocks half later. */
+static inline int64_t group_block(int fused, int64_t b0, int64_t pairs, int64_t half, int64_t i) {
+    return !fused ? b0 + i : i < pairs ? b0 + i : b0 + half + i - pairs;
 }
 
-/* More than 16 rows, in slabs of 32 (the last of 1-32): two tiles of x, each W tile used by
- * both, two blocks of 16 columns at a time. Each thread takes pairs of column blocks and passes
- * every slab of x by them, so a pair's W tiles are read from memory once and then from L2; the
- * next pair's are prefetched into L2 meanwhile, spread over the slabs. A last slab of 1-16 rows
- * takes one tile of x, so no rows need a second pass over W.
- *
- * Where a pair's W tiles do not fit in L1 (k > 768: SmolLM2's down_proj), every slab reads them
- * from L2 anyway, and all of x (1.5 MB at 512 rows) crowds L2 beside them. There the threads
- * split the slabs instead, each passing its own rows by every pair, so each thread's L2 holds
- * only its own slabs of x. Where the pair fits in L1, splitting the slabs would give up the L1
- * reuse above, so the pairs stay split; so they do with fewer than four slabs a thread, where
- * there are too few slabs to share the work evenly. */
-static void gemm_slabs(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y,
-                       int64_t m, int64_t n, int64_t k, int fused) {
-    const int64_t kblocks = k / 32, nblocks = n / 16, half = nblocks / 2;
-    const int64_t groups = fused ? half : (nblocks + 1) / 2, pairs = fused ? 1 : 0;
-    const int64_t slabs = (m + 31) / 32, run = kblocks * 1024;  /* run: bytes of one block's tiles */
-    const int64_t rows_per_step = (MAX_ROWS + kblocks - 1) / kblocks;  /* the last slab's in one pass over k */
-    const int split_slabs = 2 * run > L1_BYTES && slabs >= 4 * omp_get_max_threads();
-    #pragma omp parallel
-    {
-        int64_t configured = 0;  /* the slab height the tiles are set up for */
-        float out[MAX_ROWS * GROUP * 16];  /* rows 0-15, then 16-31 */
-        struct epilogue last = {0};  /* the last slab's products, written during this slab's */
-        /* This thread's groups [g0, g1) and slabs [s0, s1): a share of one, all of the other. */
-        const int64_t tid = omp_get_thread_num(), threads = omp_get_num_threads();
-        const int64_t g0 = split_slabs ? 0 : groups * tid / threads;
-        const int64_t g1 = split_slabs ? groups : groups * (tid + 1) / threads;
-        const int64_t s0 = split_slabs ? slabs * tid / threads : 0;
-        const int64_t s1 = split_slabs ? slabs * (tid + 1) / threads : slabs;
-        const int64_t lines_per_step = s1 > s0 ? (32 + s1 - s0 - 1) / (s1 - s0) : 0;
-        for (int64_t g = g0; g < g1; ++g) {
-            const int64_t b0 = fused ? g : g * 2, blocks = fused ? 2 : nblocks - b0 < 2 ? nblocks - b0 : 2;
-            /* The next group's two blocks, prefetched in turn: `ahead` walks the first, then
-             * the second (the plain product's follow each other, the fused one's lie half apart). */
-            const int64_t next = g + 1 < g1 ? (fused ? g + 1 : b0 + 2) : -1;
-            const int64_t next_blocks = next < 0 ? 0 : fused ? 2 : nblocks - next < 2 ? nblocks - next : 2;
-            const char *runs[2] = {NULL, NULL};
-            for (int64_t i = 0; i < next_blocks; ++i)
-                runs[i] = (const char *)(packed + group_block(fused, next, 1, half, i) * kblocks * 512);
-            const char *ahead = runs[0], *ahead_end = runs[0] ? runs[0] + run : NULL;
-            int64_t ahead_run = 0;
-            for (int64_t r0 = 32 * s0; r0 < m && r0 < 32 * s1; r0 += 32) {
-                const int64_t rows = m - r0 < 32 ? m - r0 : 32;
-                if (rows != configured) {
-                    configure_tiles(rows > 16 ? 16 : rows, rows > 16 ? rows - 16 : 0);
-                    configured = rows;
-                }
-                const uint16_t *slab = x + r0 * k;
-                zero_accumulators();
-                for (int64_t kb = 0; kb < kblocks; ++kb) {
-                    for (int64_t i = 0; i < lines_per_step && ahead < ahead_end; ++i) {
-                        _mm_prefetch(ahead, _MM_HINT_T1);
-                        ahead += 64;
-                        if (ahead == ahead_end && ++ahead_run < next_blocks) {
-                            ahead = runs[ahead_run];
-                            ahead_end = ahead + run;
-                        }
-                    }
-                    /* x's tiles with the streaming hint: they pass through L1 once per pair
-                     * and would evict the pair's W tiles, which every slab reuses. */
-                    _tile_stream_loadd(4, slab + kb * 32, k * 2);
-                    _tile_loadd(6, W_TILE(0), 64);
-                    _tile_dpbf16ps(0, 4, 6);
-                    if (blocks > 1) {
-                        _tile_loadd(7, W_TILE(1), 64);
-                        _tile_dpbf16ps(1, 4, 7);
-                    }
-                    if (rows > 16) {
-                        _tile_stream_loadd(5, slab + 16 * k + kb * 32, k * 2);
-                        _tile_dpbf16ps(2, 5, 6);
-                        if (blocks > 1) _tile_dpbf16ps(3, 5, 7);
-                    }
-                    epilogue_rows(&last, rows_per_step);
-                }
-                /* (the last slab's rows are all written by now: out is free) */
-                _tile_stored(0, out, GROUP * 64);
-                _tile_stored(1, out + 16, GROUP * 64);
-                if (rows > 16) {
-                    _tile_stored(2, out + 16 * GROUP * 16, GROUP * 64);
-                    _tile_stored(3, out + 16 * GROUP * 16 + 16, GROUP * 64);
-                }
-                last = fused ? (struct epilogue){out, bias, y + r0 * (n / 2), rows, 0, n / 2, b0, 1, 1}
-                             : (struct epilogue){out, bias, y + r0 * n, rows, 0, n, b0, blocks, 0};
-            }
-        }
-        epilogue_rows(&last, MAX_ROWS);
-        _tile_release();
+#ifdef VLLM_LAYER_OPS_X16
+/* silu(gate) * up of 16 columns' float32 sums (bias added), each value rounded to bf16 where
+ * torch rounds it: gate_up's output, silu's, and (when stored) the product. */
+static inline __m512 silu_mul_x16(__m512 gate, __m512 up) {
+    return _mm512_mul_ps(round_bf16x16(silu_x16(round_bf16x16(gate))), round_bf16x16(up));
+}
+#endif
+
+#include "cpu_tile_gemm_amx.h"
+#include "cpu_tile_gemm_avx512.h"
+
+int tile_gemm_supported(void) {
+#if defined(HAVE_TILE_GEMM_AMX) && !defined(HAVE_TILE_GEMM_AVX512)
+    return amx_request_tiles() ? MAX_ROWS : 0;
+#elif defined(HAVE_TILE_GEMM_AVX512)
+    return MAX_ROWS;
+#else
+    return 0;
+#endif
+}
+
+/* y (m, n) = x @ W^T + bias, or (fused) y (m, n / 2) = silu(gate) * up of it. */
+static int product(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y,
+                   int64_t m, int64_t n, int64_t k, int fused) {
+    if (m < 1 || !tile_gemm_fits(n, k) || (fused && n % 32)) return 1;
+#ifdef HAVE_TILE_GEMM_AMX
+    if (amx_ready) {
+        amx_gemm(x, packed, bias, y, m, n, k, fused);
+        return 0;
     }
+#endif
+#ifdef HAVE_TILE_GEMM_AVX512
+    avx512_gemm(x, packed, bias, y, m, n, k, fused);
+    return 0;
+#else
+    (void)x; (void)packed; (void)bias; (void)y;
+    return 1;
+#endif
 }
 
 int tile_gemm_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y,
                    int64_t m, int64_t n, int64_t k) {
-    if (m < 1 || !tile_gemm_fits(n, k)) return 1;
-    if (m <= 16)
-        gemm_16(x, packed, bias, y, m, n, k, 0);
-    else
-        gemm_slabs(x, packed, bias, y, m, n, k, 0);
-    return 0;
+    return product(x, packed, bias, y, m, n, k, 0);
 }
 
 /* y (m, n / 2) = silu(gate) * up of gate_up = x @ W^T + bias, W's rows gate then up (n of
@@ -321,27 +119,5 @@ int tile_gemm_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *bi
  * the group's epilogue writes the activation, so gate_up never goes to memory. */
 int tile_gemm_silu_mul_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y,
                             int64_t m, int64_t n, int64_t k) {
-    if (m < 1 || !tile_gemm_fits(n, k) || n % 32) return 1;
-    if (m <= 16)
-        gemm_16(x, packed, bias, y, m, n, k, 1);
-    else
-        gemm_slabs(x, packed, bias, y, m, n, k, 1);
-    return 0;
+    return product(x, packed, bias, y, m, n, k, 1);
 }
-
-#else  /* no AMX here: the caller keeps oneDNN */
-
-int tile_gemm_supported(void) { return 0; }
-
-int tile_gemm_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y,
-                   int64_t m, int64_t n, int64_t k) {
-    (void)x; (void)packed; (void)bias; (void)y; (void)m; (void)n; (void)k;
-    return 1;
-}
-
-int tile_gemm_silu_mul_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y,
-                            int64_t m, int64_t n, int64_t k) {
-    return tile_gemm_bf16(x, packed, bias, y, m, n, k);
-}
-
-#endif

@@ -1,9 +1,10 @@
-"""The AMX tile GEMM (cpu_tile_gemm.c) for batched decodes and prefill chunks, built on first use
+"""The tile GEMM (cpu_tile_gemm.c) for batched decodes and prefill chunks, built on first use
 (vllm/platforms/c_build.py).
 
-It reads weights packed into the tiles' layout by `pack` (a copy made at load, beside the plain
-one). Where it cannot be built, the CPU lacks AMX, Linux refuses the tile state, or
-VLLM_CPU_C_KERNELS=0, those rows run on oneDNN's blocked copy instead.
+It reads weights packed into AMX's tile layout by `pack` (a copy made at load, beside the plain
+one), on AMX tiles where the CPU has them and Linux grants them, and on AVX512-BF16 dot products
+elsewhere. Where it cannot be built, the CPU has neither, or VLLM_CPU_C_KERNELS=0, those rows
+run on oneDNN's blocked copy instead.
 """
 
 import ctypes
@@ -19,17 +20,24 @@ _ptr, _i64 = ctypes.c_void_p, ctypes.c_int64
 _LIBRARY = CLibrary(Path(__file__).with_name("cpu_tile_gemm.c"), "products of 5-512 rows stay on oneDNN",
                     {"tile_gemm_bf16": PRODUCT, "tile_gemm_silu_mul_bf16": PRODUCT,
                      "tile_pack_bf16": CFunction([_ptr, _ptr, _i64, _i64]),
-                     "tile_gemm_fits": CFunction([_i64, _i64])},
-                    supported="tile_gemm_supported")
+                     "tile_gemm_fits": CFunction([_i64, _i64]),
+                     "tile_gemm_use_amx": CFunction([ctypes.c_int])},
+                    supported="tile_gemm_supported",
+                    on_load=lambda lib: lib.tile_gemm_use_amx(1))  # AMX where the CPU and Linux allow it
 
 
 @functools.cache
 def max_rows() -> int:
-    """Rows that one pass of the kernel's tiles takes, 32, and so the most decodes a fused layer
-    hands it (more rows go in 32-row slabs); 0 where it is not available. Builds it on the
-    first call."""
+    """Rows that one pass of the kernel takes, 32, and so the most decodes a fused layer hands it
+    (more rows go in 32-row slabs); 0 where it is not available. Builds it on the first call."""
     lib = _LIBRARY.get()
     return 0 if lib is None else lib.tile_gemm_supported()
+
+
+def use_amx(enabled: bool) -> bool:
+    """Lets the products take the AMX copy (the default where it runs) or not, the AVX512-BF16
+    copy that CPUs without AMX use (for tests and comparisons); returns whether AMX is now in use."""
+    return bool(_built().tile_gemm_use_amx(int(enabled)))
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor | None:

@@ -2,11 +2,12 @@
 
 Up to `cpu_gemv.max_rows()` rows (batch-1 to batch-4 decodes, few sampled rows in the lm_head),
 a C GEMV reads the plain weight (cpu_gemv.c). From there up to PACKED_MAX_ROWS rows (batched
-decodes, prefill chunks of the default budget) an AMX kernel runs on a copy of the weight
-packed once in its tiles' layout (cpu_tile_gemm.c): the weights then stream from memory in
-the order the tiles consume them, which is what bounds these row counts. Above PACKED_MAX_ROWS
-the product is bound by compute, x no longer fits in L2 beside the tiles, and oneDNN's GEMM on
-the plain weight is the better kernel. On CPUs without AMX a oneDNN-blocked copy takes the tile
+decodes, prefill chunks of the default budget) the tile GEMM (cpu_tile_gemm.c: on AMX tiles,
+or on AVX512-BF16 dot products where there is no AMX) runs on a copy of the weight packed once
+in AMX's tile layout: the weights then stream from memory in the order the kernel consumes
+them, which is what bounds these row counts. Above PACKED_MAX_ROWS the product is bound by
+compute, x no longer fits in L2 beside the tiles, and oneDNN's GEMM on the plain weight is the
+better kernel. On CPUs with neither AMX nor AVX512-BF16 a oneDNN-blocked copy takes the tile
 copy's place: oneDNN reads its own blocked layout without the reordering a plain weight needs.
 
 Inside a captured graph the packed copies (the oneDNN one an opaque MKLDNN tensor) cannot be
@@ -28,8 +29,8 @@ from vllm.model_executor.layers.activation import silu_and_mul
 
 PACKED_MAX_ROWS = 512
 
-# Storage address of a packed layer's plain weight -> its oneDNN-blocked copy, and its AMX
-# tile copy where it has one. Filled by `Linear.pack()`, emptied when the weight is freed.
+# Storage address of a packed layer's plain weight -> its oneDNN-blocked copy, or its tile
+# copy where it has one. Filled by `Linear.pack()`, emptied when the weight is freed.
 _PACKED_BY_WEIGHT: dict[int, torch.Tensor] = {}
 _TILED_BY_WEIGHT: dict[int, torch.Tensor] = {}
 
@@ -39,7 +40,7 @@ def can_pack(dtype: torch.dtype) -> bool:
 
 
 def _tile_copy(rows: int, weight: torch.Tensor) -> torch.Tensor | None:
-    """`weight`'s AMX tile copy if `rows` run on it (past the GEMV's rows, up to PACKED_MAX_ROWS)."""
+    """`weight`'s tile copy if `rows` run on it (past the GEMV's rows, up to PACKED_MAX_ROWS)."""
     if cpu_gemv.max_rows() < rows <= PACKED_MAX_ROWS:
         return _TILED_BY_WEIGHT.get(weight.data_ptr())
     return None
@@ -77,7 +78,7 @@ class Linear(nn.Linear):
                  dtype: torch.dtype | None = None) -> None:
         super().__init__(in_features, out_features, bias=bias, dtype=dtype)
         self.packed = False
-        self.tiled: torch.Tensor | None = None  # the AMX tile copy of the weight, after pack()
+        self.tiled: torch.Tensor | None = None  # the tile copy of the weight, after pack()
 
     def reset_parameters(self) -> None:
         """Leaves the weights uninitialised: the model's load_weights writes every parameter, so
@@ -86,7 +87,7 @@ class Linear(nn.Linear):
     def pack(self) -> None:
         assert can_pack(self.weight.dtype) and self.weight.device.type == "cpu"
         key = self.weight.data_ptr()
-        self.tiled = cpu_tile_gemm.pack(self.weight)  # None: no AMX kernel, or the shape does not fit
+        self.tiled = cpu_tile_gemm.pack(self.weight)  # None: no tile GEMM here, or the shape does not fit
         if self.tiled is not None:
             _TILED_BY_WEIGHT[key] = self.tiled
             weakref.finalize(self.weight, _TILED_BY_WEIGHT.pop, key, None)
