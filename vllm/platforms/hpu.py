@@ -49,6 +49,7 @@ class HpuPlatform(Platform):
     # bucketed from a 128-token block on Gaudi too).
     min_token_bucket = 128
     dist_backend = "hccl"  # Habana's collectives library
+    ray_device_key = "HPU"
     sizes_kv_cache_from_device_memory = True
 
     def __init__(self) -> None:

@@ -38,6 +38,8 @@ class Platform:
     min_token_bucket: int = 16
     # torch.distributed backend of the tensor-parallel ranks.
     dist_backend: str = "gloo"
+    # The Ray resource a rank's bundle of the placement group asks for, one unit a rank.
+    ray_device_key: str = "CPU"
 
     def __init__(self) -> None:
         self.region_stats = RegionStats()
