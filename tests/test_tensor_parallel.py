@@ -6,6 +6,7 @@ heads, 3 KV heads, as SmolLM2: rank 0 holds 2 KV heads, rank 1 one), at chunked-
 16 and 512, against the same engine with one rank.
 """
 
+import asyncio
 import gc
 import os
 import signal
@@ -14,7 +15,7 @@ import time
 import pytest
 
 from tests.utils import build_tiny_checkpoint, random_prompts
-from vllm import LLM, SamplingParams
+from vllm import LLM, AsyncLLMEngine, SamplingParams
 from vllm.distributed.partition import HeadShard, attention_head_shard, split_range
 from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.exceptions import EngineDeadError
@@ -128,17 +129,33 @@ def test_a_killed_worker_fails_pending_requests_and_the_engine_is_dead(checkpoin
     llm = _engine(checkpoints["even"], 16, tp=2)
     engine = llm.llm_engine
     pids = engine.model_executor.worker_pids
-    for i, prompt in enumerate(random_prompts([60, 30], seed=4)):
-        engine.add_request(str(i), {"prompt_token_ids": prompt},
-                           SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
-    engine.step()
-    os.kill(pids[1], signal.SIGKILL)
-    start = time.monotonic()
-    with pytest.raises(EngineDeadError, match="TP rank 1 .* died"):
-        while engine.has_unfinished_requests():
-            engine.step()
-    assert time.monotonic() - start < 10
-    assert engine.is_dead
+    aengine = AsyncLLMEngine(engine)
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+
+    async def consume(request_id: str, prompt: list[int]) -> BaseException | None:
+        try:
+            async for _ in aengine.generate({"prompt_token_ids": prompt}, params, request_id):
+                pass
+        except Exception as error:
+            return error
+        return None
+
+    async def run() -> tuple[list[BaseException | None], float]:
+        tasks = [asyncio.create_task(consume(str(i), p))
+                 for i, p in enumerate(random_prompts([60, 30], seed=4))]
+        while engine.stats.num_steps < 2:  # both requests are running
+            await asyncio.sleep(0.01)
+        os.kill(pids[1], signal.SIGKILL)
+        start = time.monotonic()
+        errors = await asyncio.wait_for(asyncio.gather(*tasks), timeout=30)
+        return errors, time.monotonic() - start
+
+    errors, seconds = asyncio.run(run())
+    assert seconds < 10
+    for error in errors:  # every pending request, with the reason
+        assert isinstance(error, EngineDeadError)
+        assert "TP rank 1" in str(error) and "died" in str(error)
+    assert aengine.errored and engine.is_dead
     with pytest.raises(EngineDeadError):
         llm.generate([{"prompt_token_ids": [5, 6, 7]}], use_tqdm=False)
     assert _wait_gone(pids) == []
