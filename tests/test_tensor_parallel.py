@@ -96,11 +96,11 @@ def _engine(path: str, budget: int, tp: int, **kwargs) -> LLM:
 
 
 def _alive(pid: int) -> bool:
+    """Whether the process exists, a zombie included: the executor must reap (join) its workers."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    # A zombie is gone for our purposes only once reaped: multiprocessing joins its children.
     return True
 
 
