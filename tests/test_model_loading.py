@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from vllm import LLM
-from vllm.engine import llm_engine
+from vllm.worker import worker
 from vllm.model_executor.model_loader import load_hf_config, resolve_model_source
 from vllm.model_executor.models.registry import resolve_model_class
 
@@ -33,7 +33,7 @@ def long_context_model(tiny_checkpoints, tmp_path) -> str:
 def test_too_small_kv_cache_fails_before_the_weights_load(long_context_model, monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("weights were loaded before the KV cache was checked")
-    monkeypatch.setattr(llm_engine, "load_model", refuse)
+    monkeypatch.setattr(worker, "load_model", refuse)
     # 2 layers x (K + V) x 2 KV heads x head_dim 16 x 4 bytes = 512 bytes a token; 8 KiB a block.
     with pytest.raises(ValueError) as error:
         LLM(long_context_model, dtype="float32", block_size=16, kv_cache_memory_bytes=1024**2)

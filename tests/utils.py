@@ -16,9 +16,10 @@ def smollm2_path() -> str:
 
 
 def build_tiny_checkpoint(kind: str, out_dir: str, tokenizer_dir: str, hidden_size: int = 64,
-                          max_position_embeddings: int = 1024) -> str:
-    """Saves a randomly initialised model of `kind` with the SmolLM2 tokenizer beside it: 4 heads
-    of hidden_size / 4 (2 KV heads), 2 layers.
+                          max_position_embeddings: int = 1024, num_heads: int = 4,
+                          num_kv_heads: int = 2) -> str:
+    """Saves a randomly initialised model of `kind` with the SmolLM2 tokenizer beside it:
+    `num_heads` heads of hidden_size / num_heads (`num_kv_heads` KV heads), 2 layers.
 
     The initialiser range is larger than a trained model's so the logits are well separated:
     greedy comparisons then test the computation, not float rounding between near-ties.
@@ -26,7 +27,7 @@ def build_tiny_checkpoint(kind: str, out_dir: str, tokenizer_dir: str, hidden_si
     from transformers import (AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config)
 
     common = dict(vocab_size=TINY_VOCAB, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  num_hidden_layers=2, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
                   max_position_embeddings=max_position_embeddings,
                   initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=2)
     if kind == "llama":

@@ -96,6 +96,27 @@ class ModelConfig:
     def num_layers(self) -> int:
         return self.hf_config.num_hidden_layers
 
+    def get_num_attention_heads(self, parallel: "ParallelConfig") -> int:
+        """Query heads on `parallel.rank` (vllm/distributed/partition.py)."""
+        return self._head_shard(parallel).num_heads
+
+    def get_num_kv_heads(self, parallel: "ParallelConfig") -> int:
+        """KV heads on `parallel.rank`; rank 0 holds the most."""
+        return self._head_shard(parallel).num_kv_heads
+
+    def verify_with_parallel_config(self, parallel: "ParallelConfig") -> None:
+        """Raises ValueError when the heads cannot be split over the tensor-parallel ranks."""
+        from vllm.distributed.partition import check_tensor_parallel_split
+
+        check_tensor_parallel_split(self.hf_config.num_attention_heads, self.num_kv_heads,
+                                    parallel.tensor_parallel_size)
+
+    def _head_shard(self, parallel: "ParallelConfig"):
+        from vllm.distributed.partition import attention_head_shard
+
+        return attention_head_shard(self.hf_config.num_attention_heads, self.num_kv_heads,
+                                    parallel.tensor_parallel_size, parallel.rank)
+
 
 @dataclass
 class CacheConfig:
@@ -184,10 +205,49 @@ class SchedulerConfig:
                 f"({self.max_num_batched_tokens}): every running decode needs one token of the budget")
 
 
+EXECUTOR_BACKENDS = ("mp", "ray", "uni")
+
+
+@dataclass
+class ParallelConfig:
+    """How the model is split over processes: `tensor_parallel_size` ranks, each a worker that
+    holds a shard of every layer and of the KV cache, run by the `distributed_executor_backend`
+    ("uni": the engine's own process, for one rank; "mp": worker processes on this host; "ray":
+    Ray actors, on one host or several). `rank` is the worker's own, set in each worker."""
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+    rank: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+            _require_positive(name, getattr(self, name))
+        if self.pipeline_parallel_size != 1:
+            raise ValueError(f"pipeline_parallel_size={self.pipeline_parallel_size} is not supported: "
+                             "layers are split across ranks by tensor parallelism only; use "
+                             "pipeline_parallel_size=1")
+        if self.distributed_executor_backend is None:
+            self.distributed_executor_backend = "mp" if self.tensor_parallel_size > 1 else "uni"
+        if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend={self.distributed_executor_backend!r} is "
+                             f"not supported; use one of {list(EXECUTOR_BACKENDS)}")
+        if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
+            raise ValueError(f"distributed_executor_backend='uni' runs one rank, but "
+                             f"tensor_parallel_size={self.tensor_parallel_size}; use 'mp' or 'ray'")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size
+
+
 @dataclass
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
     scheduler: SchedulerConfig
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    device: str = "cpu"
     enforce_eager: bool = True
     disable_log_stats: bool = False  # read by the server's periodic statistics

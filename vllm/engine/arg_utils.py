@@ -12,7 +12,8 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
-from vllm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, resolve_dtype
+from vllm.config import (EXECUTOR_BACKENDS, CacheConfig, EngineConfig, ModelConfig, ParallelConfig,
+                         SchedulerConfig, resolve_dtype)
 from vllm.engine.cli_args import add_dataclass_args, arg, from_namespace
 from vllm.logger import init_logger
 from vllm.model_executor.model_loader import (ModelSource, load_generation_config, load_hf_config,
@@ -28,7 +29,7 @@ DEFAULT_MAX_NUM_SEQS = 64
 
 DTYPE_CHOICES = ["auto", "half", "float16", "bfloat16", "float", "float32"]
 DEVICE_CHOICES = ["auto", "cpu", "hpu"]
-DISTRIBUTED_BACKENDS = ["mp", "ray", "uni", "external_launcher"]
+DISTRIBUTED_BACKENDS = list(EXECUTOR_BACKENDS)
 
 
 def kv_cache_bytes_from_env() -> int:
@@ -121,13 +122,14 @@ class EngineArgs:
     disable_chunked_mm_input: bool = arg(
         False, "keep multimodal items in one chunk (accepted; no multimodal model is supported)")
 
-    # ---- parallelism (one device until the distributed executor exists)
-    tensor_parallel_size: int = arg(1, "devices a layer is split across (1 only, for now)",
-                                    aliases=["-tp"])
-    pipeline_parallel_size: int = arg(1, "pipeline stages (1 only, for now)", aliases=["-pp"])
+    # ---- parallelism
+    tensor_parallel_size: int = arg(
+        1, "ranks each layer is split across (worker processes, or Ray actors)", aliases=["-tp"])
+    pipeline_parallel_size: int = arg(1, "pipeline stages (1 only)", aliases=["-pp"])
     data_parallel_size: int = arg(1, "engine replicas (1 only, for now)", aliases=["-dp"])
     distributed_executor_backend: str | None = arg(
-        None, "executor of a multi-device run (none yet: one process runs the one device)",
+        None, "what runs the ranks: uni (the engine's process; the default for one rank), mp "
+        "(worker processes on this host; the default for more), ray (Ray actors, across hosts)",
         choices=DISTRIBUTED_BACKENDS)
 
     # ---- runtime
@@ -154,15 +156,10 @@ class EngineArgs:
             raise ValueError(f"unknown engine argument(s) {unknown}; supported: {sorted(known)}")
         return cls(**kwargs)
 
-    def _check_single_device(self) -> None:
-        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
-            value = getattr(self, name)
-            if value != 1:
-                raise ValueError(f"{name}={value} is not supported yet: the engine runs the model "
-                                 f"on one device; use {name}=1")
-        if self.distributed_executor_backend is not None:
-            raise ValueError(f"distributed_executor_backend={self.distributed_executor_backend!r} "
-                             "is not supported yet: the engine runs in one process; leave it unset")
+    def _check_supported(self) -> None:
+        if self.data_parallel_size != 1:
+            raise ValueError(f"data_parallel_size={self.data_parallel_size} is not supported yet: "
+                             "one engine serves; use data_parallel_size=1")
         if self.quantization is not None:
             raise ValueError(f"quantization={self.quantization!r} is not supported yet: load an "
                              "unquantized checkpoint (or a .gguf file, dequantized when loaded)")
@@ -191,7 +188,12 @@ class EngineArgs:
 
     def create_engine_config(self, platform: Platform) -> tuple[EngineConfig, ModelSource, ModelSource]:
         """Returns the config plus the model and tokenizer sources."""
-        self._check_single_device()
+        self._check_supported()
+        parallel_config = ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
+            data_parallel_size=self.data_parallel_size,
+            distributed_executor_backend=self.distributed_executor_backend)
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1], "
                              f"got {self.gpu_memory_utilization}")
@@ -230,6 +232,7 @@ class EngineArgs:
             generation_config=self.generation_config,
             generation_config_fields=self._load_generation_config(source, hf_config),
             override_generation_config=dict(self.override_generation_config))
+        model_config.verify_with_parallel_config(parallel_config)
         defaults = model_config.get_diff_sampling_param()
         if defaults:
             logger.info("Default sampling parameters from the model's generation config: %s "
@@ -261,6 +264,8 @@ class EngineArgs:
                         scheduler_config.max_long_partial_prefills,
                         scheduler_config.long_prompt_threshold)
         config = EngineConfig(model=model_config, cache=cache_config, scheduler=scheduler_config,
+                              parallel=parallel_config,
+                              device=platform.device_type,
                               enforce_eager=(platform.default_enforce_eager if self.enforce_eager is None
                                              else self.enforce_eager),
                               disable_log_stats=self.disable_log_stats)

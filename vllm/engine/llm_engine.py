@@ -16,17 +16,17 @@ from vllm.engine.detokenizer import detokenize_incrementally
 from vllm.engine.exceptions import EngineDeadError
 from vllm.engine.interrupts import deferred_interrupts
 from vllm.engine.metrics_types import IterationStats, StatLoggerBase, Stats
+from vllm.executor import ExecutorBase, WorkerDiedError, get_executor_class
 from vllm.inputs import ProcessedPrompt, PromptType, parse_prompt
 from vllm.logger import init_logger
 from vllm.logprobs import Logprob
 from vllm.model_executor.layers.logprobs import TokenLogprobs
-from vllm.model_executor.model_loader import load_model, load_tokenizer
+from vllm.model_executor.model_loader import load_tokenizer
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.platforms import get_platform
 from vllm.sampling_params import SamplingParams
 from vllm.sequence import Sequence, SequenceGroup, SequenceStatus
 from vllm.worker.cache_engine import determine_num_blocks
-from vllm.worker.hpu_model_runner import HPUModelRunner
 from vllm.worker.runner_output import ModelRunnerOutput
 
 logger = init_logger(__name__)
@@ -55,17 +55,18 @@ class LLMEngine:
     `MAX_FAILED_STEPS` failed steps finishes instead, with `finish_reason="error"` and the error
     in `RequestOutput.error`. The log says which requests took which way. A KeyboardInterrupt
     during the forward pass takes the step back too, then propagates; elsewhere in the step it
-    waits for the engine's state to be whole. Any other failure leaves that state unknown: the
-    engine is then dead and raises `EngineDeadError`, now and on every later call.
+    waits for the engine's state to be whole. Any other failure leaves that state unknown, and a
+    worker of the executor that dies takes the model with it: the engine is then dead and raises
+    `EngineDeadError`, now and on every later call.
     """
 
     # Failed steps a request may be in; the last one finishes it with the error.
     MAX_FAILED_STEPS = 2
 
-    def __init__(self, config: EngineConfig, tokenizer, runner: HPUModelRunner) -> None:
+    def __init__(self, config: EngineConfig, tokenizer, model_executor: ExecutorBase) -> None:
         self.config = config
         self.tokenizer = tokenizer
-        self.runner = runner
+        self.model_executor = model_executor
         # Cached KV is found only by an engine of the same model and dtype.
         cache_key = f"{config.model.model}|{config.model.gguf_file}|{config.model.dtype}".encode()
         block_manager = BlockManager(config.cache.num_blocks, config.cache.block_size,
@@ -87,37 +88,40 @@ class LLMEngine:
         platform = get_platform(args.device)
         config, source, tokenizer_source = args.create_engine_config(platform)
         # Before the weights load: a cache that cannot hold one sequence fails at once.
-        config.cache.num_blocks = determine_num_blocks(config.model, config.cache)
-        start = time.perf_counter()
+        config.cache.num_blocks = determine_num_blocks(config.model, config.cache, config.parallel)
         tokenizer = load_tokenizer(tokenizer_source)
-        model = load_model(source, config.model.hf_config, config.model.dtype,
-                           config.model.max_model_len, platform.device)
-        logger.info("Loaded %s (%s) in %.1f s", source.display_name, config.model.dtype,
-                    time.perf_counter() - start)
-        runner = HPUModelRunner(config, platform, model, eos_token_id=tokenizer.eos_token_id)
-        runner.warmup()
-        engine = cls(config, tokenizer, runner)
+        executor_class = get_executor_class(config.parallel)
+        model_executor = executor_class(config, source, tokenizer.eos_token_id)
+        engine = cls(config, tokenizer, model_executor)
         if config.scheduler.max_step_latency_ms is not None:
             engine.start_step_time_model()
         return engine
 
     def start_step_time_model(self) -> None:
-        """Fits the model that sizes steps under `max_step_latency_ms` on timed padding-only
-        runs of each token size; measured steps refine it from then on."""
-        start = time.perf_counter()
-        samples = self.runner.time_token_sizes()
+        """Fits the model that sizes steps under `max_step_latency_ms` on the padding-only steps
+        the workers timed after warm-up; measured steps refine it from then on."""
+        samples = self.model_executor.step_time_samples
         model = StepTimeModel()
         model.fit_warmup([(StepShape(tokens, 0), seconds) for tokens, seconds in samples])
         self.scheduler.step_time_model = model
-        self.scheduler.token_buckets = self.runner.token_buckets
-        logger.info("Step-time model for max_step_latency_ms=%s fitted on %d token sizes in %.1f s: "
+        self.scheduler.token_buckets = list(self.model_executor.graph_stats.buckets)
+        logger.info("Step-time model for max_step_latency_ms=%s fitted on %d token sizes: "
                     "%.2f ms + %.4f ms/token", self.config.scheduler.max_step_latency_ms, len(samples),
-                    time.perf_counter() - start, 1e3 * model.coefficients[0], 1e3 * model.coefficients[1])
+                    1e3 * model.coefficients[0], 1e3 * model.coefficients[1])
+
+    @property
+    def runner(self):
+        """The model runner, where it runs in this process (distributed_executor_backend="uni")."""
+        return self.model_executor.runner
 
     @property
     def graph_stats(self):
         """Graphs captured at warm-up, compiles since, padding overhead (see GraphStats)."""
-        return self.runner.graph_stats
+        return self.model_executor.graph_stats
+
+    def shutdown(self) -> None:
+        """Stops the executor's workers (none to stop in one process); idempotent."""
+        self.model_executor.shutdown()
 
     # ---------------------------------------------------------------- requests
 
@@ -215,7 +219,7 @@ class LLMEngine:
                 step = self.scheduler.schedule()
             # From here the step counts as computed: until its outputs are in, an escape takes it back.
             if not step.is_empty or step.blocks_to_copy:
-                result = self.runner.execute_model(step)
+                result = self.model_executor.execute_model(step)
             with self._guard():
                 committed = True
                 if result is not None:
@@ -224,6 +228,10 @@ class LLMEngine:
         except BaseException as error:
             if step is None or committed:
                 raise
+            if isinstance(error, WorkerDiedError):  # the model is gone with it: nothing to retry on
+                self._dead_error = error
+                logger.error("The engine is dead: %s", error)
+                raise EngineDeadError(f"the engine is dead: {error}") from error
             with self._guard():
                 self.scheduler.undo(step)
                 if isinstance(error, Exception):

@@ -1,6 +1,7 @@
 import ctypes
 import ctypes.util
 import functools
+import os
 import sys
 
 import torch
@@ -85,6 +86,11 @@ class CpuPlatform(Platform):
         # CPUs emulate bf16 and gain nothing over fp32 but its rounding).
         self.default_dtype = torch.bfloat16 if cpu_has_native_bf16_dot() else torch.float32
         keep_freed_memory_in_process()
+
+    def configure_worker(self, world_size):
+        # The ranks share the host's cores: each gets its part, at least one thread.
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        torch.set_num_threads(max(1, cores // world_size))
 
     def attention_backend(self, config, sliding_window):
         from vllm.attention.backends.cpu_attn import CpuAttentionBackend

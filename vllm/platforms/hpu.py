@@ -48,6 +48,8 @@ class HpuPlatform(Platform):
     # weights, so padding a few decodes to 128 tokens costs little and saves graphs (prompts are
     # bucketed from a 128-token block on Gaudi too).
     min_token_bucket = 128
+    dist_backend = "hccl"  # Habana's collectives library
+    ray_device_key = "HPU"
     sizes_kv_cache_from_device_memory = True
 
     def __init__(self) -> None:

@@ -36,6 +36,10 @@ class Platform:
     sizes_kv_cache_from_device_memory: bool = False
     # Smallest token bucket unless VLLM_TOKEN_BUCKET_MIN says otherwise (vllm/worker/bucketing.py).
     min_token_bucket: int = 16
+    # torch.distributed backend of the tensor-parallel ranks.
+    dist_backend: str = "gloo"
+    # The Ray resource a rank's bundle of the placement group asks for, one unit a rank.
+    ray_device_key: str = "CPU"
 
     def __init__(self) -> None:
         self.region_stats = RegionStats()
@@ -48,6 +52,10 @@ class Platform:
         """Bytes for the KV cache when the user gives no kv_cache_memory_bytes, on platforms that
         size it from device memory (`sizes_kv_cache_from_device_memory`)."""
         raise NotImplementedError
+
+    def configure_worker(self, world_size: int) -> None:
+        """Settings of a worker process that runs one of `world_size` ranks on this host. The
+        default: none."""
 
     def synchronize(self) -> None:
         """Waits for queued device work (for timing)."""

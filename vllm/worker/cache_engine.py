@@ -1,25 +1,29 @@
 """Allocates the paged KV cache and sizes it from a memory budget."""
 
+import dataclasses
 import math
 
 import torch
 
-from vllm.config import CacheConfig, ModelConfig
+from vllm.config import CacheConfig, ModelConfig, ParallelConfig
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
 
 
-def bytes_per_block(model: ModelConfig, block_size: int) -> int:
-    """Keys and values of `block_size` tokens over all layers."""
-    per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * model.dtype.itemsize
+def bytes_per_block(model: ModelConfig, block_size: int, parallel: ParallelConfig) -> int:
+    """Keys and values of `block_size` tokens over all layers, on `parallel.rank`."""
+    per_token = 2 * model.num_layers * model.get_num_kv_heads(parallel) * model.head_dim * model.dtype.itemsize
     return per_token * block_size
 
 
-def determine_num_blocks(model: ModelConfig, cache: CacheConfig) -> int:
+def determine_num_blocks(model: ModelConfig, cache: CacheConfig, parallel: ParallelConfig) -> int:
     """Blocks the cache budget holds. Raises ValueError, with the numbers and the fix, when they
-    cannot hold one sequence of max_model_len tokens (checked before any weight is loaded)."""
-    block_bytes = bytes_per_block(model, cache.block_size)
+    cannot hold one sequence of max_model_len tokens (checked before any weight is loaded).
+
+    With tensor parallelism the budget is each rank's, and every rank has the same blocks (one
+    block manager): they are counted on rank 0, which holds the most KV heads."""
+    block_bytes = bytes_per_block(model, cache.block_size, dataclasses.replace(parallel, rank=0))
     if cache.num_gpu_blocks_override is not None:
         num_blocks = cache.num_gpu_blocks_override
     else:
@@ -48,11 +52,13 @@ class CacheEngine:
     finite values, so masked-out reads cannot bring NaN into attention.
     """
 
-    def __init__(self, model: ModelConfig, cache: CacheConfig, device: torch.device) -> None:
+    def __init__(self, model: ModelConfig, cache: CacheConfig, parallel: ParallelConfig,
+                 device: torch.device) -> None:
         self.num_blocks = cache.num_blocks
         self.block_size = cache.block_size
         self.pad_block = self.num_blocks
-        shape = (self.num_blocks + 1, cache.block_size, model.num_kv_heads, model.head_dim)
+        # This rank's KV heads (all of them without tensor parallelism).
+        shape = (self.num_blocks + 1, cache.block_size, model.get_num_kv_heads(parallel), model.head_dim)
         # Separate tensors, not views of one: a compiled graph that writes a view of a shared
         # base through the attention op must copy the base (functionalization), every layer.
         self.kv_caches = [(torch.zeros(shape, dtype=model.dtype, device=device),

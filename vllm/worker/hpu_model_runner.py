@@ -49,7 +49,8 @@ def _mark_token_count_dynamic(input_ids: torch.Tensor, positions: torch.Tensor) 
 
 
 class LogitsHead(nn.Module):
-    """The rows of the step's hidden states that are sampled or scored, through the lm_head."""
+    """The rows of the step's hidden states that are sampled or scored, through the lm_head
+    (this rank's slice of the vocabulary)."""
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
@@ -84,7 +85,7 @@ class HPUModelRunner:
         self.platform = platform
         self.device = platform.device
         self.model = model
-        self.cache = CacheEngine(config.model, config.cache, self.device)
+        self.cache = CacheEngine(config.model, config.cache, config.parallel, self.device)
         model.bind_kv_caches(self.cache.kv_caches)
         buckets = []
         if not config.enforce_eager:
@@ -260,8 +261,12 @@ class HPUModelRunner:
         hidden = self._forward(inputs, eager=bucket is None)                        # (T, hidden)
         output = ModelRunnerOutput()
         if inputs.num_rows:
-            logits = self._logits(hidden, inputs.logits_rows)                        # (R, vocab) fp32
+            logits = self._logits(hidden, inputs.logits_rows)                  # (R, vocab shard) fp32
             self.platform.mark_step()
+            # Tensor parallelism: each rank holds a slice of the vocabulary; only rank 0 samples.
+            logits = self.model.gather_logits(logits)                                # (R, vocab)
+            if logits is None:
+                return output
             logits = logits.cpu()[:inputs.num_rows]  # sliced on the host: no shape from the step
             # A step that fails is run again (LLMEngine.step): seeded samples must draw the same.
             sampled = [rid for s in step.scheduled if s.sample for rid in (s.request_id, *(f for f, _ in s.forks))]

@@ -66,8 +66,9 @@ class AttentionBackend(ABC):
         self.config = config
         self.device = device
         self.dtype = model.dtype
-        self.num_heads = model.hf_config.num_attention_heads
-        self.num_kv_heads = model.num_kv_heads
+        # This rank's heads (all of them without tensor parallelism).
+        self.num_heads = model.get_num_attention_heads(config.parallel)
+        self.num_kv_heads = model.get_num_kv_heads(config.parallel)
         self.head_dim = model.head_dim
         self.heads_per_kv = self.num_heads // self.num_kv_heads
         self.sliding_window = sliding_window

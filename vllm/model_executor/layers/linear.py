@@ -97,11 +97,15 @@ class Linear(nn.Linear):
         self.packed = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, in) -> (T, out)
+        return self.matmul(x, self.bias)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x @ weight^T (+ bias): (T, in) -> (T, out), on the packed copy where there is one."""
         if not self.packed:
-            return F.linear(x, self.weight, self.bias)
+            return F.linear(x, self.weight, bias)
         if torch.compiler.is_compiling():
-            return packed_linear(x, self.weight, self.bias)
-        return _linear(x, self.weight, self.bias)
+            return packed_linear(x, self.weight, bias)
+        return _linear(x, self.weight, bias)
 
 
 def _tile_silu_mul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:

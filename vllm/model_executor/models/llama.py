@@ -5,6 +5,12 @@ back to back; only attention knows where one sequence ends, through its metadata
 names are Hugging Face's, except that q/k/v and gate/up are fused into one matmul each;
 `load_weights` maps the separate checkpoint tensors onto the shards of the fused ones. Each
 attention layer holds its slice of the paged KV cache once the runner binds it (`bind_kv_caches`).
+
+With tensor parallelism (vllm/distributed/) every rank builds the model with its share of the
+heads (split by KV-head groups, vllm/distributed/partition.py), of the MLP's intermediate rows
+and of the vocabulary; each layer's parameter copies only its rank's slice of a checkpoint tensor
+(its `weight_loader`). The ranks' partial sums meet in one all-reduce after attention's o_proj
+and one after the MLP's down_proj, and the embedding's rows in one more.
 """
 
 from collections.abc import Iterable
@@ -13,11 +19,14 @@ import torch
 from torch import nn
 
 from vllm.attention.layer import attention
+from vllm.distributed import attention_head_shard, get_tp_group
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.activation import silu_and_mul
 from vllm.model_executor.layers.layernorm import RMSNorm
-from vllm.model_executor.layers.linear import Linear, silu_mul_linear
+from vllm.model_executor.layers.linear import silu_mul_linear
+from vllm.model_executor.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
 from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding, apply_rotary
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from vllm.model_executor.models.llama_cpu_layers import FusedLayers
 
 
@@ -34,19 +43,26 @@ class LlamaAttention(nn.Module):
     def __init__(self, config, layer_index: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.layer_index = layer_index
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_attention_heads ({self.num_heads}) must be a multiple of "
-                             f"num_key_value_heads ({self.num_kv_heads})")
+        total_heads = config.num_attention_heads
+        total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
+        self.head_dim = d = getattr(config, "head_dim", None) or config.hidden_size // total_heads
+        if total_heads % total_kv_heads:
+            raise ValueError(f"num_attention_heads ({total_heads}) must be a multiple of "
+                             f"num_key_value_heads ({total_kv_heads})")
+        tp = get_tp_group()
+        shard = attention_head_shard(total_heads, total_kv_heads, tp.world_size, tp.rank)
+        self.num_heads, self.num_kv_heads = shard.num_heads, shard.num_kv_heads  # this rank's
         qkv_bias = config.model_type == "qwen2" or getattr(config, "attention_bias", False)
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, qkv_bias, dtype)
-        self.o_proj = Linear(self.q_size, config.hidden_size,
-                             getattr(config, "attention_bias", False) and config.model_type != "qwen2",
-                             dtype)
+        self.q_size = self.num_heads * d
+        self.kv_size = self.num_kv_heads * d
+        kv_slice = (shard.kv_start * d, self.kv_size)
+        self.qkv_proj = ColumnParallelLinear(
+            config.hidden_size, [total_heads * d, total_kv_heads * d, total_kv_heads * d],
+            [(shard.q_start * d, self.q_size), kv_slice, kv_slice], qkv_bias, dtype)
+        self.o_proj = RowParallelLinear(
+            total_heads * d, config.hidden_size,
+            getattr(config, "attention_bias", False) and config.model_type != "qwen2", dtype,
+            input_slice=(shard.q_start * d, self.q_size))
         self.scale = self.head_dim ** -0.5
         self.c_kernels = False  # the CPU backend's element-wise C ops (cpu_layer_ops)
         # (num_blocks + 1, block_size, KVH, D) each, bound by the runner: buffers, so that a
@@ -79,9 +95,10 @@ class LlamaMLP(nn.Module):
         if config.hidden_act != "silu":
             raise ValueError(f"hidden_act={config.hidden_act!r} is not supported (only 'silu')")
         bias = getattr(config, "mlp_bias", False)
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias, dtype)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias, dtype)
+        self.gate_up_proj = ColumnParallelLinear.evenly(config.hidden_size, [config.intermediate_size] * 2,
+                                                        bias, dtype)
+        self.intermediate_size = self.gate_up_proj.out_features // 2  # this rank's
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias, dtype)
         self.c_kernels = False  # the CPU backend's element-wise C ops (cpu_layer_ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -118,9 +135,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.rotary = RotaryEmbedding(config, head_dim, max_position, dtype)
-        # Created empty, in the run dtype: load_weights writes every parameter.
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=torch.empty(
-            config.vocab_size, config.hidden_size, dtype=dtype))
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, dtype)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
@@ -160,9 +175,7 @@ class LlamaForCausalLM(nn.Module):
         self.sliding_window = _sliding_window(config)
         self.model = LlamaModel(config, max_position, dtype)
         self.tie_word_embeddings = getattr(config, "tie_word_embeddings", False)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype)
-        if self.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.lm_head = ParallelLMHead(self.model.embed_tokens, self.tie_word_embeddings)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)                                # (T, hidden)
@@ -176,24 +189,26 @@ class LlamaForCausalLM(nn.Module):
     def enable_fused_layers(self) -> FusedLayers | None:
         """CPU, bf16: from now on eager steps that the C kernels take run each layer as one C
         call, where the kernels build here. Call once the weights are loaded (and packed);
-        returns the C path."""
+        returns the C path. None with tensor parallelism: the C layers have no all-reduce, so
+        sharded layers run op by op."""
+        if get_tp_group().world_size > 1:
+            return None
         self.model.fused_layers = FusedLayers.build(self.model)
         return self.model.fused_layers
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: (S, hidden) for the tokens that sample -> (S, vocab) float32 logits."""
+        """hidden: (S, hidden) for the tokens that sample -> (S, this rank's vocab rows) float32
+        logits; `gather_logits` joins the ranks' columns."""
         return self.lm_head(hidden).float()
 
+    def gather_logits(self, local: torch.Tensor) -> torch.Tensor | None:
+        """(S, this rank's vocab rows) -> (S, vocab) on rank 0; None on the other ranks."""
+        return self.lm_head.gather_logits(local)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copies checkpoint tensors in; every parameter must be written, every shape must match."""
+        """Copies checkpoint tensors in, each parameter its rank's slice (its `weight_loader`);
+        every parameter must be written, every shape must match."""
         params = dict(self.named_parameters())
-        shard_sizes = {}
-        for name, p in params.items():
-            if "qkv_proj" in name:
-                attn = self.model.layers[0].self_attn
-                shard_sizes[name] = [attn.q_size, attn.kv_size, attn.kv_size]
-            elif "gate_up_proj" in name:
-                shard_sizes[name] = [p.shape[0] // 2] * 2
         loaded: set[str] = set()
         with torch.no_grad():
             for name, tensor in weights:
@@ -208,17 +223,21 @@ class LlamaForCausalLM(nn.Module):
                         break
                 if target not in params:
                     raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
-                dest = params[target]
-                if shard is not None:
-                    start = sum(shard_sizes[target][:shard])
-                    dest = dest.narrow(0, start, shard_sizes[target][shard])
-                if dest.shape != tensor.shape:
-                    raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                     f"expected {tuple(dest.shape)}")
-                dest.copy_(tensor)
-                loaded.add(name if shard is None else f"{target}#{shard}")
-        expected = {n if n not in shard_sizes else f"{n}#{i}"
-                    for n in params for i in range(len(shard_sizes.get(n, [None])))}
+                param = params[target]
+                loader = getattr(param, "weight_loader", None)
+                if loader is not None:
+                    try:
+                        loader(param, tensor, shard)
+                    except ValueError as e:
+                        raise ValueError(f"checkpoint tensor {name!r}: {e}") from e
+                else:
+                    if param.shape != tensor.shape:
+                        raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                         f"expected {tuple(param.shape)}")
+                    param.copy_(tensor)
+                loaded.add(target if shard is None else f"{target}#{shard}")
+        expected = {n if getattr(p, "num_shards", 1) == 1 else f"{n}#{i}"
+                    for n, p in params.items() for i in range(getattr(p, "num_shards", 1))}
         missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing tensors for: {missing[:8]}"

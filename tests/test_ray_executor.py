@@ -1,0 +1,62 @@
+"""The ray executor: TP=2 as Ray actors gives the tokens of TP=1, on one node and on a
+two-node cluster on loopback with one rank per node (`ray.cluster_utils.Cluster`)."""
+
+import os
+
+import pytest
+
+from tests.test_tensor_parallel import _engine, _generate
+from tests.utils import build_tiny_checkpoint
+
+# Ray takes this switch to mean: nodes join on the loopback address rather than the host's
+# interface. Read when ray is imported, which is why ray is imported inside the fixtures.
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+
+
+@pytest.fixture(scope="module")
+def uneven_checkpoint(tmp_path_factory, tokenizer_dir) -> str:
+    return build_tiny_checkpoint("llama", str(tmp_path_factory.mktemp("tiny_9_3")), tokenizer_dir,
+                                 hidden_size=72, num_heads=9, num_kv_heads=3)
+
+
+@pytest.fixture
+def local_ray():
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1")
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture
+def two_node_cluster():
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 1, "include_dashboard": False, "node_ip_address": "127.0.0.1"})
+    cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1")
+    ray.init(address=cluster.address)
+    yield ray
+    ray.shutdown()
+    cluster.shutdown()
+
+
+def test_tp2_on_ray_matches_tp1(local_ray, uneven_checkpoint):
+    want = _generate(_engine(uneven_checkpoint, 16, tp=1))
+    llm = _engine(uneven_checkpoint, 16, tp=2, distributed_executor_backend="ray")
+    assert _generate(llm) == want
+    llm.llm_engine.shutdown()
+    assert not local_ray.util.placement_group_table() or all(
+        pg["state"] == "REMOVED" for pg in local_ray.util.placement_group_table().values())
+
+
+def test_tp2_across_two_ray_nodes_matches_tp1(two_node_cluster, tiny_checkpoints):
+    path = tiny_checkpoints["llama"]
+    want = _generate(_engine(path, 512, tp=1))
+    llm = _engine(path, 512, tp=2, distributed_executor_backend="ray")
+    node_ids = llm.llm_engine.model_executor.node_ids
+    assert len(set(node_ids)) == 2  # one rank per node
+    assert {n["NodeManagerAddress"] for n in two_node_cluster.nodes()} == {"127.0.0.1"}
+    assert _generate(llm) == want
+    llm.llm_engine.shutdown()
