@@ -13,6 +13,7 @@ benchmark_workloads.py in a fresh process per run, once alone and once beside on
     passive   OMP_WAIT_POLICY=PASSIVE: threads sleep at once at a barrier instead of spinning
     spin-1k   GOMP_SPINCOUNT=1000: GNU OpenMP's threads spin a thousand rounds before they sleep
               (its default, with no policy set, is 300,000 rounds)
+    spin-10k  GOMP_SPINCOUNT=10000
     1-thread  OMP_NUM_THREADS=1
 
 and reports each run's figures and, per policy and workload, the slowdown (alone / busy) and the
@@ -37,6 +38,7 @@ POLICIES = {
     "default": {},
     "passive": {"OMP_WAIT_POLICY": "PASSIVE"},
     "spin-1k": {"GOMP_SPINCOUNT": "1000"},
+    "spin-10k": {"GOMP_SPINCOUNT": "10000"},
     "1-thread": {"OMP_NUM_THREADS": "1"},
 }
 BUSY_LOOP = "while True: pass"
