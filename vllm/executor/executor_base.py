@@ -29,9 +29,10 @@ class ExecutorBase(ABC):
         ...
 
     @property
-    @abstractmethod
     def graph_stats(self) -> GraphStats:
-        """Rank 0's graph statistics."""
+        """Rank 0's graph statistics. Executors whose ranks run elsewhere keep those rank 0
+        reported after warm-up in `_graph_stats` (a step's counters stay with the rank)."""
+        return self._graph_stats
 
     def shutdown(self) -> None:
         """Stops the workers; idempotent. The default has none to stop."""

@@ -27,7 +27,6 @@ from vllm.core.scheduler_output import SchedulerOutput
 from vllm.executor.executor_base import ExecutorBase, WorkerDiedError
 from vllm.logger import init_logger
 from vllm.model_executor.model_loader import ModelSource
-from vllm.worker.graph_stats import GraphStats
 from vllm.worker.runner_output import ModelRunnerOutput
 
 logger = init_logger(__name__)
@@ -134,11 +133,6 @@ class MultiprocExecutor(ExecutorBase):
         except BaseException:
             self.shutdown()
             raise
-
-    @property
-    def graph_stats(self) -> GraphStats:
-        """Rank 0's, as they were after warm-up (steps' counters stay in the worker)."""
-        return self._graph_stats
 
     @property
     def worker_pids(self) -> list[int]:

@@ -103,11 +103,6 @@ class RayExecutor(ExecutorBase):
             self.shutdown()
             raise
 
-    @property
-    def graph_stats(self) -> GraphStats:
-        """Rank 0's, as they were after warm-up (steps' counters stay in the actor)."""
-        return self._graph_stats
-
     def execute_model(self, step: SchedulerOutput) -> ModelRunnerOutput:
         if not self._actors:
             raise WorkerDiedError("the executor's Ray actors were stopped")
