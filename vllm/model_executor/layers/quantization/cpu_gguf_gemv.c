@@ -1,0 +1,269 @@
+/*
+ * y = x @ W^T for W stored in GGUF blocks, dequantized inside the product (never to memory).
+ *
+ * Batch-1 decode reads every weight once per step, so its speed is the weight bytes memory
+ * delivers per second: a Q4_1 row is 5 bits a weight where bf16 is 16. Each thread streams a
+ * contiguous range of W's rows (OpenMP over output rows) and multiplies up to TILE rows of x
+ * into each one while its blocks are in L1.
+ *
+ * Block layouts (32 weights each, d and m fp16, little-endian), as the `gguf` package reads them:
+ *
+ *   Q8_0  [d][q0 .. q31]            int8 q         w_i = q_i * d
+ *   Q4_0  [d][16 bytes]             nibbles 0..15  w_i = (q_i - 8) * d
+ *   Q4_1  [d][m][16 bytes]          nibbles 0..15  w_i = q_i * d + m
+ *
+ *   nibble bytes: byte j holds q_j in its low half and q_{j+16} in its high half
+ *
+ * Two products, both with float32 sums:
+ *   gguf_matmul_float  x in float32 (bf16 x widened): each block dequantized to float32 exactly
+ *                      as the gguf package does, then multiplied; portable C.
+ *   gguf_matmul_int8   x quantized per 32-block to int8 like llama.cpp's Q8 activation blocks
+ *                      (dx = max|x| / 127, qx = round-to-nearest-even(x / dx)), integer dot
+ *                      products of weight and activation codes (vpdpbusd, exact in int32), then
+ *                      dw * dx * dot summed in float32. Each x differs from dx * qx by at most
+ *                      dx / 2, that is max|x of its block| / 254. Only where the ISA has int8
+ *                      dot products (AVX512-VNNI or AVX-VNNI); gguf_int8_supported() says.
+ *
+ * Layouts (contiguous): x (m, k) float32 or bf16; W n rows of k / 32 blocks; y (m, n) in x's
+ * dtype. k must be a multiple of 32 (GGUF rows are whole blocks).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bf16.h"
+
+#ifdef __F16C__
+#include <immintrin.h>
+#endif
+
+enum { TYPE_Q4_0 = 2, TYPE_Q4_1 = 3, TYPE_Q8_0 = 8 };  /* GGMLQuantizationType values */
+
+#define QK 32    /* weights per block */
+#define TILE 4   /* rows of x multiplied into a weight row per pass over it */
+
+static int64_t block_bytes(int type) {
+    switch (type) {
+    case TYPE_Q4_0: return 18;
+    case TYPE_Q4_1: return 20;
+    case TYPE_Q8_0: return 34;
+    default: return 0;
+    }
+}
+
+static inline float half_to_float(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, sizeof h);
+#ifdef __F16C__
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu;
+    uint32_t bits;
+    if (exp == 0) {  /* zero or subnormal: mant * 2^-24, exact in float32 */
+        const float f = ldexpf((float)mant, -24);
+        memcpy(&bits, &f, sizeof bits);
+        bits |= sign;
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | (mant << 13);
+    } else {
+        bits = sign | ((exp + 112u) << 23) | (mant << 13);
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+#endif
+}
+
+/* One block -> 32 float32, with the gguf package's roundings (one multiply, then one add). */
+static inline void dequantize_block(const uint8_t *b, int type, float *out) {
+    const float d = half_to_float(b);
+    if (type == TYPE_Q8_0) {
+        for (int i = 0; i < QK; ++i) out[i] = (float)(int8_t)b[2 + i] * d;
+    } else if (type == TYPE_Q4_0) {
+        for (int i = 0; i < QK / 2; ++i) {
+            out[i] = (float)((b[2 + i] & 15) - 8) * d;
+            out[i + QK / 2] = (float)((b[2 + i] >> 4) - 8) * d;
+        }
+    } else {
+        const float m = half_to_float(b + 2);
+        for (int i = 0; i < QK / 2; ++i) {
+            out[i] = (float)(b[4 + i] & 15) * d + m;
+            out[i + QK / 2] = (float)(b[4 + i] >> 4) * d + m;
+        }
+    }
+}
+
+static inline void store(void *y, int bf16, int64_t index, float value) {
+    if (bf16) ((uint16_t *)y)[index] = float_to_bf16(value);
+    else ((float *)y)[index] = value;
+}
+
+/* x as float32: itself, or a widened copy of bf16 x that the caller frees. */
+static const float *float_rows(const void *x, int bf16, int64_t count, float **owned) {
+    *owned = NULL;
+    if (!bf16) return (const float *)x;
+    float *copy = malloc((size_t)count * sizeof *copy);
+    if (copy == NULL) return NULL;
+    for (int64_t i = 0; i < count; ++i) copy[i] = bf16_to_float(((const uint16_t *)x)[i]);
+    return *owned = copy;
+}
+
+/* Rows `rows` (all n rows if NULL) of W, dequantized into out (num_rows, k), float32 or bf16. */
+int gguf_dequantize(const uint8_t *w, int type, const int64_t *rows, int64_t num_rows, int64_t k,
+                    void *out, int out_bf16) {
+    const int64_t bb = block_bytes(type), nb = k / QK;
+    if (bb == 0 || k % QK) return 1;
+    #pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < num_rows; ++r) {
+        const uint8_t *row = w + (rows ? rows[r] : r) * nb * bb;
+        float block[QK];
+        for (int64_t b = 0; b < nb; ++b) {
+            dequantize_block(row + b * bb, type, block);
+            for (int i = 0; i < QK; ++i) store(out, out_bf16, r * k + b * QK + i, block[i]);
+        }
+    }
+    return 0;
+}
+
+int gguf_matmul_float(const void *x, int bf16, const uint8_t *w, int type, void *y,
+                      int64_t m, int64_t n, int64_t k) {
+    const int64_t bb = block_bytes(type), nb = k / QK;
+    if (bb == 0 || k % QK) return 1;
+    float *owned;
+    const float *xf = float_rows(x, bf16, m * k, &owned);
+    if (xf == NULL) return 2;
+    #pragma omp parallel for schedule(static)
+    for (int64_t j = 0; j < n; ++j) {
+        const uint8_t *row = w + j * nb * bb;
+        for (int64_t t0 = 0; t0 < m; t0 += TILE) {
+            const int tm = m - t0 < TILE ? (int)(m - t0) : TILE;
+            float acc[TILE][QK] = {{0}};
+            float block[QK];
+            for (int64_t b = 0; b < nb; ++b) {
+                dequantize_block(row + b * bb, type, block);
+                for (int t = 0; t < tm; ++t) {
+                    const float *xt = xf + (t0 + t) * k + b * QK;
+                    for (int i = 0; i < QK; ++i) acc[t][i] += block[i] * xt[i];
+                }
+            }
+            for (int t = 0; t < tm; ++t) {
+                float sum = 0.0f;
+                for (int i = 0; i < QK; ++i) sum += acc[t][i];
+                store(y, bf16, (t0 + t) * n + j, sum);
+            }
+        }
+    }
+    free(owned);
+    return 0;
+}
+
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+#include <immintrin.h>
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define DPBUSD _mm256_dpbusd_epi32      /* sum of 4 u8 * s8 products into each int32 lane */
+#else
+#define DPBUSD _mm256_dpbusd_avx_epi32
+#endif
+
+int gguf_int8_supported(void) { return 1; }
+
+/* Codes of one block of x: qx = round(x / dx), dx = max|x| / 127; *sum = sum of the codes. */
+static void quantize_block(const float *x, int8_t *qx, float *dx, int32_t *sum) {
+    float amax = 0.0f;
+    for (int i = 0; i < QK; ++i) amax = fmaxf(amax, fabsf(x[i]));
+    const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+    int32_t s = 0;
+    for (int i = 0; i < QK; ++i) {
+        qx[i] = (int8_t)nearbyintf(x[i] * id);
+        s += qx[i];
+    }
+    *dx = d;
+    *sum = s;
+}
+
+/* The 32 codes of a weight block as bytes: unsigned nibbles (Q4_1) or signed (Q4_0, Q8_0). */
+static inline __m256i weight_codes(const uint8_t *b, int type) {
+    if (type == TYPE_Q8_0) return _mm256_loadu_si256((const __m256i *)(b + 2));
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)(b + (type == TYPE_Q4_1 ? 4 : 2)));
+    const __m128i low = _mm_set1_epi8(15);
+    const __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), low), _mm_and_si128(bytes, low));
+    return type == TYPE_Q4_0 ? _mm256_sub_epi8(q, _mm256_set1_epi8(8)) : q;
+}
+
+static inline float reduce(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* One weight row times up to TILE rows of quantized x; `type` is a constant in each caller. */
+static inline __attribute__((always_inline)) void row_int8(
+        const uint8_t *row, int type, const int8_t *qx, const float *dx, const int32_t *sx,
+        void *y, int bf16, int64_t j, int64_t t0, int tm, int64_t n, int64_t k) {
+    const int64_t bb = block_bytes(type), nb = k / QK;
+    __m256 acc[TILE];
+    float shift[TILE] = {0};  /* Q4_1: sum over blocks of m * dx * sum(qx) */
+    for (int t = 0; t < TILE; ++t) acc[t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t *blk = row + b * bb;
+        const float dw = half_to_float(blk);
+        const __m256i q = weight_codes(blk, type);
+        /* vpdpbusd multiplies unsigned by signed bytes: signed weight codes give their sign to x. */
+        const __m256i wu = type == TYPE_Q4_1 ? q : _mm256_sign_epi8(q, q);
+        for (int t = 0; t < tm; ++t) {
+            const int64_t xb = (t0 + t) * nb + b;
+            __m256i xs = _mm256_loadu_si256((const __m256i *)(qx + xb * QK));
+            if (type != TYPE_Q4_1) xs = _mm256_sign_epi8(xs, q);
+            const __m256i dot = DPBUSD(_mm256_setzero_si256(), wu, xs);
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dw * dx[xb]), acc[t]);
+            if (type == TYPE_Q4_1) shift[t] += half_to_float(blk + 2) * dx[xb] * (float)sx[xb];
+        }
+    }
+    for (int t = 0; t < tm; ++t) store(y, bf16, (t0 + t) * n + j, reduce(acc[t]) + shift[t]);
+}
+
+int gguf_matmul_int8(const void *x, int bf16, const uint8_t *w, int type, void *y,
+                     int64_t m, int64_t n, int64_t k) {
+    const int64_t bb = block_bytes(type), nb = k / QK;
+    if (bb == 0 || k % QK) return 1;
+    float *owned;
+    const float *xf = float_rows(x, bf16, m * k, &owned);
+    int8_t *qx = malloc((size_t)(m * k));
+    float *dx = malloc((size_t)(m * nb) * sizeof *dx);
+    int32_t *sx = malloc((size_t)(m * nb) * sizeof *sx);
+    if (xf == NULL || qx == NULL || dx == NULL || sx == NULL) {
+        free(owned); free(qx); free(dx); free(sx);
+        return 2;
+    }
+    #pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < m * nb; ++i) quantize_block(xf + i * QK, qx + i * QK, dx + i, sx + i);
+    #pragma omp parallel for schedule(static)
+    for (int64_t j = 0; j < n; ++j) {
+        const uint8_t *row = w + j * nb * bb;
+        for (int64_t t0 = 0; t0 < m; t0 += TILE) {
+            const int tm = m - t0 < TILE ? (int)(m - t0) : TILE;
+            switch (type) {
+            case TYPE_Q8_0: row_int8(row, TYPE_Q8_0, qx, dx, sx, y, bf16, j, t0, tm, n, k); break;
+            case TYPE_Q4_0: row_int8(row, TYPE_Q4_0, qx, dx, sx, y, bf16, j, t0, tm, n, k); break;
+            default: row_int8(row, TYPE_Q4_1, qx, dx, sx, y, bf16, j, t0, tm, n, k); break;
+            }
+        }
+    }
+    free(owned); free(qx); free(dx); free(sx);
+    return 0;
+}
+
+#else  /* no int8 dot products on this CPU: gguf_matmul_float serves */
+
+int gguf_int8_supported(void) { return 0; }
+
+int gguf_matmul_int8(const void *x, int bf16, const uint8_t *w, int type, void *y,
+                     int64_t m, int64_t n, int64_t k) {
+    (void)x; (void)bf16; (void)w; (void)type; (void)y; (void)m; (void)n; (void)k;
+    return 1;
+}
+
+#endif

@@ -1,0 +1,74 @@
+"""The C products on GGUF blocks (cpu_gguf_gemv.c), built on first use (vllm/platforms/c_build.py).
+
+Where the library cannot be built (no compiler, VLLM_CPU_C_KERNELS=0) the layers dequantize
+with the gguf package instead (gguf_linear.py); where the CPU has no int8 dot products,
+`int8_available()` is False and every product takes the float32 path.
+"""
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+
+from vllm.platforms.c_library import CFunction, CLibrary
+
+_ptr, _i64, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+_MATMUL = CFunction([_ptr, _int, _ptr, _int, _ptr, _i64, _i64, _i64])
+_LIBRARY = CLibrary(Path(__file__).with_name("cpu_gguf_gemv.c"),
+                    "GGUF weights are dequantized with the gguf package for every product",
+                    {"gguf_matmul_float": _MATMUL, "gguf_matmul_int8": _MATMUL,
+                     "gguf_int8_supported": CFunction([]),
+                     "gguf_dequantize": CFunction([_ptr, _int, _ptr, _i64, _i64, _ptr, _int])})
+
+
+def available() -> bool:
+    """Whether the C kernels are built here (builds them on the first call)."""
+    return _LIBRARY.get() is not None
+
+
+@functools.cache
+def int8_available() -> bool:
+    """Whether this build has the int8-activation product (AVX512-VNNI or AVX-VNNI)."""
+    lib = _LIBRARY.get()
+    return lib is not None and lib.gguf_int8_supported() == 1
+
+
+def _check(x: torch.Tensor, blocks: torch.Tensor) -> None:
+    assert x.dtype in (torch.float32, torch.bfloat16) and x.dim() == 2
+    assert blocks.dtype == torch.uint8 and blocks.is_contiguous()
+
+
+def matmul(x: torch.Tensor, blocks: torch.Tensor, quant_type: int, int8_activations: bool) -> torch.Tensor:
+    """x: (M, K) float32 or bf16; blocks: (N, row bytes) of `quant_type` -> (M, N) in x's dtype.
+
+    `int8_activations` quantizes x per block of 32 to int8 (only where `int8_available()`)."""
+    lib = _LIBRARY.get()
+    assert lib is not None and (not int8_activations or int8_available())
+    _check(x, blocks)
+    x = x.contiguous()
+    (m, k), n = x.shape, blocks.shape[0]
+    y = x.new_empty(m, n)                                                      # (M, N)
+    kernel = lib.gguf_matmul_int8 if int8_activations else lib.gguf_matmul_float
+    status = kernel(x.data_ptr(), x.dtype == torch.bfloat16, blocks.data_ptr(), quant_type,
+                    y.data_ptr(), m, n, k)
+    assert status == 0, f"gguf matmul failed with status {status}"
+    return y
+
+
+def dequantize(blocks: torch.Tensor, quant_type: int, k: int, dtype: torch.dtype,
+               rows: torch.Tensor | None = None) -> torch.Tensor:
+    """blocks: (N, row bytes) -> (N, K), or (R, K) for the int64 row ids `rows` (R,), in dtype
+    (float32 or bf16; float32 values are the gguf package's exactly)."""
+    lib = _LIBRARY.get()
+    assert lib is not None and blocks.dtype == torch.uint8 and blocks.is_contiguous()
+    assert dtype in (torch.float32, torch.bfloat16)
+    if rows is not None:
+        rows = rows.to(torch.int64).contiguous()
+        assert rows.dim() == 1
+    count = blocks.shape[0] if rows is None else rows.shape[0]
+    out = torch.empty(count, k, dtype=dtype)                                   # (R, K)
+    status = lib.gguf_dequantize(blocks.data_ptr(), quant_type, None if rows is None else rows.data_ptr(),
+                                 count, k, out.data_ptr(), dtype == torch.bfloat16)
+    assert status == 0, f"gguf dequantize failed with status {status}"
+    return out
