@@ -75,8 +75,9 @@ class EngineArgs:
     override_generation_config: dict = arg(
         {}, "generation config fields over the loaded ones, e.g. '{\"temperature\": 0.5}'")
     quantization: str | None = arg(
-        None, "weight quantization; only unquantized checkpoints are supported yet (GGUF files "
-        "are dequantized when loaded)", aliases=["-q"])
+        None, "weight quantization; gguf: a .gguf model's Q8_0, Q4_0 and Q4_1 tensors stay in "
+        "their blocks and are dequantized inside the products (CPU). Default: unquantized, a .gguf "
+        "file's tensors dequantized to dtype when loaded", aliases=["-q"])
 
     # ---- the KV cache
     block_size: int = arg(128, "tokens per KV cache block")
@@ -160,9 +161,20 @@ class EngineArgs:
         if self.data_parallel_size != 1:
             raise ValueError(f"data_parallel_size={self.data_parallel_size} is not supported yet: "
                              "one engine serves; use data_parallel_size=1")
-        if self.quantization is not None:
-            raise ValueError(f"quantization={self.quantization!r} is not supported yet: load an "
+
+    def _check_quantization(self, platform: Platform, source: ModelSource) -> None:
+        if self.quantization is None:
+            return
+        if self.quantization not in platform.supported_quantization:
+            supported = ", ".join(map(repr, platform.supported_quantization)) or "none, unquantized weights only"
+            raise ValueError(f"quantization={self.quantization!r} is not supported yet on "
+                             f"{platform.device_type} (supported there: {supported}); load an "
                              "unquantized checkpoint (or a .gguf file, dequantized when loaded)")
+        if self.quantization == "gguf" and source.gguf_file is None:
+            raise ValueError(f"quantization='gguf' needs a .gguf model; {source.display_name} is not one")
+        if self.tensor_parallel_size != 1:
+            raise ValueError(f"quantization={self.quantization!r} runs on one rank; got "
+                             f"tensor_parallel_size={self.tensor_parallel_size}")
 
     def _log_settings_that_do_not_apply(self, platform: Platform) -> None:
         default = {f.name: f.default for f in dataclasses.fields(EngineArgs)}
@@ -203,6 +215,7 @@ class EngineArgs:
 
         source = resolve_model_source(self.model, trust_remote_code=self.trust_remote_code,
                                       revision=self.revision, download_dir=self.download_dir)
+        self._check_quantization(platform, source)
         tokenizer_source = source
         if self.tokenizer is not None:
             tokenizer_source = resolve_model_source(
@@ -228,6 +241,7 @@ class EngineArgs:
         model_config = ModelConfig(
             model=source.display_name, tokenizer=tokenizer_source.display_name, hf_config=hf_config,
             dtype=dtype, max_model_len=max_model_len, seed=self.seed, gguf_file=source.gguf_file,
+            quantization=self.quantization,
             max_logprobs=self.max_logprobs, trust_remote_code=self.trust_remote_code,
             generation_config=self.generation_config,
             generation_config_fields=self._load_generation_config(source, hf_config),

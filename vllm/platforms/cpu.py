@@ -79,6 +79,8 @@ class CpuPlatform(Platform):
     # than oneDNN at larger padded sizes, so small buckets pay; 2, not 1, because dynamo gives
     # size 1 a graph of its own while 2 shares the symbolic one.
     min_token_bucket = 2
+    # GGUF blocks kept quantized (vllm/model_executor/layers/quantization/).
+    supported_quantization = ("gguf",)
 
     def __init__(self) -> None:
         super().__init__()

@@ -51,6 +51,8 @@ class HpuPlatform(Platform):
     dist_backend = "hccl"  # Habana's collectives library
     ray_device_key = "HPU"
     sizes_kv_cache_from_device_memory = True
+    # No quantized kernels yet (Gaudi's users serve fp8, a later step): unquantized weights only.
+    supported_quantization = ()
 
     def __init__(self) -> None:
         super().__init__()

@@ -40,6 +40,8 @@ class Platform:
     dist_backend: str = "gloo"
     # The Ray resource a rank's bundle of the placement group asks for, one unit a rank.
     ray_device_key: str = "CPU"
+    # The `quantization` methods whose kernels this platform has.
+    supported_quantization: tuple[str, ...] = ()
 
     def __init__(self) -> None:
         self.region_stats = RegionStats()

@@ -34,7 +34,7 @@ class Worker:
                                          self.platform.dist_backend)
         start = time.perf_counter()
         model = load_model(source, config.model.hf_config, config.model.dtype,
-                           config.model.max_model_len, self.platform.device)
+                           config.model.max_model_len, self.platform.device, config.model.quantization)
         logger.info("Loaded %s (%s%s) in %.1f s", source.display_name, config.model.dtype,
                     f", TP rank {self.rank} of {world_size}" if world_size > 1 else "",
                     time.perf_counter() - start)

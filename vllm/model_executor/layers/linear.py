@@ -26,6 +26,7 @@ from torch import nn
 
 from vllm.model_executor.layers import cpu_gemv, cpu_tile_gemm
 from vllm.model_executor.layers.activation import silu_and_mul
+from vllm.model_executor.layers.quantization import gguf_linear
 
 PACKED_MAX_ROWS = 512
 
@@ -101,6 +102,8 @@ class Linear(nn.Linear):
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x @ weight^T (+ bias): (T, in) -> (T, out), on the packed copy where there is one."""
+        if gguf_linear.is_quantized(self.weight):
+            return gguf_linear.linear(x, self.weight, bias)
         if not self.packed:
             return F.linear(x, self.weight, bias)
         if torch.compiler.is_compiling():
@@ -145,7 +148,8 @@ def silu_mul_linear(layer: Linear, x: torch.Tensor) -> torch.Tensor | None:
 
 
 def pack_linear_weights(model: nn.Module) -> None:
-    """Packs every `Linear` of a loaded CPU bf16 model (weights must not change afterwards)."""
+    """Packs every `Linear` of a loaded CPU bf16 model (weights must not change afterwards);
+    weights kept quantized stay as they are."""
     for module in model.modules():
-        if isinstance(module, Linear):
+        if isinstance(module, Linear) and not gguf_linear.is_quantized(module.weight):
             module.pack()

@@ -18,6 +18,7 @@ from torch import nn
 
 from vllm.distributed import get_tp_group, split_range
 from vllm.model_executor.layers.linear import Linear
+from vllm.model_executor.layers.quantization.gguf_linear import is_quantized
 
 
 def _check_shape(name: str, got: torch.Size, want: tuple[int, ...]) -> None:
@@ -75,6 +76,11 @@ class RowParallelLinear(Linear):
         self.tp = tp
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: int | None) -> None:
+        if is_quantized(param):  # rows of GGUF blocks span every input column: one rank only
+            assert self.input_slice == (0, self.full_input_size)
+            _check_shape("a row-parallel layer", loaded.shape, tuple(param.shape))
+            param.data.copy_(loaded)
+            return
         _check_shape("a row-parallel layer", loaded.shape, (param.shape[0], self.full_input_size))
         param.data.copy_(loaded.narrow(1, *self.input_slice))
 

@@ -18,6 +18,7 @@ from torch import nn
 
 from vllm.distributed import get_tp_group
 from vllm.model_executor.layers.linear import Linear
+from vllm.model_executor.layers.quantization import gguf_linear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -42,11 +43,12 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids: (T,) -> (T, hidden)."""
+        lookup = gguf_linear.embedding if gguf_linear.is_quantized(self.weight) else F.embedding
         if self.tp.world_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return lookup(input_ids, self.weight)
         local = input_ids - self.vocab_start                                     # (T,)
         outside = (local < 0) | (local >= self.shard_rows)
-        rows = F.embedding(local.masked_fill(outside, 0), self.weight)          # (T, hidden)
+        rows = lookup(local.masked_fill(outside, 0), self.weight)               # (T, hidden)
         return self.tp.all_reduce(rows.masked_fill(outside.unsqueeze(1), 0))
 
 

@@ -5,13 +5,16 @@ import os
 import torch
 from torch import nn
 
+from vllm.logger import init_logger
 from vllm.model_executor.model_loader.gguf_weights import iter_gguf_weights
 from vllm.model_executor.model_loader.hf_weights import iter_hf_weights
 from vllm.model_executor.model_loader.source import ModelSource, resolve_model_source
 from vllm.model_executor.models.registry import resolve_model_class
 
+logger = init_logger(__name__)
+
 __all__ = ["ModelSource", "resolve_model_source", "load_hf_config", "load_generation_config",
-           "load_tokenizer", "load_model", "model_weight_bytes"]
+           "load_tokenizer", "load_model", "model_weight_bytes", "resident_weight_bytes"]
 
 
 def load_hf_config(source: ModelSource):
@@ -53,15 +56,28 @@ def model_weight_bytes(hf_config, dtype: torch.dtype) -> int:
 
 
 def load_model(source: ModelSource, hf_config, dtype: torch.dtype, max_position: int,
-               device: torch.device) -> nn.Module:
+               device: torch.device, quantization: str | None = None) -> nn.Module:
     """Instantiates the model class for `hf_config` in `dtype` and fills it from the checkpoint,
-    one tensor at a time: host memory peaks at the model in `dtype` plus one checkpoint tensor."""
+    one tensor at a time: host memory peaks at the model in `dtype` plus one checkpoint tensor.
+    With quantization="gguf" the GGUF file's quantized matrices stay in their blocks: the
+    model's dense weights are created but never written (so never resident) before the blocks
+    replace them."""
     model_class = resolve_model_class(hf_config)
     model = model_class(hf_config, max_position=max_position, dtype=dtype)
     if source.gguf_file:
         weights = iter_gguf_weights(os.path.join(source.directory, source.gguf_file),
-                                    hf_config.num_attention_heads, hf_config.num_key_value_heads)
+                                    hf_config.num_attention_heads, hf_config.num_key_value_heads,
+                                    keep_quantized=quantization == "gguf")
     else:
+        assert quantization is None, "quantization is checked against the checkpoint by EngineArgs"
         weights = iter_hf_weights(source.directory)
     model.load_weights(weights)
-    return model.to(device=device, dtype=dtype).eval()
+    model = model.to(device=device, dtype=dtype).eval()  # weights of blocks keep their uint8
+    logger.info("Model weights: %.1f MiB resident (%s)", resident_weight_bytes(model) / 2**20,
+                quantization or "unquantized")
+    return model
+
+
+def resident_weight_bytes(model: nn.Module) -> int:
+    """Bytes the model's parameters hold in memory (rows of GGUF blocks at their own size)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())

@@ -1,9 +1,12 @@
-"""Reads a GGUF checkpoint's tensors, dequantized, under Hugging Face Llama parameter names."""
+"""Reads a GGUF checkpoint's tensors under Hugging Face Llama parameter names: dequantized to
+float32, or, with `keep_quantized`, its Q8_0/Q4_0/Q4_1 matrices left in their blocks."""
 
 from collections.abc import Iterator
 
 import numpy as np
 import torch
+
+from vllm.model_executor.layers.quantization import gguf_blocks
 
 # GGUF tensor name (after "blk.N.") -> Hugging Face name (after "model.layers.N.").
 _LAYER_NAMES = {
@@ -46,21 +49,36 @@ def _unpermute_rope(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def iter_gguf_weights(path: str, num_heads: int, num_kv_heads: int) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yields (hf_name, float32 tensor) for every tensor in the file."""
-    from gguf import GGUFReader, dequantize
+def iter_gguf_weights(path: str, num_heads: int, num_kv_heads: int, keep_quantized: bool = False
+                      ) -> Iterator[tuple[str, torch.Tensor | gguf_blocks.GGUFBlocks]]:
+    """Yields (hf_name, float32 tensor) for every tensor in the file; with `keep_quantized`,
+    (hf_name, GGUFBlocks) for its quantized matrices, which must then all be of a type the
+    kernels take (float tensors, such as norms, are float32 tensors either way)."""
+    from gguf import GGMLQuantizationType, GGUFReader, dequantize
 
     reader = GGUFReader(path)
     arch = reader.fields["general.architecture"].contents()
     if arch != "llama":
         raise ValueError(f"GGUF architecture {arch!r} is not supported (only 'llama')")
+    float_types = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
     for tensor in reader.tensors:
         name = _hf_name(tensor.name)
         # GGUF lists dims fastest-first; numpy's shape is the reverse.
         shape = tuple(int(d) for d in reversed(tensor.shape))
-        weights = dequantize(tensor.data, tensor.tensor_type).reshape(shape).astype(np.float32)
+        quantized = keep_quantized and tensor.tensor_type not in float_types
+        if quantized and not (gguf_blocks.is_supported(tensor.tensor_type) and len(shape) == 2):
+            raise ValueError(
+                f"GGUF tensor {tensor.name!r} is {tensor.tensor_type.name}, which quantization='gguf' "
+                f"cannot keep quantized (supported: {', '.join(gguf_blocks.supported_type_names())}); "
+                "load it without quantization to dequantize every tensor")
+        if quantized:  # rows of blocks: (rows, row bytes)
+            weights = np.asarray(tensor.data).reshape(shape[0], -1)
+        else:
+            weights = dequantize(tensor.data, tensor.tensor_type).reshape(shape).astype(np.float32)
+        # Both permutations move whole rows, so they apply to rows of blocks as they are.
         if name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):
             weights = _unpermute_rope(weights, num_heads)
         elif name.endswith("k_proj.weight") or name.endswith("k_proj.bias"):
             weights = _unpermute_rope(weights, num_kv_heads)
-        yield name, torch.from_numpy(np.ascontiguousarray(weights))
+        weights = torch.from_numpy(np.require(weights, requirements=["C", "W"]))  # blocks: off the file's map
+        yield name, gguf_blocks.GGUFBlocks(weights, int(tensor.tensor_type), shape[1]) if quantized else weights

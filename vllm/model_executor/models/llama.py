@@ -25,6 +25,8 @@ from vllm.model_executor.layers.activation import silu_and_mul
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import silu_mul_linear
 from vllm.model_executor.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
+from vllm.model_executor.layers.quantization import gguf_linear
+from vllm.model_executor.layers.quantization.gguf_blocks import GGUFBlocks
 from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding, apply_rotary
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from vllm.model_executor.models.llama_cpu_layers import FusedLayers
@@ -190,8 +192,9 @@ class LlamaForCausalLM(nn.Module):
         """CPU, bf16: from now on eager steps that the C kernels take run each layer as one C
         call, where the kernels build here. Call once the weights are loaded (and packed);
         returns the C path. None with tensor parallelism: the C layers have no all-reduce, so
-        sharded layers run op by op."""
-        if get_tp_group().world_size > 1:
+        sharded layers run op by op, and so do weights kept quantized: the C layers take bf16
+        weights only."""
+        if get_tp_group().world_size > 1 or any(gguf_linear.is_quantized(p) for p in self.parameters()):
             return None
         self.model.fused_layers = FusedLayers.build(self.model)
         return self.model.fused_layers
@@ -205,9 +208,10 @@ class LlamaForCausalLM(nn.Module):
         """(S, this rank's vocab rows) -> (S, vocab) on rank 0; None on the other ranks."""
         return self.lm_head.gather_logits(local)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | GGUFBlocks]]) -> None:
         """Copies checkpoint tensors in, each parameter its rank's slice (its `weight_loader`);
-        every parameter must be written, every shape must match."""
+        every parameter must be written, every shape must match. A weight given as GGUF blocks
+        becomes rows of those blocks (gguf_linear.load_blocks); all of its tensors must be."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         with torch.no_grad():
@@ -224,6 +228,8 @@ class LlamaForCausalLM(nn.Module):
                 if target not in params:
                     raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
                 param = params[target]
+                if isinstance(tensor, GGUFBlocks) or gguf_linear.is_quantized(param):
+                    tensor = self._blocks_for(param, target, tensor, loaded)
                 loader = getattr(param, "weight_loader", None)
                 if loader is not None:
                     try:
@@ -242,3 +248,13 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint is missing tensors for: {missing[:8]}"
                              + (" ..." if len(missing) > 8 else ""))
+
+    @staticmethod
+    def _blocks_for(param: nn.Parameter, target: str, tensor: torch.Tensor | GGUFBlocks,
+                    loaded: set[str]) -> torch.Tensor:
+        """The rows of blocks to copy into `param` (made a weight of blocks on its first tensor);
+        a parameter is all blocks or all dense."""
+        written = any(name.split("#")[0] == target for name in loaded)
+        if not isinstance(tensor, GGUFBlocks) or (written and not gguf_linear.is_quantized(param)):
+            raise ValueError(f"{target} is loaded from both quantized and unquantized GGUF tensors")
+        return gguf_linear.load_blocks(param, tensor)

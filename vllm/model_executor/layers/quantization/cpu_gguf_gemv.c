@@ -109,11 +109,14 @@ static const float *float_rows(const void *x, int bf16, int64_t count, float **o
     return *owned = copy;
 }
 
-/* Rows `rows` (all n rows if NULL) of W, dequantized into out (num_rows, k), float32 or bf16. */
-int gguf_dequantize(const uint8_t *w, int type, const int64_t *rows, int64_t num_rows, int64_t k,
-                    void *out, int out_bf16) {
+/* Rows `rows` (the first num_rows if NULL) of W's n rows, dequantized into out (num_rows, k),
+ * float32 or bf16. Returns 3, writing nothing, if a row is not in [0, n). */
+int gguf_dequantize(const uint8_t *w, int type, const int64_t *rows, int64_t num_rows, int64_t n,
+                    int64_t k, void *out, int out_bf16) {
     const int64_t bb = block_bytes(type), nb = k / QK;
     if (bb == 0 || k % QK) return 1;
+    for (int64_t r = 0; r < num_rows; ++r)
+        if ((rows ? rows[r] : r) < 0 || (rows ? rows[r] : r) >= n) return 3;
     #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < num_rows; ++r) {
         const uint8_t *row = w + (rows ? rows[r] : r) * nb * bb;

