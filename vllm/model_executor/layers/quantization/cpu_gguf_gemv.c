@@ -16,7 +16,7 @@
  *
  * Two products, both with float32 sums:
  *   gguf_matmul_float  x in float32 (bf16 x widened): each block dequantized to float32 exactly
- *                      as the gguf package does, then multiplied; portable C.
+ *                      as the gguf package does, then multiplied; AVX-512, else portable C.
  *   gguf_matmul_int8   x quantized per 32-block to int8 like llama.cpp's Q8 activation blocks
  *                      (dx = max|x| / 127, qx = round-to-nearest-even(x / dx)), integer dot
  *                      products of weight and activation codes (vpdpbusd, exact in int32), then
@@ -34,7 +34,7 @@
 
 #include "bf16.h"
 
-#ifdef __F16C__
+#if defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -129,6 +129,49 @@ int gguf_dequantize(const uint8_t *w, int type, const int64_t *rows, int64_t num
     return 0;
 }
 
+#ifdef __AVX512F__
+/* A block as 2 x 16 float32, with dequantize_block's roundings (a multiply, then an add). */
+static inline void dequantize_block16(const uint8_t *b, int type, __m512 *lo, __m512 *hi) {
+    const __m512 d = _mm512_set1_ps(half_to_float(b));
+    if (type == TYPE_Q8_0) {
+        *lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 2)))), d);
+        *hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 18)))), d);
+        return;
+    }
+    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + (type == TYPE_Q4_1 ? 4 : 2))));
+    __m512i qlo = _mm512_and_si512(q, _mm512_set1_epi32(15)), qhi = _mm512_srli_epi32(q, 4);
+    if (type == TYPE_Q4_0) {
+        qlo = _mm512_sub_epi32(qlo, _mm512_set1_epi32(8));
+        qhi = _mm512_sub_epi32(qhi, _mm512_set1_epi32(8));
+    }
+    *lo = _mm512_mul_ps(_mm512_cvtepi32_ps(qlo), d);
+    *hi = _mm512_mul_ps(_mm512_cvtepi32_ps(qhi), d);
+    if (type == TYPE_Q4_1) {
+        const __m512 m = _mm512_set1_ps(half_to_float(b + 2));
+        *lo = _mm512_add_ps(*lo, m);
+        *hi = _mm512_add_ps(*hi, m);
+    }
+}
+
+static inline __attribute__((always_inline)) void row_float(
+        const uint8_t *row, int type, const float *xf, void *y, int bf16, int64_t j, int64_t t0,
+        int tm, int64_t n, int64_t k) {
+    const int64_t bb = block_bytes(type), nb = k / QK;
+    __m512 acc[TILE];
+    for (int t = 0; t < TILE; ++t) acc[t] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+        __m512 lo, hi;
+        dequantize_block16(row + b * bb, type, &lo, &hi);
+        for (int t = 0; t < tm; ++t) {
+            const float *xt = xf + (t0 + t) * k + b * QK;
+            acc[t] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xt), acc[t]);
+            acc[t] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xt + 16), acc[t]);
+        }
+    }
+    for (int t = 0; t < tm; ++t) store(y, bf16, (t0 + t) * n + j, _mm512_reduce_add_ps(acc[t]));
+}
+#endif
+
 int gguf_matmul_float(const void *x, int bf16, const uint8_t *w, int type, void *y,
                       int64_t m, int64_t n, int64_t k) {
     const int64_t bb = block_bytes(type), nb = k / QK;
@@ -141,6 +184,14 @@ int gguf_matmul_float(const void *x, int bf16, const uint8_t *w, int type, void 
         const uint8_t *row = w + j * nb * bb;
         for (int64_t t0 = 0; t0 < m; t0 += TILE) {
             const int tm = m - t0 < TILE ? (int)(m - t0) : TILE;
+#ifdef __AVX512F__
+            switch (type) {
+            case TYPE_Q8_0: row_float(row, TYPE_Q8_0, xf, y, bf16, j, t0, tm, n, k); break;
+            case TYPE_Q4_0: row_float(row, TYPE_Q4_0, xf, y, bf16, j, t0, tm, n, k); break;
+            default: row_float(row, TYPE_Q4_1, xf, y, bf16, j, t0, tm, n, k); break;
+            }
+            continue;
+#endif
             float acc[TILE][QK] = {{0}};
             float block[QK];
             for (int64_t b = 0; b < nb; ++b) {
@@ -212,7 +263,7 @@ static inline __attribute__((always_inline)) void row_int8(
     for (int t = 0; t < TILE; ++t) acc[t] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
         const uint8_t *blk = row + b * bb;
-        const float dw = half_to_float(blk);
+        const float dw = half_to_float(blk), mw = type == TYPE_Q4_1 ? half_to_float(blk + 2) : 0.0f;
         const __m256i q = weight_codes(blk, type);
         /* vpdpbusd multiplies unsigned by signed bytes: signed weight codes give their sign to x. */
         const __m256i wu = type == TYPE_Q4_1 ? q : _mm256_sign_epi8(q, q);
@@ -222,7 +273,7 @@ static inline __attribute__((always_inline)) void row_int8(
             if (type != TYPE_Q4_1) xs = _mm256_sign_epi8(xs, q);
             const __m256i dot = DPBUSD(_mm256_setzero_si256(), wu, xs);
             acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dw * dx[xb]), acc[t]);
-            if (type == TYPE_Q4_1) shift[t] += half_to_float(blk + 2) * dx[xb] * (float)sx[xb];
+            if (type == TYPE_Q4_1) shift[t] += mw * dx[xb] * (float)sx[xb];
         }
     }
     for (int t = 0; t < tm; ++t) store(y, bf16, (t0 + t) * n + j, reduce(acc[t]) + shift[t]);
