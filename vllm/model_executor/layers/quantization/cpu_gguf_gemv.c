@@ -292,7 +292,7 @@ int gguf_matmul_int8(const void *x, int bf16, const uint8_t *w, int type, void *
         free(owned); free(qx); free(dx); free(sx);
         return 2;
     }
-    #pragma omp parallel for schedule(static)
+    /* A few rows of x (the caller's GEMV rows): quantized by one thread, no second fork. */
     for (int64_t i = 0; i < m * nb; ++i) quantize_block(xf + i * QK, qx + i * QK, dx + i, sx + i);
     #pragma omp parallel for schedule(static)
     for (int64_t j = 0; j < n; ++j) {
