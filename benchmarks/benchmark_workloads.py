@@ -44,6 +44,11 @@ class Engine:
         self.llm, self.init_seconds = engine_setup.build_llm(args, **overrides)
         self.engine = self.llm.llm_engine
 
+    def resident_weight_bytes(self) -> int:
+        """Bytes of the model's weights in memory (quantized ones at their own size); one rank."""
+        from vllm.model_executor.model_loader import resident_weight_bytes
+        return resident_weight_bytes(self.engine.runner.model)
+
     def generate(self, prompts: list[list[int]], output_len: int) -> float:
         from vllm import SamplingParams
         params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
@@ -186,6 +191,8 @@ def run(args: argparse.Namespace) -> dict:
             res["C_decode_tokens_per_s"] = rate
             if backend != "llama.cpp":
                 weight_bytes = params["total"] * bytes_per_param  # a tied LM head counts once
+                if backend == "vllm" and args.quantization is not None:  # the blocks' own bytes
+                    weight_bytes = runner.resident_weight_bytes()
                 res["C_fraction_of_memory_bandwidth"] = (weight_bytes * rate /
                                                          result["machine_roofline"]["memory"]["bytes_per_s"])
         if "D" in want:
