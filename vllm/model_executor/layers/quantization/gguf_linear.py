@@ -24,6 +24,7 @@ from torch import nn
 from vllm.model_executor.layers.quantization import cpu_gguf_gemv
 from vllm.model_executor.layers.quantization.gguf_blocks import GGUFBlocks, type_name
 
+# A fixed cut-over between the two products; choosing it per shape from timings is still to do.
 GEMV_MAX_ROWS = 16
 
 
