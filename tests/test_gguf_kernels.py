@@ -1,7 +1,11 @@
 """The C products on GGUF blocks (cpu_gguf_gemv.c) against the gguf package's dequantize followed
 by a float64 matmul, on blocks the gguf package quantizes from random weights."""
 
+import os
+import platform
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -109,3 +113,22 @@ def test_int8_product_is_where_the_isa_has_it():
     flags = cpu_flags()
     has_int8_dots = {"avx512_vnni", "avx512vl"} <= flags or "avx_vnni" in flags
     assert cpu_gguf_gemv.int8_available() == has_int8_dots
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="builds for x86-64-v3")
+def test_avx2_only_build_has_the_portable_float_product(tmp_path):
+    """Built as for an AVX2-only CPU (a compiler wrapper appending -march=x86-64-v3): no int8
+    product, and the portable float32 product passes this file's float tests."""
+    wrapper = tmp_path / "cc_avx2"
+    wrapper.write_text(f'#!/bin/sh\nexec {shutil.which("cc")} "$@" -march=x86-64-v3 -mtune=generic\n')
+    wrapper.chmod(0o755)
+    env = dict(os.environ, CC=str(wrapper), VLLM_CACHE_ROOT=str(tmp_path / "kernels"), VLLM_CPU_C_KERNELS="1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    probe = subprocess.run([sys.executable, "-c", "from vllm.model_executor.layers.quantization import "
+                            "cpu_gguf_gemv as g; print(g.available(), g.int8_available())"],
+                           cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert probe.stdout.split() == ["True", "False"], probe.stderr[-2000:]
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+                          "-k", "test_float_product_is or test_dequantize_is"], cwd=root, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0 and " passed" in run.stdout, run.stdout[-3000:]
