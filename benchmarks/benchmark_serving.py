@@ -462,10 +462,11 @@ def main(args: argparse.Namespace, extra_flags: list[str]) -> dict:
     start = time.perf_counter()
     if args.capacity_search:
         grid = serving_capacity.rate_grid(args.min_rate, args.max_rate, args.rate_steps)
-        typical, upper = serving_capacity.estimate_seconds(specs, grid, len(workload), startup_s=45.0 if launch else 0.0)
+        typical, upper = serving_capacity.estimate_seconds(specs, grid, len(workload),
+                                                           startup_s=60.0 if launch else 0.0)
         print(f"Capacity search: {len(specs)} server(s), rates {', '.join(f'{r:.3g}' for r in grid)} req/s; "
               f"estimated {typical / 60:.1f} min (at most {upper / 60:.1f} min)", flush=True)
-    for spec in specs:
+    for done, spec in enumerate(specs, 1):
         if not launch:
             one_server(base_url, spec, workload, intervals, args, slos, runs, searches)
             continue
@@ -475,7 +476,9 @@ def main(args: argparse.Namespace, extra_flags: list[str]) -> dict:
                                   "log": log_path}
             print(f"[{spec.name}] `vllm serve` up in {server.startup_seconds:.1f} s at {server.base_url}")
             one_server(server.base_url, spec, workload, intervals, args, slos, runs, searches)
-        print(f"[{spec.name}] done, {(time.perf_counter() - start) / 60:.1f} min since the start", flush=True)
+        elapsed = time.perf_counter() - start
+        print(f"[{spec.name}] done, {elapsed / 60:.1f} min since the start, about "
+              f"{elapsed / done * (len(specs) - done) / 60:.1f} min to go", flush=True)
 
     results: dict = {}
     if runs:
@@ -612,10 +615,11 @@ def make_parser() -> argparse.ArgumentParser:
                    help="capacity search: start one server per --itl-slo-ms target with "
                         "--max-step-latency-ms at that target (the largest budget the upper bound) "
                         "and one per fixed --max-num-batched-tokens budget, and compare them")
-    m.add_argument("--min-rate", type=float, default=0.5, help="capacity search: lowest rate (req/s)")
-    m.add_argument("--max-rate", type=float, default=8.0, help="capacity search: highest rate (req/s)")
-    m.add_argument("--rate-steps", type=int, default=9,
-                   help="capacity search: rates in the geometric grid from --min-rate to --max-rate")
+    m.add_argument("--min-rate", type=float, default=0.5, help="capacity search: lowest rate, req/s (default 0.5)")
+    m.add_argument("--max-rate", type=float, default=4.0, help="capacity search: highest rate, req/s (default 4)")
+    m.add_argument("--rate-steps", type=int, default=7,
+                   help="capacity search: rates in the geometric grid from --min-rate to --max-rate "
+                        "(default 7)")
     o = parser.add_argument_group("output")
     o.add_argument("--save-result", action="store_true", help="write the JSON (and the PNG)")
     o.add_argument("--result-dir", type=str, default=None, help="default benchmarks/results/")

@@ -205,11 +205,12 @@ def compare(specs: list[ServerSpec], searches: dict[str, dict]) -> list[dict]:
                "latency_target_capacity": latency_cap, "fixed_budget_capacity": fixed,
                "best_fixed_budget": None, "best_fixed_capacity": None,
                "latency_target_ge_best_fixed": None}
-        if fixed:
-            best = max(fixed, key=lambda b: (fixed[b] or 0.0, -b))
-            row["best_fixed_budget"], row["best_fixed_capacity"] = best, fixed[best]
-            if own and (latency_cap is not None or fixed[best] is not None):
-                row["latency_target_ge_best_fixed"] = (latency_cap or 0.0) >= (fixed[best] or 0.0)
+        met = {b: c for b, c in fixed.items() if c is not None}
+        if met:  # the smallest of the budgets that tie
+            best = max(met, key=lambda b: (met[b], -b))
+            row["best_fixed_budget"], row["best_fixed_capacity"] = best, met[best]
+        if own and fixed and (latency_cap is not None or met):
+            row["latency_target_ge_best_fixed"] = (latency_cap or 0.0) >= (row["best_fixed_capacity"] or 0.0)
         rows.append(row)
     return rows
 
@@ -235,7 +236,7 @@ def format_table(rows: list[dict], min_rate: float) -> str:
 
 
 def estimate_seconds(specs: list[ServerSpec], grid: list[float], num_prompts: int,
-                     startup_s: float = 45.0, drain_s: float = 10.0) -> tuple[float, float]:
+                     startup_s: float = 60.0, drain_s: float = 10.0) -> tuple[float, float]:
     """(typical, upper bound) wall time of a search: each server's start-up, then its probes, each
     the arrival window num_prompts / rate at the grid's middle rate plus a drain. Typical: one
     bisection per server plus one probe per further target; upper bound: max_probes()."""

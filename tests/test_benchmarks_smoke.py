@@ -484,7 +484,11 @@ def test_capacity_compare_budgets_verdict_per_target():
     assert [r["latency_target_ge_best_fixed"] for r in rows] == [True, True, False]
     table = sc.format_table(rows, 0.5)
     assert "budget 512" in table and table.count(" yes") == 2 and table.count(" NO") == 1
+    # Start-up plus probes of 24 / 2 req/s + 10 s: 4 per target server, 6 typical (9 at most) per budget one.
+    assert sc.estimate_seconds(specs, grid, 24) == (3 * (60 + 22 * 4) + 2 * (60 + 22 * 6),
+                                                    3 * (60 + 22 * 4) + 2 * (60 + 22 * 9))
     # No server meets a target at any rate: nothing to compare.
     none = {name: {"capacity": {"50": None}} for name in ("target-50ms", "budget-128")}
     row, = sc.compare(sc.budget_servers([], [50.0], [128]), none)
-    assert row["latency_target_ge_best_fixed"] is None and "n/a" in sc.format_table([row], 0.5)
+    assert row["latency_target_ge_best_fixed"] is None and row["best_fixed_budget"] is None
+    assert "n/a" in sc.format_table([row], 0.5)
