@@ -137,6 +137,22 @@ def make_workload(args: argparse.Namespace, tokenizer) -> list[dict]:
              "output_len": o, "kind": kind} for p, o, kind in specs]
 
 
+def fresh_prompts(workload: list[dict], tokenizer, seed: int, chat: bool) -> list[dict]:
+    """The workload with new random prompt tokens of the same lengths (dataset prompts stay as
+    they are): a capacity probe sends prompts of its own, so that the server's prefix cache does
+    not serve them from an earlier probe."""
+    vocab, special = workload_prompts.tokenizer_vocab(tokenizer)
+    rng = random.Random(seed)
+    out = []
+    for w in workload:
+        if w["kind"] != "dataset":
+            w = dict(w, prompt_token_ids=workload_prompts.random_token_ids(rng, w["prompt_len"], vocab, special))
+            if chat:
+                w["prompt_text"] = tokenizer.decode(w["prompt_token_ids"])
+        out.append(w)
+    return out
+
+
 def unit_intervals(n: int, burstiness: float, seed: int) -> list[float]:
     """Inter-arrival gaps for rate 1: gamma(shape=burstiness, scale=1/burstiness), mean 1."""
     import numpy as np
@@ -317,13 +333,14 @@ def warm_up(base_url: str, workload: list[dict], args: argparse.Namespace) -> No
         raise SystemExit(f"the warm-up request failed: {probe['errors'][0]}")
 
 
-def capacity_search(base_url, workload, intervals, args, slos, spec: serving_capacity.ServerSpec) -> dict:
-    """The server's capacity at each of its targets, on the rate grid all servers share."""
+def capacity_search(base_url, workload_at, intervals, args, slos, spec: serving_capacity.ServerSpec) -> dict:
+    """The server's capacity at each of its targets, on the rate grid all servers share;
+    `workload_at(rate)` is the workload a probe at `rate` sends (the same on every server)."""
     grid = serving_capacity.rate_grid(args.min_rate, args.max_rate, args.rate_steps)
     targets = [serving_capacity.Slo(t, args.ttft_slo_ms, args.ttft_slo_percentile) for t in spec.itl_targets_ms]
     return serving_capacity.search_server(
         spec.name, grid, targets,
-        lambda rate: run_mode(base_url, workload, intervals, rate, args, slos, f"{spec.name}-r{rate:g}"))
+        lambda rate: run_mode(base_url, workload_at(rate), intervals, rate, args, slos, f"{spec.name}-r{rate:g}"))
 
 
 # --------------------------------------------------------------------------- plot
@@ -415,13 +432,13 @@ def servers_to_measure(args: argparse.Namespace, extra_flags: list[str]) -> list
     return [serving_capacity.ServerSpec("server", [], targets)]
 
 
-def one_server(base_url, spec, workload, intervals, args, slos, runs, searches) -> None:
+def one_server(base_url, spec, workload, intervals, args, slos, runs, searches, workload_at=None) -> None:
     if args.model is None:  # the name the server answers to
         import httpx2
         args.served_model = httpx2.get(f"{base_url}/v1/models").json()["data"][0]["id"]
     warm_up(base_url, workload, args)
     if args.capacity_search:
-        searches[spec.name] = capacity_search(base_url, workload, intervals, args, slos, spec)
+        searches[spec.name] = capacity_search(base_url, workload_at, intervals, args, slos, spec)
     else:
         res = run_mode(base_url, workload, intervals, args.request_rate, args, slos, spec.name)
         runs[spec.name] = res
@@ -460,22 +477,26 @@ def main(args: argparse.Namespace, extra_flags: list[str]) -> dict:
     servers: dict[str, dict] = {}
     specs = servers_to_measure(args, extra_flags)
     start = time.perf_counter()
+    workload_at = None
     if args.capacity_search:
         grid = serving_capacity.rate_grid(args.min_rate, args.max_rate, args.rate_steps)
+        chat = args.endpoint.endswith("chat/completions")
+        variants = {rate: fresh_prompts(workload, tokenizer, args.seed + 1 + i, chat) for i, rate in enumerate(grid)}
+        workload_at = variants.__getitem__
         typical, upper = serving_capacity.estimate_seconds(specs, grid, len(workload),
                                                            startup_s=60.0 if launch else 0.0)
         print(f"Capacity search: {len(specs)} server(s), rates {', '.join(f'{r:.3g}' for r in grid)} req/s; "
               f"estimated {typical / 60:.1f} min (at most {upper / 60:.1f} min)", flush=True)
     for done, spec in enumerate(specs, 1):
         if not launch:
-            one_server(base_url, spec, workload, intervals, args, slos, runs, searches)
+            one_server(base_url, spec, workload, intervals, args, slos, runs, searches, workload_at)
             continue
         log_path = server_log_path(args, spec.name)
         with LaunchedServer(args.model, spec.flags, log_path=log_path) as server:
             servers[spec.name] = {"flags": spec.flags, "startup_seconds": server.startup_seconds,
                                   "log": log_path}
             print(f"[{spec.name}] `vllm serve` up in {server.startup_seconds:.1f} s at {server.base_url}")
-            one_server(server.base_url, spec, workload, intervals, args, slos, runs, searches)
+            one_server(server.base_url, spec, workload, intervals, args, slos, runs, searches, workload_at)
         elapsed = time.perf_counter() - start
         print(f"[{spec.name}] done, {elapsed / 60:.1f} min since the start, about "
               f"{elapsed / done * (len(specs) - done) / 60:.1f} min to go", flush=True)

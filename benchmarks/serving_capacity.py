@@ -111,7 +111,7 @@ def probe_from_run(rate: float, run: dict, ttft_percentile: float) -> Probe:
     gaps = [g for itl in run["itls"] for g in itl]
     ttfts = [t for t in run["ttfts"] if t is not None]
     details = {k: run[k] for k in ("completed", "duration", "request_throughput", "output_throughput",
-                                   "mean_ttft_ms", "median_ttft_ms", "median_itl_ms") if k in run}
+                                   "mean_ttft_ms", "median_ttft_ms", "median_itl_ms", "server") if k in run}
     return Probe(rate, float(np.percentile(gaps, 99)) * 1000 if gaps else 0.0,
                  float(np.percentile(ttfts, ttft_percentile)) * 1000 if ttfts else math.inf,
                  run["failed"], details)

@@ -337,17 +337,23 @@ def test_serving_capacity_search_against_a_running_server(tiny_checkpoints, tmp_
     with ServerThread(build_app(engine, ["tiny"])) as server:
         proc = run_script("benchmark_serving.py", "--base-url", server.url, "--tokenizer",
                           tiny_checkpoints["llama"], "--num-prompts", "5", "--dataset-name", "random",
-                          "--random-input-len", "16", "--random-output-len", "4", "--random-range-ratio",
-                          "0.5", "--endpoint", "/v1/chat/completions", "--max-concurrency", "2",
-                          "--capacity-search", "--itl-slo-ms", "600000", "--rate-steps", "2",
-                          "--min-rate", "1", "--max-rate", "100", "--output-json", str(out))
+                          "--random-input-len", "48", "--random-output-len", "4", "--random-range-ratio",
+                          "0.5", "--max-concurrency", "2",
+                          "--capacity-search", "--itl-slo-ms", "600000", "--ttft-slo-ms", "0.001",
+                          "--rate-steps", "3", "--min-rate", "1", "--max-rate", "100", "--output-json", str(out))
     check_ok(proc)
     result = json.loads(out.read_text())
     assert result["model_id"] == "tiny"  # asked from /v1/models
     search = result["capacity_search"]["servers"]["server"]
-    assert search["capacity"] == {"600000": 100}  # a 10-minute ITL SLO is met at the highest rate
-    assert len(search["probes"]) == 1 and search["probes"][0]["meets_itl_targets_ms"] == [600000]
-    assert search["probes"][0]["completed"] == 5
+    assert result["capacity_search"]["rate_grid"] == [1, 10, 100]
+    # No TTFT is under a microsecond: every probe misses, down to the lowest rate.
+    assert search["capacity"] == {"600000": None}
+    assert [p["request_rate"] for p in search["probes"]] == [1, 10]
+    assert all(p["completed"] == 5 and p["meets_itl_targets_ms"] == [] for p in search["probes"])
+    # Each probe sends prompts of its own: the prefix cache serves nothing from the one before
+    # (random token ids; a chat template would share its first tokens).
+    assert all(p["server"]["prefix_cache_hits"] == 0 for p in search["probes"])
+    assert "below 1 req/s" in proc.stdout
 
 
 def test_serving_capacity_latency_targets_against_fixed_budgets(tiny_checkpoints, tmp_path):
@@ -356,6 +362,7 @@ def test_serving_capacity_latency_targets_against_fixed_budgets(tiny_checkpoints
     out = tmp_path / "capacity_targets.json"
     proc = run_script("benchmark_serving.py", "--model", tiny_checkpoints["llama"], "--num-prompts", "3",
                       "--dataset-name", "random", "--random-input-len", "16", "--random-output-len", "4",
+                      "--endpoint", "/v1/chat/completions",
                       "--capacity-search", "--itl-slo-ms", "600000", "900000", "--compare-budgets", "32",
                       "--rate-steps", "2", "--min-rate", "1", "--max-rate", "100", *ENGINE,
                       "--output-json", str(out))
@@ -405,6 +412,23 @@ def test_serving_helpers():
     assert m["request_goodput"] == pytest.approx(1 / 4.0)  # only a meets TTFT <= 1 s
     assert m["request_throughput"] == pytest.approx(0.5)
     assert m["by_kind"]["long"]["mean_ttft_ms"] == pytest.approx(2000)
+    # Capacity probes send fresh random prompts of the same lengths; dataset prompts stay.
+    class Tokenizer:
+        all_special_ids = [0]
+
+        def __len__(self):
+            return 100
+
+        def decode(self, ids):
+            return " ".join(map(str, ids))
+
+    work = [{"prompt_token_ids": [5] * 30, "prompt_len": 30, "output_len": 3, "kind": "long"},
+            {"prompt_token_ids": [7, 8], "prompt_len": 2, "output_len": 1, "kind": "dataset"}]
+    a, b = bs.fresh_prompts(work, Tokenizer(), 1, chat=True), bs.fresh_prompts(work, Tokenizer(), 2, chat=False)
+    assert [len(w["prompt_token_ids"]) for w in a] == [30, 2] and a[1] is work[1]
+    assert a[0]["prompt_token_ids"] != b[0]["prompt_token_ids"] != work[0]["prompt_token_ids"]
+    assert a == bs.fresh_prompts(work, Tokenizer(), 1, chat=True) and 0 not in a[0]["prompt_token_ids"]
+    assert a[0]["prompt_text"] == Tokenizer().decode(a[0]["prompt_token_ids"]) and "prompt_text" not in b[0]
 
 
 def _fake_run(p99_itl_ms: float, ttft_ms: float, failed: int = 0) -> dict:
