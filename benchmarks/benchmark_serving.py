@@ -417,7 +417,8 @@ def server_flags(flags: list[str], chunked: bool) -> list[str]:
     """The engine flags for one of --compare-chunked's servers: chunking on or off; the
     unchunked server keeps its own token budget (a whole prompt must fit one step) and has no
     step latency target (it sizes chunks)."""
-    out = serving_capacity.drop_flags(flags, serving_capacity.BUDGET_SWITCHES, () if chunked else serving_capacity.BUDGET_OPTIONS)
+    dropped = () if chunked else serving_capacity.BUDGET_OPTIONS
+    out = serving_capacity.drop_flags(flags, serving_capacity.BUDGET_SWITCHES, dropped)
     return out + ["--enable-chunked-prefill" if chunked else "--no-enable-chunked-prefill"]
 
 

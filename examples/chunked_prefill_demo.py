@@ -170,8 +170,8 @@ def print_comparison(runs: dict[str, dict]) -> None:
           + " | ".join(f"{n:>{w}}" for n, w in zip(names, widths)))
     by_name = {n: {r["name"]: r for r in runs[n]["requests"]} for n in names}
     for row in sorted(runs[names[0]]["requests"], key=lambda r: r["arrival_s"]):
-        cells = [f"{by_name[n][row['name']]['ttft_s']:>6.2f}s, {by_name[n][row['name']]['steps_to_first_token']:>3} steps"
-                 for n in names]
+        same = [by_name[n][row["name"]] for n in names]
+        cells = [f"{r['ttft_s']:>6.2f}s, {r['steps_to_first_token']:>3} steps" for r in same]
         print(f"{row['name']:<8} | {row['prompt_tokens']:>6} | {row['arrival_s']:>6.2f}s | "
               + " | ".join(f"{c:>{w}}" for c, w in zip(cells, widths)))
     print("(TTFT, and the engine steps that ended from the arrival to the first token)")
