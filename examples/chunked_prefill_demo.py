@@ -272,14 +272,16 @@ def main() -> None:
         (8, "large_2", long_prompt(tok, args.long_tokens * 3 // 4, "computer memory")),
     ]
     print(f"=== chunked prefill (budget {args.max_num_batched_tokens} tokens per step) ===")
-    warm_up(llm, requests[-1][2])
+    # A prompt of its own: one of the timed ones would be served from the prefix cache.
+    warm_up_prompt = long_prompt(tok, args.long_tokens, "warming up")
+    warm_up(llm, warm_up_prompt)
     chunked = run(llm, requests, args.max_tokens)
     if args.compare:
         del llm
         llm = LLM(args.model, enable_chunked_prefill=False, max_num_batched_tokens=4096, max_num_seqs=64,
                   max_model_len=args.max_model_len, dtype=args.dtype)
         print("\n=== without chunked prefill (whole prompts, prefill steps before decodes) ===")
-        warm_up(llm, requests[-1][2])
+        warm_up(llm, warm_up_prompt)
         classic = run(llm, requests, args.max_tokens)
         print(f"\nlongest stall of a short request's decoding: {chunked['small_gap']:.2f} s chunked vs "
               f"{classic['small_gap']:.2f} s unchunked; wall time {chunked['wall']:.2f} s vs "
