@@ -1,11 +1,12 @@
 """The ray executor: TP=2 as Ray actors gives the tokens of TP=1, on one node and on a
-two-node cluster on loopback with one rank per node (`ray.cluster_utils.Cluster`)."""
+two-node cluster on loopback with one rank per node (`ray.cluster_utils.Cluster`); an actor
+killed mid-run fails the pending requests at once and leaves no process."""
 
 import os
 
 import pytest
 
-from tests.test_tensor_parallel import _engine, _generate
+from tests.test_tensor_parallel import _engine, _generate, check_a_killed_worker_fails_pending_requests
 from tests.utils import build_tiny_checkpoint
 
 # Ray takes this switch to mean: nodes join on the loopback address rather than the host's
@@ -60,3 +61,10 @@ def test_tp2_across_two_ray_nodes_matches_tp1(two_node_cluster, tiny_checkpoints
     assert {n["NodeManagerAddress"] for n in two_node_cluster.nodes()} == {"127.0.0.1"}
     assert _generate(llm) == want
     llm.llm_engine.shutdown()
+
+
+def test_a_killed_ray_actor_fails_pending_requests_and_the_engine_is_dead(local_ray, tiny_checkpoints):
+    # Ray ends an actor whose handles are gone or whose placement group is removed; the
+    # executor also kills them, so the surviving rank's process is gone either way.
+    check_a_killed_worker_fails_pending_requests(
+        _engine(tiny_checkpoints["llama"], 16, tp=2, distributed_executor_backend="ray"))

@@ -125,10 +125,13 @@ def test_tp2_matches_tp1_and_leaves_no_process(checkpoints, model, budget):
     assert _wait_gone(pids) == []
 
 
-def test_a_killed_worker_fails_pending_requests_and_the_engine_is_dead(checkpoints):
-    llm = _engine(checkpoints["even"], 16, tp=2)
+def check_a_killed_worker_fails_pending_requests(llm: LLM) -> None:
+    """Kills rank 1's process while two requests run: both fail within seconds with an error
+    naming the rank, the engine is dead, and no worker process is left. Shared with the ray
+    executor's test."""
     engine = llm.llm_engine
     pids = engine.model_executor.worker_pids
+    assert len(pids) == 2 and all(_alive(p) for p in pids)
     aengine = AsyncLLMEngine(engine)
     params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
 
@@ -158,5 +161,9 @@ def test_a_killed_worker_fails_pending_requests_and_the_engine_is_dead(checkpoin
     assert aengine.errored and engine.is_dead
     with pytest.raises(EngineDeadError):
         llm.generate([{"prompt_token_ids": [5, 6, 7]}], use_tqdm=False)
-    assert _wait_gone(pids) == []
+    assert _wait_gone(pids) == []  # the surviving rank's too
     engine.shutdown()  # idempotent after the executor stopped itself
+
+
+def test_a_killed_worker_fails_pending_requests_and_the_engine_is_dead(checkpoints):
+    check_a_killed_worker_fails_pending_requests(_engine(checkpoints["even"], 16, tp=2))
