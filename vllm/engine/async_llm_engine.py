@@ -70,8 +70,22 @@ class AsyncLLMEngine:
         """Requests whose stream is open: not yet finished, aborted or failed."""
         return len(self._streams)
 
+    @property
+    def config(self):
+        return self.engine.config
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
     async def get_tokenizer(self):
         return self.engine.tokenizer
+
+    def add_logger(self, name: str, stat_logger) -> None:
+        self.engine.add_logger(name, stat_logger)
+
+    def remove_logger(self, name: str) -> None:
+        self.engine.remove_logger(name)
 
     # ---------------------------------------------------------------- requests
 

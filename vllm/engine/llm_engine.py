@@ -85,6 +85,10 @@ class LLMEngine:
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
+        if args.data_parallel_size != 1:
+            raise ValueError(f"data_parallel_size={args.data_parallel_size} runs replicas of the engine "
+                             "behind the server: use `vllm serve --data-parallel-size N`; one "
+                             "LLMEngine (and LLM(...)) is one replica, data_parallel_size=1")
         platform = get_platform(args.device)
         config, source, tokenizer_source = args.create_engine_config(platform)
         # Before the weights load: a cache that cannot hold one sequence fails at once.

@@ -1,0 +1,131 @@
+"""Data parallelism: two engine replicas (Ray actors) behind the server answer every request with
+the greedy text of one engine, share the requests least-loaded first, sum their statistics, and
+leave no process at shutdown."""
+
+import asyncio
+import os
+import re
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx2
+import openai
+import pytest
+
+from tests.server_utils import ServerThread
+from tests.test_tensor_parallel import _alive, _wait_gone
+from vllm import LLM, SamplingParams
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.engine.metrics_types import IterationStats, Stats
+from vllm.entrypoints.openai.api_server import build_app
+
+# Nodes join on the loopback address (see tests/test_ray_executor.py); read when ray is imported.
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+
+ENGINE_KWARGS = dict(dtype="float32", max_model_len=256, block_size=16, max_num_batched_tokens=64,
+                     max_num_seqs=8, kv_cache_memory_bytes=16 * 2**20)
+PROMPTS = [f"Request {i}: " + "the quick brown fox " * (i % 4 + 1) for i in range(8)]
+MAX_TOKENS = 8
+MODEL = "tiny-llama"
+
+
+def test_merged_stats_sum_state_and_events():
+    from vllm.engine.data_parallel import merge_stats
+
+    def stats(running, waiting, usage, steps, tokens):
+        return Stats(now=0.0, num_running=running, num_waiting=waiting, kv_cache_usage=usage,
+                     num_steps=steps, num_mixed_steps=0, num_preemptions=0, num_prefix_cache_queries=0,
+                     num_prefix_cache_hits=0,
+                     iteration=IterationStats(num_generation_tokens=sum(tokens), step_num_tokens=tokens))
+
+    # Replica 0 sent two Stats (the state is the latest's), replica 1 one.
+    merged = merge_stats([[stats(5, 5, 0.9, 1, [3]), stats(1, 2, 0.5, 2, [4, 1])],
+                          [stats(3, 0, 0.1, 1, [7])]], now=9.0)
+    assert (merged.now, merged.num_running, merged.num_waiting) == (9.0, 4, 2)
+    assert merged.kv_cache_usage == pytest.approx(0.3)
+    assert merged.num_steps == 4
+    assert merged.iteration.num_generation_tokens == 15
+    assert merged.iteration.step_num_tokens == [3, 4, 1, 7]
+    assert merge_stats([[stats(1, 0, 0.0, 1, [1])], []], now=1.0) is None
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1")
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def dp_engine(local_ray, tiny_checkpoints):
+    from vllm.engine.data_parallel import DataParallelEngine
+
+    engine = DataParallelEngine.from_engine_args(
+        AsyncEngineArgs(model=tiny_checkpoints["llama"], data_parallel_size=2, **ENGINE_KWARGS))
+    yield engine
+    asyncio.run(engine.shutdown())  # idempotent after the server's
+
+
+def test_offline_llm_refuses_data_parallel(tiny_checkpoints):
+    with pytest.raises(ValueError, match="data_parallel_size=2 .*vllm serve --data-parallel-size"):
+        LLM(tiny_checkpoints["llama"], data_parallel_size=2, **ENGINE_KWARGS)
+
+
+def test_requests_go_to_the_least_loaded_replica_lowest_index_first(dp_engine):
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+
+    async def run() -> list[list[int]]:
+        counts = []
+        start = list(dp_engine.requests_per_replica)
+        streams = []
+        for i in range(3):  # each held open after its first output
+            stream = dp_engine.generate({"prompt_token_ids": [1, 2, 3 + i]}, params, f"lb-{i}")
+            await anext(stream)
+            streams.append(stream)
+            counts.append([n - s for n, s in zip(dp_engine.requests_per_replica, start)])
+        in_flight = list(dp_engine.in_flight)
+        for stream in streams:
+            await stream.aclose()  # aborts the request on its replica
+        return counts, in_flight
+
+    counts, in_flight = asyncio.run(run())
+    # Both idle: replica 0; then the idle one; then a tie at one each: replica 0 again.
+    assert counts == [[1, 0], [1, 1], [2, 1]]
+    assert in_flight == [2, 1]
+    assert dp_engine.in_flight == [0, 0]
+
+
+def test_dp2_behind_the_server_answers_every_request_with_dp1_tokens(dp_engine, tiny_checkpoints):
+    llm = LLM(tiny_checkpoints["llama"], **ENGINE_KWARGS)
+    want = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
+                        use_tqdm=False)
+    del llm
+    pids = dp_engine.replica_pids
+    start = list(dp_engine.requests_per_replica)
+    with ServerThread(build_app(dp_engine, [MODEL])) as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+        def complete(prompt: str):
+            return client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS,
+                                             temperature=0, extra_body={"ignore_eos": True})
+
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            responses = list(pool.map(complete, PROMPTS))
+        metrics = httpx2.get(f"{server.url}/metrics").text
+        assert httpx2.get(f"{server.url}/health").status_code == 200
+    for response, ref in zip(responses, want):
+        assert response.choices[0].text == ref.outputs[0].text
+        assert response.usage.completion_tokens == MAX_TOKENS
+    routed = [n - s for n, s in zip(dp_engine.requests_per_replica, start)]
+    assert sum(routed) == len(PROMPTS) and min(routed) > 0  # both replicas served
+    # The replicas' statistics summed: every request's tokens and finish, whichever served it.
+    success = re.search(r'vllm:request_success_total\{finished_reason="length",model_name="tiny-llama"\} (\S+)',
+                        metrics)
+    assert float(success.group(1)) == len(PROMPTS)
+    generated = re.search(r'vllm:generation_tokens_total\{model_name="tiny-llama"\} (\S+)', metrics)
+    assert float(generated.group(1)) == len(PROMPTS) * MAX_TOKENS
+    # Leaving the server shut the replicas down.
+    assert dp_engine.errored is False and dp_engine.num_unfinished_requests == 0
+    assert all(isinstance(p, int) for p in pids) and _wait_gone(pids) == []
+    assert not any(_alive(p) for p in pids)
