@@ -60,6 +60,27 @@ def test_unsplittable_heads_are_refused(heads, kv_heads, tp):
             attention_head_shard(heads, kv_heads, tp, rank)
 
 
+def test_timing_collectives_counts_the_all_reduces_inside_the_block():
+    import torch
+    import torch.distributed as dist
+
+    from vllm.distributed import parallel_state, timing_collectives
+    from vllm.executor.mp_executor import loopback_init_method
+
+    dist.init_process_group("gloo", init_method=loopback_init_method(), world_size=1, rank=0)
+    try:
+        x = torch.ones(4, 8)  # 128 bytes
+        parallel_state._all_reduce(x)
+        with timing_collectives() as times:
+            parallel_state._all_reduce(x)
+            parallel_state._all_reduce(x[:2])
+        parallel_state._all_reduce(x)
+    finally:
+        dist.destroy_process_group()
+    assert times.calls == {"all_reduce": 2} and times.bytes == {"all_reduce": 128 + 64}
+    assert times.seconds["all_reduce"] > 0
+
+
 @pytest.fixture(scope="module")
 def uneven_checkpoint(tmp_path_factory, tokenizer_dir) -> str:
     return build_tiny_checkpoint("llama", str(tmp_path_factory.mktemp("tiny_9_3")), tokenizer_dir,
