@@ -1,10 +1,12 @@
 """Data parallelism: two engine replicas (Ray actors) behind the server answer every request with
 the greedy text of one engine, share the requests least-loaded first, sum their statistics, and
-leave no process at shutdown."""
+leave no process at shutdown; a replica killed mid-run fails its requests at once."""
 
 import asyncio
 import os
 import re
+import signal
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx2
@@ -129,3 +131,39 @@ def test_dp2_behind_the_server_answers_every_request_with_dp1_tokens(dp_engine, 
     assert dp_engine.errored is False and dp_engine.num_unfinished_requests == 0
     assert all(isinstance(p, int) for p in pids) and _wait_gone(pids) == []
     assert not any(_alive(p) for p in pids)
+
+
+def test_a_killed_replica_fails_its_requests_and_the_engine_is_dead(local_ray, tiny_checkpoints):
+    from vllm.engine.async_llm_engine import AsyncEngineDeadError
+    from vllm.engine.data_parallel import DataParallelEngine
+
+    engine = DataParallelEngine.from_engine_args(
+        AsyncEngineArgs(model=tiny_checkpoints["llama"], data_parallel_size=2, **ENGINE_KWARGS))
+    params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+
+    async def drain(stream) -> BaseException | None:
+        try:
+            async for _ in stream:
+                pass
+        except Exception as error:
+            return error
+        return None
+
+    async def run() -> tuple[list[BaseException | None], float]:
+        streams = [engine.generate({"prompt_token_ids": [1, 2, 3 + i]}, params, f"kill-{i}") for i in range(2)]
+        for stream in streams:  # one on each replica, both running
+            await anext(stream)
+        os.kill(engine.replica_pids[1], signal.SIGKILL)
+        start = time.monotonic()
+        errors = await asyncio.wait_for(asyncio.gather(*(drain(s) for s in streams)), timeout=30)
+        return errors, time.monotonic() - start
+
+    errors, seconds = asyncio.run(run())
+    assert seconds < 10
+    assert errors[0] is None  # the live replica's request finished
+    assert isinstance(errors[1], AsyncEngineDeadError) and "replica 1 died" in str(errors[1])
+    assert engine.errored
+    with pytest.raises(AsyncEngineDeadError):
+        asyncio.run(anext(engine.generate({"prompt_token_ids": [1, 2]}, params, "after")))
+    asyncio.run(engine.shutdown())
+    assert _wait_gone(engine.replica_pids) == []
