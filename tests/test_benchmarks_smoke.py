@@ -296,8 +296,9 @@ def test_serving_compare_chunked(tiny_checkpoints, tmp_path):
     for name, run in result["runs"].items():
         assert run["completed"] == 5 and run["failed"] == 0, (name, run["errors"])
         for metric in ("ttft", "tpot", "itl", "e2el"):
-            for stat in ("mean", "median", "p99"):
+            for stat in ("mean", "median", "p99", "max"):
                 assert run[f"{stat}_{metric}_ms"] >= 0
+            assert run[f"max_{metric}_ms"] >= run[f"p99_{metric}_ms"]
         assert run["request_goodput:"] == run["request_goodput"] == pytest.approx(run["request_throughput"])
         assert sum(run["output_lens"]) == run["total_output_tokens"]
         # The server counted what the client sent and received (the warm-up request is not in it).
@@ -316,7 +317,8 @@ def test_serving_compare_chunked(tiny_checkpoints, tmp_path):
     # The latency target goes to the chunked server only (the unchunked one refuses it).
     assert "--max-step-latency-ms" in result["servers"]["chunked"]["flags"]
     assert "--max-step-latency-ms" not in result["servers"]["unchunked"]["flags"]
-    assert "comparison" in result and "p99_itl_ms" in result["comparison"]
+    assert "comparison" in result and {"p99_itl_ms", "max_itl_ms"} <= set(result["comparison"])
+    assert result["comparison"]["max_itl_ms"]["chunked"] >= result["comparison"]["p99_itl_ms"]["chunked"]
     assert result["mean_ttft_ms"] == result["runs"]["chunked"]["mean_ttft_ms"]  # top level = first run
     if importlib.util.find_spec("matplotlib") is not None:
         assert png.stat().st_size > 0
