@@ -12,7 +12,8 @@ process: `worker_step_ms` is rank 0's `execute_model`, `all_reduce_ms` (and `gat
 vocabulary-parallel logits gathered for sampling) its time in collectives during that step,
 waiting for the other rank included. `engine_step_ms` adds what the executor costs around it
 (the step put in Ray's object store, the actor calls). TP=1 runs in the engine's process with
-every core; each of the TP=2 ranks gets half the cores (the CPU platform's rule). The minimum
+every core; each of the TP=2 ranks gets half the cores (the CPU platform's rule), and neither
+adapts its threads to the load while it runs (VLLM_CPU_ADAPTIVE_THREADS=0). The minimum
 over the repeats is reported, with every sample kept.
 
     PYTHONPATH=$PWD python benchmarks/benchmark_tensor_parallel.py
@@ -181,6 +182,9 @@ def main() -> None:
 
     # Nodes on the loopback address, whatever the host's interfaces (read when ray is imported).
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    # Each rank keeps its share of the cores for the whole run: the thread governor would drop
+    # threads whenever another process is busy, and the comparison would follow the machine's load.
+    os.environ.setdefault("VLLM_CPU_ADAPTIVE_THREADS", "0")
     import ray
 
     cores = len(os.sched_getaffinity(0))
