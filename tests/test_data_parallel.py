@@ -1,8 +1,10 @@
-"""Data parallelism: two engine replicas (Ray actors) behind the server answer every request with
-the greedy text of one engine, share the requests least-loaded first, sum their statistics, and
-leave no process at shutdown; a replica killed mid-run fails its requests at once."""
+"""Data parallelism: `vllm serve --data-parallel-size 2` answers every request with the greedy
+text of one engine, from both replicas (Ray actors), sums their statistics and leaves no process
+at shutdown; requests go to the least loaded replica first; a replica killed mid-run fails its
+requests at once and the engine is dead."""
 
 import asyncio
+import json
 import os
 import re
 import signal
@@ -10,24 +12,25 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx2
-import openai
 import pytest
 
-from tests.server_utils import ServerThread
-from tests.test_tensor_parallel import _alive, _wait_gone
+from tests.test_serve_cli import free_port, start_server, wait_healthy
+from tests.test_tensor_parallel import _wait_gone
 from vllm import LLM, SamplingParams
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.engine.metrics_types import IterationStats, Stats
-from vllm.entrypoints.openai.api_server import build_app
 
-# Nodes join on the loopback address (see tests/test_ray_executor.py); read when ray is imported.
+# Nodes join on the loopback address (see tests/test_ray_executor.py); read when ray is imported,
+# here and in the `vllm serve` this test starts.
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 
 ENGINE_KWARGS = dict(dtype="float32", max_model_len=256, block_size=16, max_num_batched_tokens=64,
                      max_num_seqs=8, kv_cache_memory_bytes=16 * 2**20)
 PROMPTS = [f"Request {i}: " + "the quick brown fox " * (i % 4 + 1) for i in range(8)]
 MAX_TOKENS = 8
-MODEL = "tiny-llama"
+# The engine flags tests/test_serve_cli.py's start_server gives `vllm serve`.
+SERVE_KWARGS = dict(dtype="float32", max_model_len=1024, block_size=16, max_num_batched_tokens=64,
+                    max_num_seqs=4, kv_cache_memory_bytes=32 * 2**20)
 
 
 def test_merged_stats_sum_state_and_events():
@@ -50,6 +53,47 @@ def test_merged_stats_sum_state_and_events():
     assert merge_stats([[stats(1, 0, 0.0, 1, [1])], []], now=1.0) is None
 
 
+def test_vllm_serve_with_two_replicas_answers_every_request_with_dp1_text(tiny_checkpoints):
+    want = LLM(tiny_checkpoints["llama"], **SERVE_KWARGS).generate(
+        PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = start_server(tiny_checkpoints["llama"], port, "--data-parallel-size", "2")
+    try:
+        wait_healthy(proc, url)
+
+        def complete(prompt: str) -> dict:
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+                    "ignore_eos": True}
+            return httpx2.post(f"{url}/v1/completions", json=body, timeout=60).json()
+
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            responses = list(pool.map(complete, PROMPTS))
+        metrics = httpx2.get(f"{url}/metrics").text
+        time.sleep(1.0)  # the periodic statistics log the requests per replica
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0 and "Traceback" not in output, output
+    for response, ref in zip(responses, want):
+        assert response["choices"][0]["text"] == ref.outputs[0].text
+        assert response["usage"]["completion_tokens"] == MAX_TOKENS
+    # Both replicas served: the last count the server logged.
+    routed = json.loads(re.findall(r"Data-parallel requests per replica: (\[[\d, ]+\])", output)[-1])
+    assert sum(routed) == len(PROMPTS) and min(routed) > 0, routed
+    # The replicas' statistics summed: every request's tokens and finish, whichever served it.
+    success = re.search(r'vllm:request_success_total\{finished_reason="length",model_name="tiny"\} (\S+)', metrics)
+    assert float(success.group(1)) == len(PROMPTS)
+    generated = re.search(r'vllm:generation_tokens_total\{model_name="tiny"\} (\S+)', metrics)
+    assert float(generated.group(1)) == len(PROMPTS) * MAX_TOKENS
+    # Shut down with the server: no replica left.
+    pids = [int(p) for p in re.findall(r"Data-parallel replica \d of 2: pid (\d+)", output)]
+    assert len(pids) == 2 and _wait_gone(pids) == []
+
+
+# The tests below share one pair of replicas in this process (the server above ran its own).
 @pytest.fixture(scope="module")
 def local_ray():
     import ray
@@ -98,47 +142,10 @@ def test_requests_go_to_the_least_loaded_replica_lowest_index_first(dp_engine):
     assert dp_engine.in_flight == [0, 0]
 
 
-def test_dp2_behind_the_server_answers_every_request_with_dp1_tokens(dp_engine, tiny_checkpoints):
-    llm = LLM(tiny_checkpoints["llama"], **ENGINE_KWARGS)
-    want = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
-                        use_tqdm=False)
-    del llm
-    pids = dp_engine.replica_pids
-    start = list(dp_engine.requests_per_replica)
-    with ServerThread(build_app(dp_engine, [MODEL])) as server:
-        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
-
-        def complete(prompt: str):
-            return client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS,
-                                             temperature=0, extra_body={"ignore_eos": True})
-
-        with ThreadPoolExecutor(len(PROMPTS)) as pool:
-            responses = list(pool.map(complete, PROMPTS))
-        metrics = httpx2.get(f"{server.url}/metrics").text
-        assert httpx2.get(f"{server.url}/health").status_code == 200
-    for response, ref in zip(responses, want):
-        assert response.choices[0].text == ref.outputs[0].text
-        assert response.usage.completion_tokens == MAX_TOKENS
-    routed = [n - s for n, s in zip(dp_engine.requests_per_replica, start)]
-    assert sum(routed) == len(PROMPTS) and min(routed) > 0  # both replicas served
-    # The replicas' statistics summed: every request's tokens and finish, whichever served it.
-    success = re.search(r'vllm:request_success_total\{finished_reason="length",model_name="tiny-llama"\} (\S+)',
-                        metrics)
-    assert float(success.group(1)) == len(PROMPTS)
-    generated = re.search(r'vllm:generation_tokens_total\{model_name="tiny-llama"\} (\S+)', metrics)
-    assert float(generated.group(1)) == len(PROMPTS) * MAX_TOKENS
-    # Leaving the server shut the replicas down.
-    assert dp_engine.errored is False and dp_engine.num_unfinished_requests == 0
-    assert all(isinstance(p, int) for p in pids) and _wait_gone(pids) == []
-    assert not any(_alive(p) for p in pids)
-
-
-def test_a_killed_replica_fails_its_requests_and_the_engine_is_dead(local_ray, tiny_checkpoints):
+def test_a_killed_replica_fails_its_requests_and_the_engine_is_dead(dp_engine):
     from vllm.engine.async_llm_engine import AsyncEngineDeadError
-    from vllm.engine.data_parallel import DataParallelEngine
 
-    engine = DataParallelEngine.from_engine_args(
-        AsyncEngineArgs(model=tiny_checkpoints["llama"], data_parallel_size=2, **ENGINE_KWARGS))
+    engine = dp_engine
     params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
 
     async def drain(stream) -> BaseException | None:
