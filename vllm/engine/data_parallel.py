@@ -10,8 +10,7 @@ loggers, errored, shutdown), so `vllm serve --data-parallel-size N` runs the sam
 A request goes to the replica with the fewest requests in flight (open streams), the lowest
 index among equals, and stays there. Each replica is an async Ray actor: its `generate` is an
 async generator that Ray streams back output by output. The replicas share the host's cores
-(each gets cores // N threads); a replica may itself run tensor parallelism with its own
-executor. The client joins the Ray cluster the process is connected to, or starts a local one
+(each gets cores // N threads and one Ray CPU). The client joins the Ray cluster the process is connected to, or starts a local one
 without a dashboard, which it stops at shutdown. `ray` is imported only here.
 
 Statistics: each replica's engine hands its `Stats` to a collector; `do_log_stats` gathers them
@@ -126,8 +125,9 @@ class DataParallelEngine:
 
     Invariants: `in_flight[i]` counts the streams open on replica i (a stream closes when its
     request finishes, fails or is aborted); a request id maps to its replica while its stream is
-    open. A replica that dies, or whose engine dies, makes the whole client dead (`errored`),
-    as one engine would be: its streams and every later request fail with AsyncEngineDeadError.
+    open. A replica that dies, or whose engine dies, makes the whole client dead (`errored`,
+    so /health answers 503): that replica's streams and every later request fail with
+    AsyncEngineDeadError, while the streams already open on the other replicas finish.
     """
 
     def __init__(self, engine_args: AsyncEngineArgs) -> None:
