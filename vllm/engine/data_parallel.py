@@ -10,8 +10,9 @@ loggers, errored, shutdown), so `vllm serve --data-parallel-size N` runs the sam
 A request goes to the replica with the fewest requests in flight (open streams), the lowest
 index among equals, and stays there. Each replica is an async Ray actor: its `generate` is an
 async generator that Ray streams back output by output. The replicas share the host's cores
-(each gets cores // N threads and one Ray CPU). The client joins the Ray cluster the process is connected to, or starts a local one
-without a dashboard, which it stops at shutdown. `ray` is imported only here.
+(each gets cores // N threads and one Ray CPU). The client joins the Ray cluster the process is
+connected to, or starts a local one without a dashboard, which it stops at shutdown. `ray` is
+imported only here.
 
 Statistics: each replica's engine hands its `Stats` to a collector; `do_log_stats` gathers them
 and gives the client's loggers one merged `Stats`: running and waiting requests and every count
