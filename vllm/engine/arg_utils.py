@@ -126,7 +126,9 @@ class EngineArgs:
     tensor_parallel_size: int = arg(
         1, "ranks each layer is split across (worker processes, or Ray actors)", aliases=["-tp"])
     pipeline_parallel_size: int = arg(1, "pipeline stages (1 only)", aliases=["-pp"])
-    data_parallel_size: int = arg(1, "engine replicas (1 only, for now)", aliases=["-dp"])
+    data_parallel_size: int = arg(
+        1, "engine replicas as Ray actors behind `vllm serve`, each request to the least loaded "
+        "(offline LLM(...) runs one)", aliases=["-dp"])
     distributed_executor_backend: str | None = arg(
         None, "what runs the ranks: uni (the engine's process; the default for one rank), mp "
         "(worker processes on this host; the default for more), ray (Ray actors, across hosts)",
@@ -157,9 +159,6 @@ class EngineArgs:
         return cls(**kwargs)
 
     def _check_supported(self) -> None:
-        if self.data_parallel_size != 1:
-            raise ValueError(f"data_parallel_size={self.data_parallel_size} is not supported yet: "
-                             "one engine serves; use data_parallel_size=1")
         if self.quantization is not None:
             raise ValueError(f"quantization={self.quantization!r} is not supported yet: load an "
                              "unquantized checkpoint (or a .gguf file, dequantized when loaded)")
