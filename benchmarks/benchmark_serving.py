@@ -39,10 +39,16 @@ Servers:
                      server keeps its own token budget, max(max_model_len, 2048), since a whole
                      prompt must fit one step, and drops --max-step-latency-ms), and runs the same
                      workload and arrival times on each
-  --capacity-search --itl-slo-ms X
-                     bisects the request rate for the highest one whose P99 ITL <= X ms and median
-                     TTFT <= --max-median-ttft-ms (default 2000), in at most --max-probes runs
-                     between --min-rate and --max-rate (per server with --compare-chunked)
+  --capacity-search --itl-slo-ms T [T ...]
+                     per server and target T, the highest request rate whose P99 ITL <= T and whose
+                     TTFT at --ttft-slo-percentile (99) <= --ttft-slo-ms (10000), Sarathi-Serve's
+                     capacity, bisected on a geometric grid of --rate-steps rates from --min-rate to
+                     --max-rate; each rate runs once per server and is judged against every target
+  --compare-budgets B [B ...]
+                     with --capacity-search: starts one server per target T (--max-step-latency-ms
+                     T, the largest B as --max-num-batched-tokens) and one per fixed budget B, and
+                     says per target whether the latency target's capacity is at least the best
+                     fixed budget's (benchmarks/serving_capacity.py)
 
 Results (--save-result or --output-json): JSON with vLLM's keys (duration, completed,
 total_input_tokens, total_output_tokens, request_throughput, "request_goodput:", output_throughput,
@@ -53,6 +59,8 @@ timeline (waiting for its first token, then decoding) and (b) the inter-token la
     python benchmarks/benchmark_serving.py --compare-chunked --model M --max-num-batched-tokens 512
     vllm serve M &  python benchmarks/benchmark_serving.py --model M --request-rate 2 --save-result
     python benchmarks/benchmark_serving.py --base-url http://127.0.0.1:8000 --capacity-search --itl-slo-ms 500
+    python benchmarks/benchmark_serving.py --capacity-search --itl-slo-ms 50 100 200 \
+        --compare-budgets 128 256 512 2048 --save-result
 """
 
 from __future__ import annotations
@@ -70,6 +78,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import result_files  # noqa: E402
 import engine_setup  # noqa: E402
+import serving_capacity  # noqa: E402
 import workload_prompts  # noqa: E402
 from serving_http import (LaunchedServer, RequestRecord, request_body, run_requests,  # noqa: E402
                           scrape_metrics, server_report)
@@ -126,6 +135,22 @@ def make_workload(args: argparse.Namespace, tokenizer) -> list[dict]:
             specs.append((rng.randint(*prompt_range), rng.randint(*args.output_len_range), kind))
     return [{"prompt_token_ids": workload_prompts.random_token_ids(rng, p, vocab, special), "prompt_len": p,
              "output_len": o, "kind": kind} for p, o, kind in specs]
+
+
+def fresh_prompts(workload: list[dict], tokenizer, seed: int, chat: bool) -> list[dict]:
+    """The workload with new random prompt tokens of the same lengths (dataset prompts stay as
+    they are): a capacity probe sends prompts of its own, so that the server's prefix cache does
+    not serve them from an earlier probe."""
+    vocab, special = workload_prompts.tokenizer_vocab(tokenizer)
+    rng = random.Random(seed)
+    out = []
+    for w in workload:
+        if w["kind"] != "dataset":
+            w = dict(w, prompt_token_ids=workload_prompts.random_token_ids(rng, w["prompt_len"], vocab, special))
+            if chat:
+                w["prompt_text"] = tokenizer.decode(w["prompt_token_ids"])
+        out.append(w)
+    return out
 
 
 def unit_intervals(n: int, burstiness: float, seed: int) -> list[float]:
@@ -224,6 +249,7 @@ def compute_metrics(records: list[RequestRecord], duration: float, slos: dict[st
         result[f"mean_{key}_ms"] = float(arr.mean())
         result[f"median_{key}_ms"] = float(np.median(arr))
         result[f"std_{key}_ms"] = float(arr.std())
+        result[f"max_{key}_ms"] = float(arr.max())
         for p in metric_percentiles:
             word = str(int(p)) if int(p) == p else str(p)
             result[f"p{word}_{key}_ms"] = float(np.percentile(arr, p))
@@ -264,6 +290,7 @@ def print_result(result: dict, title: str, metric_percentiles: list[float],
         for p in metric_percentiles:
             word = str(int(p)) if int(p) == p else str(p)
             print("{:<40} {:<10.2f}".format(f"P{word} {name} (ms):", result[f"p{word}_{key}_ms"]))
+        print("{:<40} {:<10.2f}".format(f"Max {name} (ms):", result[f"max_{key}_ms"]))
     server = result.get("server")
     if server:
         print("{s:{c}^{n}}".format(s="Server (its /metrics)", n=50, c="-"))
@@ -308,54 +335,14 @@ def warm_up(base_url: str, workload: list[dict], args: argparse.Namespace) -> No
         raise SystemExit(f"the warm-up request failed: {probe['errors'][0]}")
 
 
-def capacity_search(base_url, workload, intervals, args, slos, label) -> dict:
-    """Bisection on the rate: the highest probed rate whose P99 ITL meets --itl-slo-ms while the
-    median TTFT stays under --max-median-ttft-ms. The second bound is what makes it a capacity:
-    past it, requests queue faster than they are served, which shows in the time to first token
-    (queueing included) and not in the gaps between tokens. Sarathi-Serve bounds the median
-    scheduling delay the same way."""
-    probes: list[dict] = []
-
-    def probe(rate: float) -> bool:
-        res = run_mode(base_url, workload, intervals, rate, args, slos, f"{label}-r{len(probes)}")
-        itl99 = _p99_itl(res)
-        ok = (itl99 <= args.itl_slo_ms and res["median_ttft_ms"] <= args.max_median_ttft_ms
-              and not res["failed"])
-        probes.append({"request_rate": rate, "p99_itl_ms": itl99, "meets_slo": ok,
-                       "completed": res["completed"], "failed": res["failed"],
-                       "duration": res["duration"], "request_throughput": res["request_throughput"],
-                       "output_throughput": res["output_throughput"],
-                       "mean_ttft_ms": res["mean_ttft_ms"], "median_ttft_ms": res["median_ttft_ms"],
-                       "median_itl_ms": res["median_itl_ms"]})
-        print(f"[{label}] probe {len(probes)}/{args.max_probes}: rate {rate:.3f} req/s -> "
-              f"P99 ITL {itl99:.1f} ms, median TTFT {res['median_ttft_ms']:.0f} ms "
-              f"({'meets' if ok else 'misses'} {args.itl_slo_ms} / {args.max_median_ttft_ms} ms), "
-              f"{res['request_throughput']:.2f} req/s served", flush=True)
-        return ok
-
-    lo, hi = args.min_rate, args.max_rate
-    best = None
-    if probe(hi):
-        best = hi
-    elif len(probes) < args.max_probes and probe(lo):
-        best = lo
-        # invariant: lo meets the SLO, hi misses it
-        while len(probes) < args.max_probes:
-            mid = math.sqrt(lo * hi) if args.geometric_search else (lo + hi) / 2
-            if probe(mid):
-                lo = best = mid
-            else:
-                hi = mid
-    return {"capacity_rate": best, "itl_slo_ms": args.itl_slo_ms,
-            "max_median_ttft_ms": args.max_median_ttft_ms, "probes": probes,
-            "bracket": [lo, hi], "note": None if best is not None else
-            f"even --min-rate {args.min_rate} misses the SLO"}
-
-
-def _p99_itl(res: dict) -> float:
-    import numpy as np
-    gaps = [g for r in res["itls"] for g in r]
-    return float(np.percentile(gaps, 99) * 1000) if gaps else 0.0
+def capacity_search(base_url, workload_at, intervals, args, slos, spec: serving_capacity.ServerSpec) -> dict:
+    """The server's capacity at each of its targets, on the rate grid all servers share;
+    `workload_at(rate)` is the workload a probe at `rate` sends (the same on every server)."""
+    grid = serving_capacity.rate_grid(args.min_rate, args.max_rate, args.rate_steps)
+    targets = [serving_capacity.Slo(t, args.ttft_slo_ms, args.ttft_slo_percentile) for t in spec.itl_targets_ms]
+    return serving_capacity.search_server(
+        spec.name, grid, targets,
+        lambda rate: run_mode(base_url, workload_at(rate), intervals, rate, args, slos, f"{spec.name}-r{rate:g}"))
 
 
 # --------------------------------------------------------------------------- plot
@@ -416,54 +403,49 @@ def plot(runs: dict[str, dict], path: str, title: str) -> str | None:
 # --------------------------------------------------------------------------- main
 
 def result_name(args: argparse.Namespace) -> str:
+    if args.compare_budgets:
+        return "serving_capacity_targets"
     work = (os.path.splitext(os.path.basename(args.dataset_path))[0] if args.dataset_path
             else args.dataset_name)
     if args.capacity_search:
-        what = f"capacity-itl{args.itl_slo_ms:g}ms"
+        what = "capacity-itl" + "-".join(f"{t:g}" for t in args.itl_slo_ms) + "ms"
     else:
         what = f"rate{args.request_rate:g}-b{args.burstiness:g}"
     mode = "compare" if args.compare_chunked else "server"
     return f"serving-{mode}-{work}-n{args.num_prompts}-{what}"
 
 
-# Flags of chunked prefill alone, which the unchunked server goes without (with their values).
-CHUNKED_ONLY_FLAGS = ("--max-num-batched-tokens", "--max-step-latency-ms")
-
-
 def server_flags(flags: list[str], chunked: bool) -> list[str]:
     """The engine flags for one of --compare-chunked's servers: chunking on or off; the
     unchunked server keeps its own token budget (a whole prompt must fit one step) and has no
     step latency target (it sizes chunks)."""
-    out, skip = [], False
-    for flag in flags:
-        if skip:
-            skip = False
-            continue
-        name = flag.split("=", 1)[0]
-        if name in ("--enable-chunked-prefill", "--no-enable-chunked-prefill"):
-            continue
-        if name in CHUNKED_ONLY_FLAGS and not chunked:
-            skip = "=" not in flag
-            continue
-        out.append(flag)
+    dropped = () if chunked else serving_capacity.BUDGET_OPTIONS
+    out = serving_capacity.drop_flags(flags, serving_capacity.BUDGET_SWITCHES, dropped)
     return out + ["--enable-chunked-prefill" if chunked else "--no-enable-chunked-prefill"]
 
 
-def one_server(base_url, name, workload, intervals, args, slos, runs, searches) -> None:
+def servers_to_measure(args: argparse.Namespace, extra_flags: list[str]) -> list[serving_capacity.ServerSpec]:
+    """The servers this run starts (their engine flags), or the running one (no flags)."""
+    targets = args.itl_slo_ms or []
+    if args.compare_budgets:
+        return serving_capacity.budget_servers(extra_flags, targets, args.compare_budgets)
+    if args.compare_chunked:
+        return [serving_capacity.ServerSpec(name, server_flags(extra_flags, name == "chunked"), targets)
+                for name in ("chunked", "unchunked")]
+    return [serving_capacity.ServerSpec("server", [], targets)]
+
+
+def one_server(base_url, spec, workload, intervals, args, slos, runs, searches, workload_at=None) -> None:
     if args.model is None:  # the name the server answers to
         import httpx2
         args.served_model = httpx2.get(f"{base_url}/v1/models").json()["data"][0]["id"]
     warm_up(base_url, workload, args)
     if args.capacity_search:
-        searches[name] = capacity_search(base_url, workload, intervals, args, slos, name)
-        cap = searches[name]["capacity_rate"]
-        print(f"[{name}] capacity at P99 ITL <= {args.itl_slo_ms} ms: "
-              + (f"{cap:.3f} req/s" if cap is not None else "none found")
-              + f" ({len(searches[name]['probes'])} probes)")
+        searches[spec.name] = capacity_search(base_url, workload_at, intervals, args, slos, spec)
     else:
-        res = run_mode(base_url, workload, intervals, args.request_rate, args, slos, name)
-        runs[name] = res
-        print_result(res, f"Serving Benchmark Result ({name})", args.metric_percentiles,
+        res = run_mode(base_url, workload, intervals, args.request_rate, args, slos, spec.name)
+        runs[spec.name] = res
+        print_result(res, f"Serving Benchmark Result ({spec.name})", args.metric_percentiles,
                      args.percentile_metrics)
 
 
@@ -473,7 +455,8 @@ def main(args: argparse.Namespace, extra_flags: list[str]) -> dict:
     slos = parse_goodput(args.goodput)
     base_url = args.base_url or f"http://{args.host}:{args.port}"
     args.served_model = args.model
-    if args.model is None and not args.compare_chunked:  # the server's model gives the tokenizer
+    launch = args.compare_chunked or bool(args.compare_budgets)
+    if args.model is None and not launch:  # the server's model gives the tokenizer
         import httpx2
         args.served_model = httpx2.get(f"{base_url}/v1/models").json()["data"][0]["id"]
     tokenizer = engine_setup.load_hf_tokenizer(args.served_model, args.tokenizer)
@@ -495,17 +478,31 @@ def main(args: argparse.Namespace, extra_flags: list[str]) -> dict:
     runs: dict[str, dict] = {}
     searches: dict[str, dict] = {}
     servers: dict[str, dict] = {}
-    if args.compare_chunked:
-        for chunked in (True, False):
-            name = "chunked" if chunked else "unchunked"
-            flags = server_flags(extra_flags, chunked)
-            log_path = server_log_path(args, name)
-            with LaunchedServer(args.model, flags, log_path=log_path) as server:
-                servers[name] = {"flags": flags, "startup_seconds": server.startup_seconds, "log": log_path}
-                print(f"[{name}] `vllm serve` up in {server.startup_seconds:.1f} s at {server.base_url}")
-                one_server(server.base_url, name, workload, intervals, args, slos, runs, searches)
-    else:
-        one_server(base_url, "server", workload, intervals, args, slos, runs, searches)
+    specs = servers_to_measure(args, extra_flags)
+    start = time.perf_counter()
+    workload_at = None
+    if args.capacity_search:
+        grid = serving_capacity.rate_grid(args.min_rate, args.max_rate, args.rate_steps)
+        chat = args.endpoint.endswith("chat/completions")
+        variants = {rate: fresh_prompts(workload, tokenizer, args.seed + 1 + i, chat) for i, rate in enumerate(grid)}
+        workload_at = variants.__getitem__
+        typical, upper = serving_capacity.estimate_seconds(specs, grid, len(workload),
+                                                           startup_s=60.0 if launch else 0.0)
+        print(f"Capacity search: {len(specs)} server(s), rates {', '.join(f'{r:.3g}' for r in grid)} req/s; "
+              f"estimated {typical / 60:.1f} min (at most {upper / 60:.1f} min)", flush=True)
+    for done, spec in enumerate(specs, 1):
+        if not launch:
+            one_server(base_url, spec, workload, intervals, args, slos, runs, searches, workload_at)
+            continue
+        log_path = server_log_path(args, spec.name)
+        with LaunchedServer(args.model, spec.flags, log_path=log_path) as server:
+            servers[spec.name] = {"flags": spec.flags, "startup_seconds": server.startup_seconds,
+                                  "log": log_path}
+            print(f"[{spec.name}] `vllm serve` up in {server.startup_seconds:.1f} s at {server.base_url}")
+            one_server(server.base_url, spec, workload, intervals, args, slos, runs, searches, workload_at)
+        elapsed = time.perf_counter() - start
+        print(f"[{spec.name}] done, {elapsed / 60:.1f} min since the start, about "
+              f"{elapsed / done * (len(specs) - done) / 60:.1f} min to go", flush=True)
 
     results: dict = {}
     if runs:
@@ -531,10 +528,23 @@ def main(args: argparse.Namespace, extra_flags: list[str]) -> dict:
         "machine": result_files.machine_info(),
     })
     if searches:
-        results["capacity_search"] = searches
+        results["capacity_search"] = {
+            "itl_slo_ms": args.itl_slo_ms, "ttft_slo_ms": args.ttft_slo_ms,
+            "ttft_slo_percentile": args.ttft_slo_percentile,
+            "rate_grid": serving_capacity.rate_grid(args.min_rate, args.max_rate, args.rate_steps),
+            "wall_seconds": time.perf_counter() - start, "servers": searches}
+    if args.compare_budgets:
+        rows = serving_capacity.compare(specs, searches)
+        results["capacity_by_target"] = rows
+        print("{s:{c}^{n}}".format(s=" capacity (req/s): latency target vs fixed budgets ", n=72, c="="))
+        print(serving_capacity.format_table(rows, args.min_rate))
     if len(runs) == 2:
         c, u = runs["chunked"], runs["unchunked"]
-        keys = ("p99_itl_ms", "median_itl_ms", "mean_ttft_ms", "p99_ttft_ms", "mean_e2el_ms",
+        # Chunking splits one long stall of the decodes into several short ones: the worst gaps
+        # shrink while more gaps are slowed, so the tail shows at the percentiles asked for and
+        # at the maximum.
+        itl_tail = [f"p{str(int(p)) if int(p) == p else str(p)}_itl_ms" for p in args.metric_percentiles]
+        keys = ("median_itl_ms", *itl_tail, "max_itl_ms", "mean_ttft_ms", "p99_ttft_ms", "mean_e2el_ms",
                 "request_throughput", "output_throughput")
         results["comparison"] = {k: {"chunked": c[k], "unchunked": u[k]} for k in keys}
         print("{s:{c}^{n}}".format(s=" chunked vs unchunked ", n=50, c="="))
@@ -619,16 +629,25 @@ def make_parser() -> argparse.ArgumentParser:
     m.add_argument("--compare-chunked", action="store_true",
                    help="start `vllm serve` with chunked prefill on, then off, and run on each")
     m.add_argument("--capacity-search", action="store_true",
-                   help="find the highest request rate whose P99 ITL meets --itl-slo-ms")
-    m.add_argument("--itl-slo-ms", type=float, default=None)
-    m.add_argument("--max-median-ttft-ms", type=float, default=2000.0,
-                   help="capacity search: a rate also needs its median TTFT (queueing included) "
-                        "under this bound, so an overloaded server does not count (default 2000)")
-    m.add_argument("--min-rate", type=float, default=0.25)
-    m.add_argument("--max-rate", type=float, default=8.0)
-    m.add_argument("--max-probes", type=int, default=6)
-    m.add_argument("--geometric-search", action=argparse.BooleanOptionalAction, default=True,
-                   help="bisect rates geometrically (default) or arithmetically")
+                   help="per server and --itl-slo-ms target, the highest request rate whose P99 ITL "
+                        "meets the target and whose TTFT meets --ttft-slo-ms")
+    m.add_argument("--itl-slo-ms", type=float, nargs="+", default=None, metavar="MS",
+                   help="capacity search: P99 inter-token latency targets")
+    m.add_argument("--ttft-slo-ms", type=float, default=10000.0,
+                   help="capacity search: a rate also needs its TTFT (queueing included) at "
+                        "--ttft-slo-percentile under this bound, so an overloaded server does not "
+                        "count (default 10000)")
+    m.add_argument("--ttft-slo-percentile", type=float, default=99.0,
+                   help="capacity search: the TTFT percentile --ttft-slo-ms bounds (default 99)")
+    m.add_argument("--compare-budgets", type=int, nargs="+", default=None, metavar="TOKENS",
+                   help="capacity search: start one server per --itl-slo-ms target with "
+                        "--max-step-latency-ms at that target (the largest budget the upper bound) "
+                        "and one per fixed --max-num-batched-tokens budget, and compare them")
+    m.add_argument("--min-rate", type=float, default=0.5, help="capacity search: lowest rate, req/s (default 0.5)")
+    m.add_argument("--max-rate", type=float, default=4.0, help="capacity search: highest rate, req/s (default 4)")
+    m.add_argument("--rate-steps", type=int, default=7,
+                   help="capacity search: rates in the geometric grid from --min-rate to --max-rate "
+                        "(default 7)")
     o = parser.add_argument_group("output")
     o.add_argument("--save-result", action="store_true", help="write the JSON (and the PNG)")
     o.add_argument("--result-dir", type=str, default=None, help="default benchmarks/results/")
@@ -640,9 +659,9 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace, extra: list[str]) -> None:
-    if extra and not args.compare_chunked:
+    if extra and not (args.compare_chunked or args.compare_budgets):
         parser.error(f"unrecognized arguments: {' '.join(extra)} (engine flags go to the servers "
-                     "--compare-chunked starts)")
+                     "--compare-chunked or --compare-budgets starts)")
     if args.num_prompts < 1:
         parser.error("--num-prompts must be at least 1")
     if not args.request_rate > 0:
@@ -659,12 +678,23 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace, extra:
     if unknown:
         parser.error(f"--percentile-metrics: unknown {unknown}; choose from ttft,tpot,itl,e2el")
     if args.capacity_search:
-        if args.itl_slo_ms is None:
-            parser.error("--capacity-search needs --itl-slo-ms")
+        if not args.itl_slo_ms or min(args.itl_slo_ms) <= 0:
+            parser.error("--capacity-search needs --itl-slo-ms, each target > 0")
         if not 0 < args.min_rate < args.max_rate or math.isinf(args.max_rate):
             parser.error("--capacity-search needs 0 < --min-rate < --max-rate < inf")
-        if args.max_probes < 1:
-            parser.error("--max-probes must be at least 1")
+        if args.rate_steps < 2:
+            parser.error("--rate-steps must be at least 2")
+        if not args.ttft_slo_ms > 0 or not 0 < args.ttft_slo_percentile <= 100:
+            parser.error("--ttft-slo-ms must be > 0 and --ttft-slo-percentile in (0, 100]")
+    if args.compare_budgets:
+        if not args.capacity_search or args.compare_chunked:
+            parser.error("--compare-budgets goes with --capacity-search, without --compare-chunked")
+        if min(args.compare_budgets) < 1:
+            parser.error("--compare-budgets: each budget must be at least 1 token")
+        sized = [f for f in extra if f.split("=", 1)[0] in serving_capacity.BUDGET_OPTIONS]
+        if sized:
+            parser.error(f"--compare-budgets sets each server's {' and '.join(serving_capacity.BUDGET_OPTIONS)}; "
+                         f"drop {' '.join(sized)}")
     try:
         parse_goodput(args.goodput)
     except ValueError as e:

@@ -9,7 +9,9 @@ batch-1 decodes (many small products) feel most. This benchmark runs workloads A
 benchmark_workloads.py in a fresh process per run, once alone and once beside one busy process
 (a Python loop: one core's worth of demand), for each policy:
 
-    default   whatever the engine does with no environment set
+    default   whatever the engine does with no environment set: between steps the worker
+              drops to the cores other processes leave it (vllm/platforms/cpu_threads.py)
+    fixed     VLLM_CPU_ADAPTIVE_THREADS=0: every core's thread, whatever else runs
     passive   OMP_WAIT_POLICY=PASSIVE: threads sleep at once at a barrier instead of spinning
     spin-1k   GOMP_SPINCOUNT=1000: GNU OpenMP's threads spin a thousand rounds before they sleep
               (its default, with no policy set, is 300,000 rounds)
@@ -36,11 +38,13 @@ import result_files
 HERE = Path(__file__).resolve().parent
 POLICIES = {
     "default": {},
+    "fixed": {"VLLM_CPU_ADAPTIVE_THREADS": "0"},
     "passive": {"OMP_WAIT_POLICY": "PASSIVE"},
     "spin-1k": {"GOMP_SPINCOUNT": "1000"},
     "spin-10k": {"GOMP_SPINCOUNT": "10000"},
     "1-thread": {"OMP_NUM_THREADS": "1"},
 }
+POLICY_VARIABLES = {name for env in POLICIES.values() for name in env}
 BUSY_LOOP = "while True: pass"
 
 
@@ -50,7 +54,7 @@ METRICS = {"A": "A_total_tokens_per_s", "C": "C_decode_tokens_per_s"}
 def run_workloads(policy_env: dict, busy: bool, args: argparse.Namespace) -> dict[str, float]:
     """The --workloads' figures (tokens/s) in a fresh process with `policy_env`, beside a busy
     loop if `busy`."""
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS", "GOMP_SPINCOUNT")}
+    env = {k: v for k, v in os.environ.items() if k not in POLICY_VARIABLES}
     env.update(policy_env)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE.parent), env.get("PYTHONPATH")]))
     with tempfile.TemporaryDirectory() as tmp:

@@ -20,6 +20,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SERVER_METRICS = ("vllm:num_steps_total", "vllm:num_mixed_steps_total", "vllm:num_preemptions_total",
                   "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
                   "vllm:prefill_chunk_tokens_count", "vllm:prefill_chunk_tokens_sum",
+                  "vllm:prefix_cache_hits_total",
                   "vllm:time_to_first_token_seconds_sum", "vllm:time_to_first_token_seconds_count",
                   "vllm:e2e_request_latency_seconds_sum", "vllm:e2e_request_latency_seconds_count")
 
@@ -155,6 +156,7 @@ def server_report(before: dict[str, float], after: dict[str, float], client_ttft
               "prompt_tokens": int(d["vllm:prompt_tokens_total"]),
               "generation_tokens": int(d["vllm:generation_tokens_total"]),
               "prefill_chunks": int(d["vllm:prefill_chunk_tokens_count"]),
+              "prefix_cache_hits": int(d["vllm:prefix_cache_hits_total"]),
               "mean_prefill_chunk_tokens": (d["vllm:prefill_chunk_tokens_sum"] / d["vllm:prefill_chunk_tokens_count"]
                                             if d["vllm:prefill_chunk_tokens_count"] else None)}
     n_ttft, n_e2e = d["vllm:time_to_first_token_seconds_count"], d["vllm:e2e_request_latency_seconds_count"]

@@ -7,6 +7,10 @@ import torch
 
 from tests.utils import build_tiny_checkpoint, smollm2_path
 
+# Tests compare tokens across runs, and a product's summation order may follow the thread count:
+# the count stays fixed here, except in tests/test_cpu_threads.py, which turns adaptation on.
+os.environ.setdefault("VLLM_CPU_ADAPTIVE_THREADS", "0")
+
 
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory) -> str:

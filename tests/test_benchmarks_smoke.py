@@ -296,8 +296,9 @@ def test_serving_compare_chunked(tiny_checkpoints, tmp_path):
     for name, run in result["runs"].items():
         assert run["completed"] == 5 and run["failed"] == 0, (name, run["errors"])
         for metric in ("ttft", "tpot", "itl", "e2el"):
-            for stat in ("mean", "median", "p99"):
+            for stat in ("mean", "median", "p99", "max"):
                 assert run[f"{stat}_{metric}_ms"] >= 0
+            assert run[f"max_{metric}_ms"] >= run[f"p99_{metric}_ms"]
         assert run["request_goodput:"] == run["request_goodput"] == pytest.approx(run["request_throughput"])
         assert sum(run["output_lens"]) == run["total_output_tokens"]
         # The server counted what the client sent and received (the warm-up request is not in it).
@@ -316,7 +317,8 @@ def test_serving_compare_chunked(tiny_checkpoints, tmp_path):
     # The latency target goes to the chunked server only (the unchunked one refuses it).
     assert "--max-step-latency-ms" in result["servers"]["chunked"]["flags"]
     assert "--max-step-latency-ms" not in result["servers"]["unchunked"]["flags"]
-    assert "comparison" in result and "p99_itl_ms" in result["comparison"]
+    assert "comparison" in result and {"p99_itl_ms", "max_itl_ms"} <= set(result["comparison"])
+    assert result["comparison"]["max_itl_ms"]["chunked"] >= result["comparison"]["p99_itl_ms"]["chunked"]
     assert result["mean_ttft_ms"] == result["runs"]["chunked"]["mean_ttft_ms"]  # top level = first run
     if importlib.util.find_spec("matplotlib") is not None:
         assert png.stat().st_size > 0
@@ -337,17 +339,51 @@ def test_serving_capacity_search_against_a_running_server(tiny_checkpoints, tmp_
     with ServerThread(build_app(engine, ["tiny"])) as server:
         proc = run_script("benchmark_serving.py", "--base-url", server.url, "--tokenizer",
                           tiny_checkpoints["llama"], "--num-prompts", "5", "--dataset-name", "random",
-                          "--random-input-len", "16", "--random-output-len", "4", "--random-range-ratio",
-                          "0.5", "--endpoint", "/v1/chat/completions", "--max-concurrency", "2",
-                          "--capacity-search", "--itl-slo-ms", "600000", "--max-probes", "2",
-                          "--min-rate", "1", "--max-rate", "100", "--output-json", str(out))
+                          "--random-input-len", "48", "--random-output-len", "4", "--random-range-ratio",
+                          "0.5", "--max-concurrency", "2",
+                          "--capacity-search", "--itl-slo-ms", "600000", "--ttft-slo-ms", "0.001",
+                          "--rate-steps", "3", "--min-rate", "1", "--max-rate", "100", "--output-json", str(out))
     check_ok(proc)
     result = json.loads(out.read_text())
     assert result["model_id"] == "tiny"  # asked from /v1/models
-    search = result["capacity_search"]["server"]
-    assert search["capacity_rate"] == 100  # a 10-minute ITL SLO is met at the highest rate
-    assert len(search["probes"]) == 1 and search["probes"][0]["meets_slo"]
-    assert search["probes"][0]["completed"] == 5
+    search = result["capacity_search"]["servers"]["server"]
+    assert result["capacity_search"]["rate_grid"] == [1, 10, 100]
+    # No TTFT is under a microsecond: every probe misses, down to the lowest rate.
+    assert search["capacity"] == {"600000": None}
+    assert [p["request_rate"] for p in search["probes"]] == [1, 10]
+    assert all(p["completed"] == 5 and p["meets_itl_targets_ms"] == [] for p in search["probes"])
+    # Each probe sends prompts of its own: the prefix cache serves nothing from the one before
+    # (random token ids; a chat template would share its first tokens).
+    assert all(p["server"]["prefix_cache_hits"] == 0 for p in search["probes"])
+    assert "below 1 req/s" in proc.stdout
+
+
+def test_serving_capacity_latency_targets_against_fixed_budgets(tiny_checkpoints, tmp_path):
+    """--compare-budgets starts a server per latency target and per fixed budget; the budget
+    server is probed once per rate for both targets."""
+    out = tmp_path / "capacity_targets.json"
+    proc = run_script("benchmark_serving.py", "--model", tiny_checkpoints["llama"], "--num-prompts", "3",
+                      "--dataset-name", "random", "--random-input-len", "16", "--random-output-len", "4",
+                      "--endpoint", "/v1/chat/completions",
+                      "--capacity-search", "--itl-slo-ms", "600000", "900000", "--compare-budgets", "32",
+                      "--rate-steps", "2", "--min-rate", "1", "--max-rate", "100", *ENGINE,
+                      "--output-json", str(out))
+    check_ok(proc)
+    assert re.search(r"^Capacity search: 3 server\(s\), rates 1, 100 req/s; estimated [0-9.]+ min", proc.stdout, re.M)
+    assert re.search(r"^\s*600000 ms \|\s+100.00 \|\s+100.00 \|\s+32 \|\s+yes$", proc.stdout, re.M), proc.stdout
+    result = json.loads(out.read_text())
+    flags = {name: server["flags"] for name, server in result["servers"].items()}
+    assert flags["target-600000ms"][-4:] == ["--max-num-batched-tokens", "32", "--max-step-latency-ms", "600000"]
+    assert flags["budget-32"][-2:] == ["--max-num-batched-tokens", "32"]
+    assert "--max-step-latency-ms" not in flags["budget-32"]
+    searches = result["capacity_search"]["servers"]
+    assert searches["budget-32"]["capacity"] == {"600000": 100, "900000": 100}
+    assert len(searches["budget-32"]["probes"]) == 1  # one run at 100 req/s, judged against both
+    assert all(p["completed"] == 3 for s in searches.values() for p in s["probes"])
+    rows = result["capacity_by_target"]
+    assert [r["latency_target_server"] for r in rows] == ["target-600000ms", "target-900000ms"]
+    assert all(r["latency_target_capacity"] == r["best_fixed_capacity"] == 100 for r in rows)
+    assert all(r["latency_target_ge_best_fixed"] is True for r in rows)
 
 
 def test_serving_helpers():
@@ -378,31 +414,107 @@ def test_serving_helpers():
     assert m["request_goodput"] == pytest.approx(1 / 4.0)  # only a meets TTFT <= 1 s
     assert m["request_throughput"] == pytest.approx(0.5)
     assert m["by_kind"]["long"]["mean_ttft_ms"] == pytest.approx(2000)
+    # Capacity probes send fresh random prompts of the same lengths; dataset prompts stay.
+    class Tokenizer:
+        all_special_ids = [0]
+
+        def __len__(self):
+            return 100
+
+        def decode(self, ids):
+            return " ".join(map(str, ids))
+
+    work = [{"prompt_token_ids": [5] * 30, "prompt_len": 30, "output_len": 3, "kind": "long"},
+            {"prompt_token_ids": [7, 8], "prompt_len": 2, "output_len": 1, "kind": "dataset"}]
+    a, b = bs.fresh_prompts(work, Tokenizer(), 1, chat=True), bs.fresh_prompts(work, Tokenizer(), 2, chat=False)
+    assert [len(w["prompt_token_ids"]) for w in a] == [30, 2] and a[1] is work[1]
+    assert a[0]["prompt_token_ids"] != b[0]["prompt_token_ids"] != work[0]["prompt_token_ids"]
+    assert a == bs.fresh_prompts(work, Tokenizer(), 1, chat=True) and 0 not in a[0]["prompt_token_ids"]
+    assert a[0]["prompt_text"] == Tokenizer().decode(a[0]["prompt_token_ids"]) and "prompt_text" not in b[0]
 
 
-def test_capacity_bisection_logic(monkeypatch):
-    bs = load_module("benchmark_serving")
-    probed = []
+def _fake_run(p99_itl_ms: float, ttft_ms: float, failed: int = 0) -> dict:
+    """A run's metrics as compute_metrics gives them: 2% of the gaps at p99_itl_ms, the rest at
+    half of it (so the P99 is not the median); every TTFT the same."""
+    gaps = [p99_itl_ms / 2000] * 98 + [p99_itl_ms / 1000] * 2
+    return {"itls": [gaps], "ttfts": [ttft_ms / 1000] * 10 + [None] * failed, "failed": failed,
+            "request_throughput": 1.0}
 
-    def fake_run_mode(llm, workload, intervals, rate, args, slos, tag):
-        probed.append(rate)
-        itl = 10.0 * rate  # P99 ITL grows with load: SLO 100 ms -> capacity 10 req/s
-        ttft = 100.0 * rate  # queueing grows too: the default 2000 ms bound -> 20 req/s
-        return {"itls": [[itl / 1000.0] * 10], "failed": 0, "completed": 1, "duration": 1.0,
-                "request_throughput": 1.0, "output_throughput": 1.0, "mean_ttft_ms": ttft,
-                "median_ttft_ms": ttft, "median_itl_ms": itl}
 
-    monkeypatch.setattr(bs, "run_mode", fake_run_mode)
-    args = bs.make_parser().parse_args(["--capacity-search", "--itl-slo-ms", "100", "--min-rate", "1",
-                                        "--max-rate", "64", "--max-probes", "8"])
-    found = bs.capacity_search(None, [], [], args, {}, "chunked")
-    assert len(probed) == 8 and probed[:2] == [64, 1]
-    assert found["capacity_rate"] <= 10 < found["bracket"][1]
-    assert found["capacity_rate"] > 7  # 6 bisection steps of a 64x bracket
-    assert all(p["meets_slo"] == (p["request_rate"] <= 10) for p in found["probes"])
-    # The TTFT bound binds first when it is the tighter one: an overloaded rate never counts.
-    probed.clear()
-    args.max_median_ttft_ms = 800.0  # -> 8 req/s
-    found = bs.capacity_search(None, [], [], args, {}, "chunked")
-    assert 6 < found["capacity_rate"] <= 8 < found["bracket"][1]
-    assert all(p["meets_slo"] == (p["request_rate"] <= 8) for p in found["probes"])
+def test_capacity_search_reuses_each_probe_for_every_target():
+    sc = load_module("serving_capacity")
+    grid = sc.rate_grid(0.5, 8.0, 9)  # 0.5, 0.71, 1, 1.41, 2, 2.83, 4, 5.66, 8
+    assert grid[0] == 0.5 and grid[-1] == 8.0 and grid[4] == pytest.approx(2.0)
+    calls = []
+
+    def run_at(rate):
+        calls.append(rate)
+        return _fake_run(40.0 * rate, 500.0 * rate)  # P99 ITL 40 ms per req/s
+
+    slos = [sc.Slo(t, ttft_ms=10000.0) for t in (50.0, 100.0, 200.0)]
+    found = sc.search_server("budget-512", grid, slos, run_at)
+    assert found["capacity"] == {"50": 1.0, "100": 2.0, "200": pytest.approx(4.0)}
+    # The 200 ms target is decided by the probes the tighter targets ran: 6 runs, none repeated.
+    assert len(calls) == len(set(calls)) == 6 <= sc.max_probes(len(grid), 3)
+    probe = {p["request_rate"]: p for p in found["probes"]}[2.0]
+    assert probe["p99_itl_ms"] == pytest.approx(80.0) and probe["meets_itl_targets_ms"] == [100.0, 200.0]
+    # The TTFT bound (P99, 10 s by default) binds first when the server queues: 3 s per req/s.
+    found = sc.search_server("queueing", grid, slos, lambda r: _fake_run(40.0 * r, 3000.0 * r))
+    assert found["capacity"] == {"50": 1.0, "100": 2.0, "200": pytest.approx(2.83, abs=0.01)}
+    # A run with failed requests misses every target; nothing meeting a target is None.
+    found = sc.search_server("failing", grid, slos, lambda r: _fake_run(1.0, 1.0, failed=1))
+    assert found["capacity"] == {"50": None, "100": None, "200": None}
+
+
+def test_capacity_bracket_ignores_a_pass_above_a_miss():
+    sc = load_module("serving_capacity")
+    grid = sc.rate_grid(1.0, 8.0, 4)  # 1, 2, 4, 8
+    slo = sc.Slo(100.0, 10000.0)
+    noisy = [sc.Probe(1.0, 50, 0), sc.Probe(2.0, 150, 0), sc.Probe(4.0, 90, 0)]
+    assert sc.capacity(grid, noisy, slo) == 1.0
+    assert sc.next_rate(grid, noisy, slo) is None
+    assert sc.next_rate(grid, [], slo) == 4.0  # the upper middle of the open bracket
+    assert sc.next_rate(grid, [sc.Probe(4.0, 50, 0)], slo) == 8.0
+    with pytest.raises(ValueError):
+        sc.rate_grid(2.0, 1.0, 4)
+
+
+def test_capacity_compare_budgets_verdict_per_target():
+    sc = load_module("serving_capacity")
+    specs = sc.budget_servers(["--block-size", "16", "--max-num-batched-tokens", "99", "--enable-chunked-prefill",
+                               "--max-step-latency-ms=7"], [50.0, 100.0, 200.0], [128, 512])
+    flags = {s.name: s.flags for s in specs}
+    assert list(flags) == ["target-50ms", "target-100ms", "target-200ms", "budget-128", "budget-512"]
+    assert flags["target-50ms"] == ["--block-size", "16", "--enable-chunked-prefill",
+                                    "--max-num-batched-tokens", "512", "--max-step-latency-ms", "50"]
+    assert flags["budget-128"] == ["--block-size", "16", "--enable-chunked-prefill",
+                                   "--max-num-batched-tokens", "128"]
+    assert [s.itl_targets_ms for s in specs] == [[50.0], [100.0], [200.0]] + [[50.0, 100.0, 200.0]] * 2
+    behaviour = {  # (P99 ITL, P99 TTFT) in ms at a rate
+        "target-50ms": lambda r: (45.0, 2500.0 * r),   # capacity 4 (TTFT)
+        "target-100ms": lambda r: (95.0, 1500.0 * r),  # 5.66
+        "target-200ms": lambda r: (190.0, 1300.0 * r),  # 5.66
+        "budget-128": lambda r: (30.0 * r, 2000.0 * r),  # 1.41, 2.83, 4 (TTFT)
+        "budget-512": lambda r: (25.0 * r, 500.0 * r),  # 2, 4, 8
+    }
+    grid = sc.rate_grid(0.5, 8.0, 9)
+    searches = {s.name: sc.search_server(s.name, grid, [sc.Slo(t, 10000.0) for t in s.itl_targets_ms],
+                                         lambda r, f=behaviour[s.name]: _fake_run(*f(r)))
+                for s in specs}
+    rows = sc.compare(specs, searches)
+    assert [(r["itl_slo_ms"], r["latency_target_server"], r["best_fixed_budget"]) for r in rows] == [
+        (50.0, "target-50ms", 512), (100.0, "target-100ms", 512), (200.0, "target-200ms", 512)]
+    assert [r["latency_target_capacity"] for r in rows] == pytest.approx([4.0, 5.66, 5.66], abs=0.01)
+    assert [r["fixed_budget_capacity"][128] for r in rows] == pytest.approx([1.41, 2.83, 4.0], abs=0.01)
+    assert [r["best_fixed_capacity"] for r in rows] == pytest.approx([2.0, 4.0, 8.0])
+    assert [r["latency_target_ge_best_fixed"] for r in rows] == [True, True, False]
+    table = sc.format_table(rows, 0.5)
+    assert "budget 512" in table and table.count(" yes") == 2 and table.count(" NO") == 1
+    # Start-up plus probes of 24 / 2 req/s + 10 s: 4 per target server, 6 typical (9 at most) per budget one.
+    assert sc.estimate_seconds(specs, grid, 24) == (3 * (60 + 22 * 4) + 2 * (60 + 22 * 6),
+                                                    3 * (60 + 22 * 4) + 2 * (60 + 22 * 9))
+    # No server meets a target at any rate: nothing to compare.
+    none = {name: {"capacity": {"50": None}} for name in ("target-50ms", "budget-128")}
+    row, = sc.compare(sc.budget_servers([], [50.0], [128]), none)
+    assert row["latency_target_ge_best_fixed"] is None and row["best_fixed_budget"] is None
+    assert "n/a" in sc.format_table([row], 0.5)

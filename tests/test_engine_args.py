@@ -74,7 +74,7 @@ def test_async_engine_args():
     assert {a.dest for a in only._actions} == {"help", "enable_log_requests"}
 
 
-@pytest.mark.parametrize("field,value", [("data_parallel_size", 4), ("quantization", "awq")])
+@pytest.mark.parametrize("field,value", [("quantization", "awq")])
 def test_settings_of_features_not_built_are_refused_by_name(tiny_checkpoints, field, value):
     args = EngineArgs(model=tiny_checkpoints["llama"], **{field: value})
     with pytest.raises(ValueError, match=f"{field}=.*not supported yet"):

@@ -60,6 +60,27 @@ def test_unsplittable_heads_are_refused(heads, kv_heads, tp):
             attention_head_shard(heads, kv_heads, tp, rank)
 
 
+def test_timing_collectives_counts_the_all_reduces_inside_the_block():
+    import torch
+    import torch.distributed as dist
+
+    from vllm.distributed import parallel_state, timing_collectives
+    from vllm.executor.mp_executor import loopback_init_method
+
+    dist.init_process_group("gloo", init_method=loopback_init_method(), world_size=1, rank=0)
+    try:
+        x = torch.ones(4, 8)  # 128 bytes
+        parallel_state._all_reduce(x)
+        with timing_collectives() as times:
+            parallel_state._all_reduce(x)
+            parallel_state._all_reduce(x[:2])
+        parallel_state._all_reduce(x)
+    finally:
+        dist.destroy_process_group()
+    assert times.calls == {"all_reduce": 2} and times.bytes == {"all_reduce": 128 + 64}
+    assert times.seconds["all_reduce"] > 0
+
+
 @pytest.fixture(scope="module")
 def uneven_checkpoint(tmp_path_factory, tokenizer_dir) -> str:
     return build_tiny_checkpoint("llama", str(tmp_path_factory.mktemp("tiny_9_3")), tokenizer_dir,
@@ -125,10 +146,13 @@ def test_tp2_matches_tp1_and_leaves_no_process(checkpoints, model, budget):
     assert _wait_gone(pids) == []
 
 
-def test_a_killed_worker_fails_pending_requests_and_the_engine_is_dead(checkpoints):
-    llm = _engine(checkpoints["even"], 16, tp=2)
+def check_a_killed_worker_fails_pending_requests(llm: LLM) -> None:
+    """Kills rank 1's process while two requests run: both fail within seconds with an error
+    naming the rank, the engine is dead, and no worker process is left. Shared with the ray
+    executor's test."""
     engine = llm.llm_engine
     pids = engine.model_executor.worker_pids
+    assert len(pids) == 2 and all(_alive(p) for p in pids)
     aengine = AsyncLLMEngine(engine)
     params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
 
@@ -158,5 +182,9 @@ def test_a_killed_worker_fails_pending_requests_and_the_engine_is_dead(checkpoin
     assert aengine.errored and engine.is_dead
     with pytest.raises(EngineDeadError):
         llm.generate([{"prompt_token_ids": [5, 6, 7]}], use_tqdm=False)
-    assert _wait_gone(pids) == []
+    assert _wait_gone(pids) == []  # the surviving rank's too
     engine.shutdown()  # idempotent after the executor stopped itself
+
+
+def test_a_killed_worker_fails_pending_requests_and_the_engine_is_dead(checkpoints):
+    check_a_killed_worker_fails_pending_requests(_engine(checkpoints["even"], 16, tp=2))

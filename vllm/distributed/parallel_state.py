@@ -6,9 +6,13 @@ it (the single-process executor) is rank 0 of a group of one, where every collec
 identity. The communication backend is the platform's choice (gloo on CPU, hccl on Gaudi).
 
 Inside a captured graph the all-reduce is the opaque op `vllm::tp_all_reduce`, so the compiler
-keeps it whole between the products around it.
+keeps it whole between the products around it. `timing_collectives()` measures this process's
+time in collectives (benchmarks/benchmark_tensor_parallel.py reads it in each worker).
 """
 
+import contextlib
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -45,7 +49,8 @@ class GroupCoordinator:
             return x
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.world_size)] if self.rank == 0 else None
-        dist.gather(x, parts, dst=0)
+        with _timed("gather", x):
+            dist.gather(x, parts, dst=0)
         return torch.cat(parts, dim=dim) if self.rank == 0 else None
 
 
@@ -56,9 +61,47 @@ def get_tp_group() -> GroupCoordinator:
     return _TP_GROUP
 
 
+@dataclass
+class CollectiveTimes:
+    """Wall-clock seconds, calls and payload bytes of this process's collectives, by kind."""
+
+    seconds: dict[str, float]
+    calls: dict[str, int]
+    bytes: dict[str, int]
+
+
+_TIMES: CollectiveTimes | None = None
+
+
+@contextlib.contextmanager
+def timing_collectives() -> Iterator[CollectiveTimes]:
+    """Within the block, every all-reduce and gather of this process adds its time to the
+    yielded `CollectiveTimes` (a rank waiting for a slower one counts the wait too)."""
+    global _TIMES
+    assert _TIMES is None, "collectives are already being timed"
+    _TIMES = CollectiveTimes({}, {}, {})
+    try:
+        yield _TIMES
+    finally:
+        _TIMES = None
+
+
+@contextlib.contextmanager
+def _timed(kind: str, x: torch.Tensor) -> Iterator[None]:
+    if _TIMES is None:
+        yield
+        return
+    times, start = _TIMES, time.perf_counter()
+    yield
+    times.seconds[kind] = times.seconds.get(kind, 0.0) + time.perf_counter() - start
+    times.calls[kind] = times.calls.get(kind, 0) + 1
+    times.bytes[kind] = times.bytes.get(kind, 0) + x.numel() * x.element_size()
+
+
 def _all_reduce(x: torch.Tensor) -> torch.Tensor:
     out = x.clone()
-    dist.all_reduce(out)
+    with _timed("all_reduce", out):
+        dist.all_reduce(out)
     return out
 
 

@@ -127,7 +127,9 @@ class EngineArgs:
     tensor_parallel_size: int = arg(
         1, "ranks each layer is split across (worker processes, or Ray actors)", aliases=["-tp"])
     pipeline_parallel_size: int = arg(1, "pipeline stages (1 only)", aliases=["-pp"])
-    data_parallel_size: int = arg(1, "engine replicas (1 only, for now)", aliases=["-dp"])
+    data_parallel_size: int = arg(
+        1, "engine replicas as Ray actors behind `vllm serve`, each request to the least loaded "
+        "(offline LLM(...) runs one)", aliases=["-dp"])
     distributed_executor_backend: str | None = arg(
         None, "what runs the ranks: uni (the engine's process; the default for one rank), mp "
         "(worker processes on this host; the default for more), ray (Ray actors, across hosts)",
@@ -156,11 +158,6 @@ class EngineArgs:
         if unknown:
             raise ValueError(f"unknown engine argument(s) {unknown}; supported: {sorted(known)}")
         return cls(**kwargs)
-
-    def _check_supported(self) -> None:
-        if self.data_parallel_size != 1:
-            raise ValueError(f"data_parallel_size={self.data_parallel_size} is not supported yet: "
-                             "one engine serves; use data_parallel_size=1")
 
     def _check_quantization(self, platform: Platform, source: ModelSource) -> None:
         if self.quantization is None:
@@ -200,7 +197,6 @@ class EngineArgs:
 
     def create_engine_config(self, platform: Platform) -> tuple[EngineConfig, ModelSource, ModelSource]:
         """Returns the config plus the model and tokenizer sources."""
-        self._check_supported()
         parallel_config = ParallelConfig(
             tensor_parallel_size=self.tensor_parallel_size,
             pipeline_parallel_size=self.pipeline_parallel_size,

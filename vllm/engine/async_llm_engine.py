@@ -3,9 +3,11 @@
 import asyncio
 from collections.abc import AsyncIterator
 
+from vllm.config import EngineConfig
 from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.exceptions import EngineDeadError
 from vllm.engine.llm_engine import LLMEngine
+from vllm.engine.metrics_types import StatLoggerBase
 from vllm.inputs import ProcessedPrompt, PromptType
 from vllm.logger import init_logger
 from vllm.outputs import RequestOutput
@@ -70,8 +72,22 @@ class AsyncLLMEngine:
         """Requests whose stream is open: not yet finished, aborted or failed."""
         return len(self._streams)
 
+    @property
+    def config(self) -> EngineConfig:
+        return self.engine.config
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
     async def get_tokenizer(self):
         return self.engine.tokenizer
+
+    def add_logger(self, name: str, stat_logger: StatLoggerBase) -> None:
+        self.engine.add_logger(name, stat_logger)
+
+    def remove_logger(self, name: str) -> None:
+        self.engine.remove_logger(name)
 
     # ---------------------------------------------------------------- requests
 

@@ -84,13 +84,20 @@ class LLMEngine:
         self._logged_stats = EngineStats()  # the counters when the loggers last saw them
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
+    def from_engine_args(cls, args: EngineArgs, executor_class: type[ExecutorBase] | None = None
+                         ) -> "LLMEngine":
+        """The engine `args` describe; `executor_class` replaces the one the parallel config
+        picks (one that measures its ranks, say)."""
+        if args.data_parallel_size != 1:
+            raise ValueError(f"data_parallel_size={args.data_parallel_size} runs replicas of the engine "
+                             "behind the server: use `vllm serve --data-parallel-size N`; one "
+                             "LLMEngine (and LLM(...)) is one replica, data_parallel_size=1")
         platform = get_platform(args.device)
         config, source, tokenizer_source = args.create_engine_config(platform)
         # Before the weights load: a cache that cannot hold one sequence fails at once.
         config.cache.num_blocks = determine_num_blocks(config.model, config.cache, config.parallel)
         tokenizer = load_tokenizer(tokenizer_source)
-        executor_class = get_executor_class(config.parallel)
+        executor_class = executor_class or get_executor_class(config.parallel)
         model_executor = executor_class(config, source, tokenizer.eos_token_id)
         engine = cls(config, tokenizer, model_executor)
         if config.scheduler.max_step_latency_ms is not None:

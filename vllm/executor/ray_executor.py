@@ -11,6 +11,7 @@ shutdown. `ray` is imported only here.
 """
 
 import dataclasses
+import os
 import socket
 import time
 
@@ -61,6 +62,9 @@ class RayWorkerWrapper:
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
+    def pid(self) -> int:
+        return os.getpid()
+
     def shutdown(self) -> None:
         if self.worker is not None:
             self.worker.shutdown()
@@ -70,6 +74,7 @@ class RayExecutor(ExecutorBase):
     def __init__(self, config: EngineConfig, source: ModelSource, eos_token_id: int | None) -> None:
         super().__init__(config)
         self._actors = []
+        self.worker_pids: list[int] = []
         self._placement_group = None
         self._started_ray = not ray.is_initialized()
         if self._started_ray:
@@ -93,6 +98,7 @@ class RayExecutor(ExecutorBase):
                 self._actors.append(actor_class.options(scheduling_strategy=strategy, **resources).remote())
             init_method = ray.get(self._actors[0].init_method.remote())
             self.node_ids = ray.get([a.node_id.remote() for a in self._actors])
+            self.worker_pids = ray.get([a.pid.remote() for a in self._actors])
             logger.info("Started %d Ray actors on nodes %s; rendezvous %s", world_size,
                         [n[:8] for n in self.node_ids], init_method)
             refs = [actor.init_worker.remote(
@@ -126,9 +132,11 @@ class RayExecutor(ExecutorBase):
             try:
                 results[rank_of[ref]] = ray.get(ref)
             except ray.exceptions.RayActorError as e:
+                rank = rank_of[ref]
                 self.shutdown()
-                raise WorkerDiedError(f"the Ray actor of TP rank {rank_of[ref]} died ({e}); the "
-                                      "other actors were stopped") from e
+                # Ray's own account (exit type, likely causes) stays in the cause.
+                raise WorkerDiedError(f"the Ray actor of TP rank {rank} (pid {self.worker_pids[rank]}) "
+                                      "died; the other actors were stopped") from e
             except ray.exceptions.RayTaskError as e:
                 error = error or e.as_instanceof_cause()
                 deadline = deadline or time.monotonic() + PEER_ERROR_GRACE_SECONDS

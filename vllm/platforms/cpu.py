@@ -7,6 +7,7 @@ import sys
 import torch
 
 from vllm.logger import init_logger
+from vllm.platforms.cpu_threads import ThreadGovernor, adaptive_threads_enabled
 from vllm.platforms.interface import Platform
 
 
@@ -93,6 +94,13 @@ class CpuPlatform(Platform):
         # The ranks share the host's cores: each gets its part, at least one thread.
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         torch.set_num_threads(max(1, cores // world_size))
+
+    def thread_governor(self):
+        # Read after configure_worker: the governor never runs more threads than the rank's share.
+        threads = torch.get_num_threads()
+        if threads < 2 or not adaptive_threads_enabled():
+            return None
+        return ThreadGovernor(threads, torch.set_num_threads)
 
     def attention_backend(self, config, sliding_window):
         from vllm.attention.backends.cpu_attn import CpuAttentionBackend

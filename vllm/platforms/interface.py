@@ -14,6 +14,7 @@ from torch import nn
 from vllm.attention.backends.abstract import AttentionBackend
 from vllm.compilation.regions import RegionStats
 from vllm.config import EngineConfig
+from vllm.platforms.cpu_threads import ThreadGovernor
 
 
 class Platform:
@@ -58,6 +59,11 @@ class Platform:
     def configure_worker(self, world_size: int) -> None:
         """Settings of a worker process that runs one of `world_size` ranks on this host. The
         default: none."""
+
+    def thread_governor(self) -> ThreadGovernor | None:
+        """What adapts the host threads of this worker's kernels to the load of the machine,
+        called before each step; the default: nothing (the device does the work)."""
+        return None
 
     def synchronize(self) -> None:
         """Waits for queued device work (for timing)."""

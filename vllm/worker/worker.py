@@ -40,6 +40,8 @@ class Worker:
                     time.perf_counter() - start)
         self.runner = HPUModelRunner(config, self.platform, model, eos_token_id=eos_token_id)
         self.runner.warmup()
+        # Made after warm-up, which runs alone and on every thread, so steps start at full width.
+        self.threads = self.platform.thread_governor()
         # (tokens, seconds) of a padding-only step at each size, for the step-time model of
         # max_step_latency_ms; every rank runs them, as each forward pass needs all ranks.
         self.step_time_samples: list[tuple[int, float]] = []
@@ -53,6 +55,8 @@ class Worker:
 
     def execute_model(self, step: SchedulerOutput) -> ModelRunnerOutput | None:
         """Runs the step on this rank's shard; the sampled output on rank 0, None elsewhere."""
+        if self.threads is not None:
+            self.threads.before_step()
         output = self.runner.execute_model(step)
         return output if self.rank == 0 else None
 

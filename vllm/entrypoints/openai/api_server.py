@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP server: a FastAPI app on one AsyncLLMEngine, served by uvicorn."""
+"""The OpenAI-compatible HTTP server: a FastAPI app on one AsyncLLMEngine (or, with
+data_parallel_size > 1, a DataParallelEngine over replicas of it), served by uvicorn."""
 
 import asyncio
 import contextlib
@@ -34,7 +35,7 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str], api_key: st
     """The app for `engine`. While it serves, the engine reports to the periodic log line and to
     /metrics (unless not `log_stats`); when it stops, the engine is shut down."""
     registry = CollectorRegistry()
-    config = engine.engine.config
+    config = engine.config
     loggers = {} if not log_stats else {
         "logging": LoggingStatLogger(log_interval_from_env()),
         "prometheus": PrometheusStatLogger(registry, served_model_names[0], config.model.max_model_len,
@@ -43,7 +44,7 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str], api_key: st
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         for name, stat_logger in loggers.items():
-            engine.engine.add_logger(name, stat_logger)
+            engine.add_logger(name, stat_logger)
         # The log line also comes while no step runs (an idle or stuck engine shows in the log).
         ticker = asyncio.create_task(_log_stats_periodically(engine)) if loggers else None
         try:
@@ -53,7 +54,7 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str], api_key: st
                 ticker.cancel()
             await engine.shutdown()
             for name in loggers:
-                engine.engine.remove_logger(name)
+                engine.remove_logger(name)
 
     app = FastAPI(lifespan=lifespan)
     app.state.engine = engine
@@ -238,8 +239,13 @@ def bind_socket(host: str, port: int) -> socket.socket:
 async def run_server(args: Namespace, engine_args: AsyncEngineArgs) -> None:
     """`vllm serve`: binds the port, loads the engine, serves until a signal."""
     sock = bind_socket(args.host, args.port)
-    engine = AsyncLLMEngine.from_engine_args(engine_args)
-    config = engine.engine.config
+    if engine_args.data_parallel_size > 1:
+        from vllm.engine.data_parallel import DataParallelEngine  # imports ray
+
+        engine = DataParallelEngine.from_engine_args(engine_args)
+    else:
+        engine = AsyncLLMEngine.from_engine_args(engine_args)
+    config = engine.config
     names = args.served_model_name or [engine_args.model or config.model.model]
     api_key = args.api_key or os.environ.get("VLLM_API_KEY")
     app = build_app(engine, names, api_key=api_key, log_stats=not config.disable_log_stats)

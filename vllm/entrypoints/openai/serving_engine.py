@@ -40,13 +40,13 @@ class OpenAIServing:
         assert served_model_names
         self.engine = engine
         self.served_model_names = served_model_names
-        config = engine.engine.config
+        config = engine.config
         self.max_model_len = config.model.max_model_len
         self.max_num_seqs = config.scheduler.max_num_seqs
-        self.tokenizer = engine.engine.tokenizer
+        self.tokenizer = engine.tokenizer
 
     def show_models(self) -> ModelList:
-        root = self.engine.engine.config.model.model
+        root = self.engine.config.model.model
         return ModelList(data=[ModelCard(id=name, root=root, max_model_len=self.max_model_len)
                                for name in self.served_model_names])
 

@@ -1,0 +1,134 @@
+"""The CPU worker's thread count follows the load other processes put on the machine."""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from vllm.platforms.cpu_threads import CpuTimes, ThreadGovernor, read_cpu_times, threads_for
+
+
+@pytest.mark.parametrize("others, current, max_threads, want", [
+    (0.0, 2, 2, 2),
+    (0.39, 2, 2, 2),   # under the drop margin: keeps both
+    (0.45, 2, 2, 1),
+    (1.0, 2, 2, 1),
+    (1.9, 2, 2, 1),    # never below one
+    (0.35, 1, 2, 1),   # between the margins: keeps what it has
+    (0.3, 1, 2, 2),
+    (0.0, 1, 2, 2),
+    (1.2, 4, 4, 3),
+    (2.6, 4, 4, 1),
+    (0.1, 1, 4, 4),
+])
+def test_threads_for_the_cores_left(others, current, max_threads, want):
+    assert threads_for(others, current, max_threads) == want
+
+
+class FakeClock:
+    """CPU times advanced by hand: `others` and `own` are cores' worth over each step."""
+
+    def __init__(self):
+        self.times = CpuTimes(0.0, 0.0, 0.0)
+
+    def advance(self, seconds, others, own):
+        t = self.times
+        self.times = CpuTimes(t.wall + seconds, t.busy + (others + own) * seconds, t.own + own * seconds)
+
+    def __call__(self):
+        return self.times
+
+
+def test_governor_drops_and_takes_back_a_thread_per_interval():
+    clock, calls = FakeClock(), []
+    governor = ThreadGovernor(2, calls.append, read_times=clock, interval_s=0.5)
+    governor.before_step()
+    assert calls == [2]  # applied on the step thread at the first step
+    clock.advance(0.3, others=1.0, own=1.0)
+    governor.before_step()
+    assert calls == [2]  # within the interval: not looked at yet
+    clock.advance(0.3, others=1.0, own=1.0)
+    governor.before_step()
+    assert calls == [2, 1] and governor.threads == 1
+    clock.advance(1.0, others=0.35, own=1.0)
+    governor.before_step()
+    assert calls == [2, 1]  # between the margins
+    clock.advance(1.0, others=0.0, own=1.0)
+    governor.before_step()
+    assert calls == [2, 1, 2] and governor.threads == 2
+
+
+def test_governor_sets_the_count_on_each_new_step_thread():
+    import threading
+
+    calls = []
+    governor = ThreadGovernor(2, calls.append, read_times=lambda: None)
+    governor.before_step()
+    governor.before_step()
+    worker = threading.Thread(target=governor.before_step)
+    worker.start()
+    worker.join()
+    assert calls == [2, 2]
+
+
+def test_governor_without_proc_stat_keeps_its_threads():
+    calls = []
+    governor = ThreadGovernor(2, calls.append, read_times=lambda: None, interval_s=0.0)
+    for _ in range(3):
+        governor.before_step()
+    assert calls == [2]
+
+
+@pytest.mark.skipif(read_cpu_times() is None or (os.cpu_count() or 1) < 2, reason="needs /proc/stat and 2 cores")
+def test_a_busy_process_counts_as_others_and_costs_a_thread():
+    # Whatever else runs on the machine only adds to what the busy loop takes, so the bound
+    # holds on a loaded machine too (where the loop gets less than its whole core).
+    calls = []
+    governor = ThreadGovernor(2, calls.append, interval_s=0.5)
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.2)  # the interpreter starting up
+        before = read_cpu_times()
+        governor._last = before
+        time.sleep(1.0)
+        governor.before_step()
+        after = read_cpu_times()
+    finally:
+        busy.kill()
+        busy.wait()
+    others = ((after.busy - before.busy) - (after.own - before.own)) / (after.wall - before.wall)
+    assert others >= 0.5
+    assert calls == [2, 1] and governor.threads == 1
+
+
+def test_the_cpu_worker_adapts_unless_the_user_fixed_the_count(monkeypatch, tiny_checkpoints):
+    from vllm import LLM, SamplingParams
+
+    if torch.get_num_threads() < 2:
+        pytest.skip("one thread: nothing to adapt")
+    monkeypatch.setenv("VLLM_CPU_ADAPTIVE_THREADS", "1")
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    llm = LLM(tiny_checkpoints["llama"], dtype="float32", max_model_len=128, block_size=16,
+              num_gpu_blocks_override=64)
+    worker = llm.llm_engine.model_executor.worker
+    assert worker.threads is not None and worker.threads.max_threads == torch.get_num_threads()
+    # A step beside a fake load of one core runs on one thread, in the thread that runs steps.
+    clock = FakeClock()
+    worker.threads._read_times, worker.threads._last = clock, clock()
+    clock.advance(1.0, others=1.0, own=1.0)
+    seen = []
+    run = worker.runner.execute_model
+    worker.runner.execute_model = lambda step: (seen.append(torch.get_num_threads()), run(step))[1]
+    try:
+        llm.generate(["hello"], SamplingParams(max_tokens=2), use_tqdm=False)
+    finally:
+        worker.runner.execute_model = run
+        torch.set_num_threads(worker.threads.max_threads)
+    assert seen and seen[0] == 1
+    monkeypatch.setenv("OMP_NUM_THREADS", str(torch.get_num_threads()))
+    fixed = LLM(tiny_checkpoints["llama"], dtype="float32", max_model_len=128, block_size=16,
+              num_gpu_blocks_override=64)
+    assert fixed.llm_engine.model_executor.worker.threads is None

@@ -1,0 +1,105 @@
+"""A CPU worker's thread count, adapted to what else runs on its cores.
+
+The kernels split each product over OpenMP threads that spin at their barriers. When another
+process is busy on one of the cores, the thread that shares it runs in time slices and every
+barrier waits for it, while its partner spins on the other core: a step then takes several
+times longer than on one thread alone. A server never has its cores to itself (tokenizers, the
+HTTP layer, other services), so between steps the worker looks at how much of the machine's
+CPU time went to other processes since it last looked, and runs on the cores left to it:
+
+    others = (busy time of all cores - this process's CPU time) / wall time     (in cores)
+    threads = max_threads - others, rounded down past a margin, at least 1
+
+Dropping a thread needs others above 0.4 of a core; taking it back needs them under 0.3, so a
+load near the threshold does not flip the count every interval. Setting OMP_NUM_THREADS (or
+VLLM_CPU_ADAPTIVE_THREADS=0) keeps the count fixed, as the user chose.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+_DROP_MARGIN = 0.4  # of a core used by others before a thread is given up
+_TAKE_MARGIN = 0.3  # of a core, at most, used by others before a thread is taken back
+
+
+@dataclass(frozen=True)
+class CpuTimes:
+    """Seconds since an arbitrary origin: wall clock, all cores' busy time, this process's."""
+    wall: float
+    busy: float
+    own: float
+
+
+def read_cpu_times() -> CpuTimes | None:
+    """The machine's busy time from /proc/stat (Linux) and this process's CPU time, all
+    threads; None where /proc/stat cannot be read."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu":
+        return None
+    # user nice system idle iowait irq softirq steal ...: idle and iowait are the idle time.
+    jiffies = [int(x) for x in fields[1:]]
+    busy = sum(jiffies) - jiffies[3] - (jiffies[4] if len(jiffies) > 4 else 0)
+    return CpuTimes(time.monotonic(), busy / os.sysconf("SC_CLK_TCK"), time.process_time())
+
+
+def threads_for(others: float, current: int, max_threads: int) -> int:
+    """The thread count for `others` cores used by other processes, from `current`."""
+    lower = math.floor(max_threads - others + _DROP_MARGIN)
+    if lower < current:
+        return max(1, lower)
+    higher = math.floor(max_threads - others + _TAKE_MARGIN)
+    return max(current, min(max_threads, higher))
+
+
+class ThreadGovernor:
+    """Sets the calling thread's kernel thread count before each step (OpenMP keeps the count
+    per thread, so it must run on the thread that runs the steps)."""
+
+    def __init__(self, max_threads: int, set_threads: Callable[[int], None],
+                 read_times: Callable[[], CpuTimes | None] = read_cpu_times,
+                 interval_s: float = 0.25) -> None:
+        assert max_threads > 1
+        self.max_threads = max_threads
+        self.threads = max_threads
+        self.interval_s = interval_s
+        self._set_threads = set_threads
+        self._read_times = read_times
+        self._last = read_times()
+        self._step_thread: int | None = None
+
+    def before_step(self) -> None:
+        # Steps may move between threads (an async server runs them in a pool).
+        if threading.get_ident() != self._step_thread:
+            self._set_threads(self.threads)
+            self._step_thread = threading.get_ident()
+        now = self._read_times()
+        if now is None or self._last is None or now.wall - self._last.wall < self.interval_s:
+            return
+        others = max(0.0, (now.busy - self._last.busy) - (now.own - self._last.own)) / (now.wall - self._last.wall)
+        self._last = now
+        threads = threads_for(others, self.threads, self.max_threads)
+        if threads != self.threads:
+            logger.info("Other processes use %.1f of the cores: kernels now run on %d thread(s) of %d",
+                        others, threads, self.max_threads)
+            self.threads = threads
+            self._set_threads(threads)
+            self._step_thread = threading.get_ident()
+
+
+def adaptive_threads_enabled() -> bool:
+    """Off when the user fixed the count (OMP_NUM_THREADS) or turned it off."""
+    return "OMP_NUM_THREADS" not in os.environ and os.environ.get("VLLM_CPU_ADAPTIVE_THREADS", "1") != "0"
