@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.test_scheduler import FakeEngine
-from vllm.core.step_time_model import (MIN_PREFILL_CHUNK, StepShape, StepTimeModel, attended_pairs,
-                                       latency_budget)
+from vllm.core.step_time_model import (MIN_PREFILL_CHUNK, MIN_TAIL_SAMPLES, StepShape, StepTimeModel,
+                                       attended_pairs, latency_budget)
 from vllm.worker.bucketing import BucketConfig, generate_buckets
 
 
@@ -17,6 +17,7 @@ class FakeStepTimes:
 
     is_fitted = True
     coefficients = (1e-3, 2e-5, 5e-9)
+    tail_factor = 1.0
 
     def predict(self, shape: StepShape) -> float:
         return float(np.dot(self.coefficients, shape.features()))
@@ -56,6 +57,39 @@ def test_the_recent_window_follows_a_change():
     for t in range(1, 41):
         model.observe(StepShape(8 * t, 0), 1e-3 * (1 if t <= 20 else 3))
     assert model.predict(StepShape(100, 0)) == pytest.approx(3e-3, rel=1e-3)
+
+
+def test_the_tail_factor_is_the_slow_steps_over_their_prediction():
+    model = StepTimeModel()
+    model.fit_warmup([(StepShape(t, 0), 1e-3 + 1e-5 * t) for t in (16, 64, 256, 512)])
+    assert model.tail_factor == 1.0
+    # Every tenth step runs 1.5x its prediction, the others as predicted: the 95th percentile
+    # of the ratios is a slow step's.
+    shapes = [StepShape(16 * (1 + i % 32), 0) for i in range(100)]
+    for i, shape in enumerate(shapes[:MIN_TAIL_SAMPLES - 1]):
+        model.observe(shape, model.predict(shape))
+    assert model.tail_factor == 1.0  # too few measured steps yet
+    for i, shape in enumerate(shapes):
+        model.observe(shape, model.predict(shape) * (1.5 if i % 10 == 0 else 1.0))
+    assert model.tail_factor == pytest.approx(1.5, rel=0.05)
+    # Faster than predicted never lowers it below 1.
+    fast = StepTimeModel()
+    fast.fit_warmup([(StepShape(t, 0), 1e-3 + 1e-5 * t) for t in (16, 64, 256, 512)])
+    for shape in shapes:
+        fast.observe(shape, 0.5 * fast.predict(shape))
+    assert fast.tail_factor == 1.0
+
+
+def test_a_tail_factor_shrinks_the_chosen_step():
+    model = FakeStepTimes()
+    args = dict(decode_pairs=0, num_decodes=0, prefill_context=0, sizes=[], max_num_batched_tokens=4096)
+    plain = latency_budget(model, 5e-3, **args)
+    model.tail_factor = 1.25
+    slow = latency_budget(model, 5e-3, **args)
+    assert slow.num_tokens < plain.num_tokens
+    one_more = slow.num_tokens + 1
+    assert 1.25 * slow.predicted_seconds <= 5e-3
+    assert 1.25 * model.predict(StepShape(one_more, attended_pairs([(one_more, 0)]))) > 5e-3
 
 
 BUCKETS = generate_buckets(BucketConfig(min=16, step=128, max=512))  # 16, 32, ..., 512

@@ -9,7 +9,11 @@ pairs` is the number of (query, key) pairs attention computes: a chunk of n toke
 context of c reads c + 1 ... c + n keys, n * c + n * (n + 1) / 2 pairs; a decode reads c + 1.
 The coefficients are fitted by least squares, none negative (so the predicted time grows with
 the step), on the timed warm-up runs of every token bucket (padding only: `tokens` alone) and on
-the latest measured steps, which bring in attention. Imports no torch.
+the latest measured steps, which bring in attention.
+
+A target bounds the slow steps, not the average one: the budget is sized for the prediction
+times `tail_factor`, the TAIL_QUANTILE of how much longer than predicted the recent steps ran
+(contention, the server's own threads, what the features leave out). Imports no torch.
 """
 
 from collections import deque
@@ -35,15 +39,21 @@ class StepShape:
         return (1.0, float(self.num_tokens), float(self.attended_pairs))
 
 
+TAIL_QUANTILE = 0.95
+MIN_TAIL_SAMPLES = 16  # measured steps before the tail factor departs from 1
+
+
 class StepTimeModel:
     """Least-squares step times from warm-up runs (kept) and the last `window` measured steps.
 
-    Invariant: the coefficients are never negative, so `predict` grows with both features.
+    Invariants: the coefficients are never negative, so `predict` grows with both features;
+    `tail_factor` is at least 1.
     """
 
     def __init__(self, window: int = 256) -> None:
         self._warmup: list[tuple[tuple[float, float, float], float]] = []
         self._recent: deque[tuple[tuple[float, float, float], float]] = deque(maxlen=window)
+        self._ratios: deque[float] = deque(maxlen=window)  # measured / predicted, before refitting
         self.coefficients: tuple[float, float, float] = (0.0, 0.0, 0.0)
         self.num_observations = 0
 
@@ -58,12 +68,23 @@ class StepTimeModel:
 
     def observe(self, shape: StepShape, seconds: float) -> None:
         """A measured step: refits with it."""
+        predicted = self.predict(shape)
+        if predicted > 0:
+            self._ratios.append(seconds / predicted)
         self._recent.append((shape.features(), seconds))
         self._refit()
 
     def predict(self, shape: StepShape) -> float:
         """Seconds; 0 before any sample."""
         return float(np.dot(self.coefficients, shape.features()))
+
+    @property
+    def tail_factor(self) -> float:
+        """The TAIL_QUANTILE of measured over predicted time of the recent steps, at least 1;
+        1 until MIN_TAIL_SAMPLES steps were measured."""
+        if len(self._ratios) < MIN_TAIL_SAMPLES:
+            return 1.0
+        return max(1.0, float(np.quantile(np.fromiter(self._ratios, dtype=np.float64), TAIL_QUANTILE)))
 
     def _refit(self) -> None:
         rows = self._warmup + list(self._recent)
@@ -120,9 +141,9 @@ class StepBudget:
 def latency_budget(model: StepTimeModel, target_seconds: float, *, decode_pairs: int,
                    num_decodes: int, prefill_context: int, sizes: Sequence[int],
                    max_num_batched_tokens: int) -> StepBudget:
-    """The largest step whose predicted time is within `target_seconds`, the decodes plus one
-    prefill chunk of the rest after `prefill_context` cached tokens (several chunks with less
-    context attend fewer pairs, so this bounds them).
+    """The largest step whose predicted time, times the model's tail factor, is within
+    `target_seconds`: the decodes plus one prefill chunk of the rest after `prefill_context`
+    cached tokens (several chunks with less context attend fewer pairs, so this bounds them).
 
     With `sizes` (the warmed token buckets, ascending) the step is one of them: the chunk then
     fills its bucket, with no padding. Without, any count. Never above `max_num_batched_tokens`;
@@ -132,6 +153,8 @@ def latency_budget(model: StepTimeModel, target_seconds: float, *, decode_pairs:
         chunk = total - num_decodes
         return model.predict(StepShape(padded_size(sizes, total),
                                        decode_pairs + attended_pairs([(chunk, prefill_context)])))
+
+    target_seconds /= model.tail_factor  # the slow steps, not the average one, within target
 
     floor = min(num_decodes + MIN_PREFILL_CHUNK, max_num_batched_tokens)
     if sizes:
