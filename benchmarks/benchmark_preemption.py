@@ -73,9 +73,10 @@ def main(args: argparse.Namespace) -> dict:
         "tight": tight,
         "wall_time_ratio": tight["seconds"] / roomy["seconds"],
         "outputs_identical": tight_tokens == roomy_tokens,
-        # Greedy tokens follow the logits' rounding, which in bf16 depends on how many rows
-        # a product has (the GEMV of a few decodes and oneDNN's kernel of a batch sum in other
-        # orders): a request's tokens may part at a near tie. float32 keeps them identical.
+        # Identical where every kernel sums a token's outputs in one order whatever its step
+        # holds (tests/test_batch_invariance.py): bf16 on AVX512-BF16 without AMX, and float32.
+        # On AMX the GEMV of 1-4 decodes sums in another order than the tile GEMM of more, and a
+        # request's bf16 tokens may part at a near tie.
         "requests_identical": sum(t == r for t, r in zip(tight_tokens, roomy_tokens)),
         "first_difference": [next((i for i, (a, b) in enumerate(zip(t, r)) if a != b), None)
                              for t, r in zip(tight_tokens, roomy_tokens)],

@@ -55,17 +55,21 @@ static inline __m512 masked_max(const float (*s)[16], const __mmask16 *keep, int
     return _mm512_max_ps(_mm512_max_ps(m[0], m[1]), _mm512_max_ps(m[2], m[3]));
 }
 
-/* Raises the maximum of the lanes where step_max exceeds it too far. Returns 0 if no lane
- * changed; else 1, with *alpha the factor for each lane's earlier sums (the totals are done). */
+/* Raises the maximum of the lanes where step_max exceeds it too far, and only those: a lane's
+ * maximum, and so its weights' rounding, never depends on the other lanes (a query's attention
+ * is the same whichever queries share its task, so it does not depend on where a prefill was cut
+ * into chunks). Returns 0 if no lane changed; else 1, with *alpha the factor for each lane's
+ * earlier sums, exactly 1 in the lanes kept (the totals are done). */
 static inline int lazy_softmax_raise(struct lazy_softmax *st, __m512 step_max, __m512 *alpha) {
     const __m512 c = st->log2e_scale;
-    if (!_mm512_cmp_ps_mask(_mm512_mul_ps(step_max, c), _mm512_fmadd_ps(st->max, c, _mm512_set1_ps(MAX_GROWTH)),
-                            _CMP_GT_OQ))
-        return 0;
-    const __m512 new_max = _mm512_max_ps(st->max, step_max);
+    const __mmask16 raised = _mm512_cmp_ps_mask(_mm512_mul_ps(step_max, c),
+                                                _mm512_fmadd_ps(st->max, c, _mm512_set1_ps(MAX_GROWTH)), _CMP_GT_OQ);
+    if (!raised) return 0;
+    const __m512 new_max = _mm512_mask_mov_ps(st->max, raised, step_max);
     /* Lanes that have seen no score yet keep zero sums: their factor is irrelevant. */
     const __mmask16 finite = _mm512_cmp_ps_mask(st->max, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
-    *alpha = exp2_masked(finite, _mm512_mul_ps(_mm512_sub_ps(st->max, new_max), c));
+    const __m512 factor = exp2_masked(finite, _mm512_mul_ps(_mm512_sub_ps(st->max, new_max), c));
+    *alpha = _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), raised, factor);
     st->total = _mm512_mul_ps(st->total, *alpha);
     st->max = new_max;
     return 1;

@@ -23,7 +23,16 @@ _LIBRARY = CLibrary(Path(__file__).with_name("cpu_tile_gemm.c"), "products of 5-
                      "tile_gemm_fits": CFunction([_i64, _i64]),
                      "tile_gemm_use_amx": CFunction([ctypes.c_int])},
                     supported="tile_gemm_supported",
-                    on_load=lambda lib: lib.tile_gemm_use_amx(1))  # AMX where the CPU and Linux allow it
+                    on_load=lambda lib: _set_amx(lib, True))  # AMX where the CPU and Linux allow it
+
+# Whether the products run on the AMX copy: set when the library loads and by use_amx.
+_on_amx = False
+
+
+def _set_amx(lib: ctypes.CDLL, enabled: bool) -> bool:
+    global _on_amx
+    _on_amx = bool(lib.tile_gemm_use_amx(int(enabled)))
+    return _on_amx
 
 
 @functools.cache
@@ -37,7 +46,16 @@ def max_rows() -> int:
 def use_amx(enabled: bool) -> bool:
     """Lets the products take the AMX copy (the default where it runs) or not, the AVX512-BF16
     copy that CPUs without AMX use (for tests and comparisons); returns whether AMX is now in use."""
-    return bool(_built().tile_gemm_use_amx(int(enabled)))
+    return _set_amx(_built(), enabled)
+
+
+def takes_decode_rows() -> bool:
+    """Whether products of a few rows (decodes), which cpu_gemv.c's GEMV would take from the
+    plain weight, should run here too. On the AVX512-BF16 copy, yes: it streams the tile copy at
+    least as fast, and it sums each output in the same order whatever the row count, so a token's
+    result does not depend on how many rows its step has (the same tokens whatever the batch).
+    On AMX the kernel computes a whole 16-row tile for each row group, and the GEMV keeps them."""
+    return max_rows() > 0 and not _on_amx
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor | None:

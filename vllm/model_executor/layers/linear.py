@@ -1,15 +1,14 @@
 """Linear layer with packed weight copies for decodes and prefill chunks on CPU (bf16).
-
-Up to `cpu_gemv.max_rows()` rows (batch-1 to batch-4 decodes, few sampled rows in the lm_head),
-a C GEMV reads the plain weight (cpu_gemv.c). From there up to PACKED_MAX_ROWS rows (batched
-decodes, prefill chunks of the default budget) the tile GEMM (cpu_tile_gemm.c: on AMX tiles,
-or on AVX512-BF16 dot products where there is no AMX) runs on a copy of the weight packed once
-in AMX's tile layout: the weights then stream from memory in the order the kernel consumes
-them, which is what bounds these row counts. Above PACKED_MAX_ROWS the product is bound by
-compute, x no longer fits in L2 beside the tiles, and oneDNN's GEMM on the plain weight is the
-better kernel. On CPUs with neither AMX nor AVX512-BF16 a oneDNN-blocked copy takes the tile
-copy's place: oneDNN reads its own blocked layout without the reordering a plain weight needs.
-
+Up to PACKED_MAX_ROWS rows (decodes, the lm_head's sampled rows, prefill chunks of the default
+budget) the tile GEMM (cpu_tile_gemm.c: on AMX tiles, or on AVX512-BF16 dot products where
+there is no AMX) runs on a copy of the weight packed once in AMX's tile layout: the weights then
+stream from memory in the order the kernel consumes them, which is what bounds these row
+counts. On AMX, products of up to `cpu_gemv.max_rows()` rows (batch-1 to batch-4 decodes) run
+instead on a C GEMV that reads the plain weight (`gemv_rows`). Above PACKED_MAX_ROWS the product
+is bound by compute, x no longer fits in L2 beside the tiles, and oneDNN's GEMM on the plain
+weight is the better kernel. On CPUs with neither AMX nor AVX512-BF16 a oneDNN-blocked copy
+takes the tile copy's place: oneDNN reads its own blocked layout without the reordering a plain
+weight needs.
 Inside a captured graph the packed copies (the oneDNN one an opaque MKLDNN tensor) cannot be
 traced, so there the layer calls the `vllm::packed_linear` custom op on the plain weight; the
 op finds the packed copy of that weight at run time. Keying by the weight's storage, not by
@@ -40,20 +39,26 @@ def can_pack(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
 
 
+def gemv_rows() -> int:
+    """Rows up to which a product with a tile copy still runs on the GEMV: none where the tile
+    GEMM takes decode rows too (cpu_tile_gemm.takes_decode_rows), else the GEMV's."""
+    return 0 if cpu_tile_gemm.takes_decode_rows() else cpu_gemv.max_rows()
+
+
 def _tile_copy(rows: int, weight: torch.Tensor) -> torch.Tensor | None:
-    """`weight`'s tile copy if `rows` run on it (past the GEMV's rows, up to PACKED_MAX_ROWS)."""
-    if cpu_gemv.max_rows() < rows <= PACKED_MAX_ROWS:
+    """`weight`'s tile copy if `rows` run on it (past gemv_rows(), up to PACKED_MAX_ROWS)."""
+    if gemv_rows() < rows <= PACKED_MAX_ROWS:
         return _TILED_BY_WEIGHT.get(weight.data_ptr())
     return None
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     rows = x.shape[0]
-    if 0 < rows <= cpu_gemv.max_rows():
-        return cpu_gemv.gemv(x, weight, bias)  # decode rows: weight-bandwidth bound
     tiled = _tile_copy(rows, weight)
     if tiled is not None:
         return cpu_tile_gemm.gemm(x, tiled, bias)
+    if 0 < rows <= cpu_gemv.max_rows():
+        return cpu_gemv.gemv(x, weight, bias)  # decode rows: weight-bandwidth bound
     if 0 < rows <= PACKED_MAX_ROWS:
         packed = _PACKED_BY_WEIGHT.get(weight.data_ptr())
         if packed is not None:

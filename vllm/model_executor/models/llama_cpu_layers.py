@@ -9,7 +9,7 @@ bound is workload C's `C_fraction_of_memory_bandwidth` in benchmarks/results/wor
 (`python benchmarks/benchmark_workloads.py --output-json benchmarks/results/workloads.json`). `FusedLayers`
 runs each layer as one C call instead, for a step of decodes, prefill chunks or both whose
 attention the C kernels take whole (no metadata groups) and whose rows the GEMV or the tile
-GEMM take (up to PACKED_MAX_ROWS). It uses the same kernels as the op-by-op path and rounds to
+GEMM take (up to PACKED_MAX_ROWS; see linear.py for which takes which). It uses the same kernels as the op-by-op path and rounds to
 bf16 where it does.
 
 Built through `LlamaForCausalLM.enable_fused_layers`, which the CPU model runner calls for bf16
@@ -25,7 +25,7 @@ import torch
 from vllm.attention.backends.cpu_metadata import AttentionMetadata
 from vllm.attention.ops import cpu_paged_decode, cpu_paged_prefill
 from vllm.model_executor.layers import cpu_gemv, cpu_tile_gemm
-from vllm.model_executor.layers.linear import PACKED_MAX_ROWS
+from vllm.model_executor.layers.linear import PACKED_MAX_ROWS, gemv_rows
 from vllm.platforms.c_library import CFunction, CLibrary
 
 _ptr, _i64 = ctypes.c_void_p, ctypes.c_int64
@@ -77,13 +77,13 @@ class FusedLayers:
         self._lib = lib
         self._gemv, self._attend_decodes, self._attend_prefills = gemv, attend_decodes, attend_prefills
         self.takes_prefills = attend_prefills is not None  # else only steps of decodes
-        self._gemv_rows = cpu_gemv.max_rows()
         linears = [m for layer in model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                          layer.mlp.gate_up_proj, layer.mlp.down_proj)]
         # Above the GEMV's rows, only if every product has its tile copy (Linear.pack).
         self._tile_gemm = cpu_tile_gemm.kernel_address()
         self._tile_gemm_silu_mul = cpu_tile_gemm.kernel_address(silu_mul=True)
         tiled = self._tile_gemm is not None and all(_tiles(m) is not None for m in linears)
+        self._gemv_rows = gemv_rows() if tiled else cpu_gemv.max_rows()
         self.max_tokens = PACKED_MAX_ROWS if tiled else self._gemv_rows
         self._layers = []
         for layer in model.layers:

@@ -1,0 +1,113 @@
+"""A token's result does not depend on the rest of its step (bf16, C kernels).
+
+How a prompt is cut into chunks and which other sequences share its steps change with the load
+(the budget, the cache size, preemption). Where the kernels sum every output in one order
+whatever the step holds, greedy tokens and their logprobs are the same bits in every case:
+- prefill attention: a query's running softmax maximum moves with its own scores only, not
+  with the other queries of its 16-query task (which depend on where the chunk starts);
+- products: on the AVX512-BF16 tile GEMM every row count, decodes included, sums a row in
+  the same order (cpu_tile_gemm.takes_decode_rows); on AMX the GEMV takes 1-4 rows, so there
+  the engine-level check is skipped.
+"""
+
+import pytest
+import torch
+
+from vllm import LLM, SamplingParams
+from vllm.attention.ops import cpu_paged_prefill
+from vllm.model_executor.layers import cpu_tile_gemm
+from vllm.model_executor.layers.linear import Linear, PACKED_MAX_ROWS, can_pack
+from tests.utils import build_tiny_checkpoint, on_tile_gemm_copy, random_prompts
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4, 2, 64, 16
+
+
+@pytest.fixture(params=["amx", "avx512"])
+def prefill_copy(request):
+    """Runs the prefill kernel on its AMX or AVX512-BF16 copy, skipping where absent."""
+    if not cpu_paged_prefill.is_available(torch.device("cpu"), torch.bfloat16, HEADS, KV_HEADS, HEAD_DIM, BLOCK):
+        pytest.skip("no C prefill kernel here (it needs AVX512-BF16)")
+    if cpu_paged_prefill.use_amx(request.param == "amx") != (request.param == "amx"):
+        pytest.skip(f"no {request.param} copy of the prefill kernel here")
+    yield request.param
+    cpu_paged_prefill.use_amx(True)
+
+
+def test_prefill_attention_does_not_depend_on_the_chunk_split(prefill_copy):
+    """The rows of a chunk equal the same positions' rows of one whole prefill, wherever the
+    chunk starts. Scores spread over a wide range (a growing bias on one dimension) make the
+    running maxima rise at different keys for different queries of a task."""
+    torch.manual_seed(0)
+    length = 300
+    blocks = (length + BLOCK - 1) // BLOCK
+    key_cache = torch.randn(blocks + 3, BLOCK, KV_HEADS, HEAD_DIM).bfloat16()    # (blocks, B, KVH, D)
+    value_cache = torch.randn_like(key_cache)
+    key_cache[..., 0] += 8
+    table = torch.randperm(blocks + 3)[:blocks].view(1, -1)                      # (1, blocks)
+    query = torch.randn(length, HEADS, HEAD_DIM) * 6                             # (L, H, D)
+    query[..., 0] += torch.linspace(-3, 5, length)[:, None]
+    query = query.bfloat16()
+
+    def attend(context: int) -> torch.Tensor:  # the rows of positions context .. length - 1
+        out = torch.zeros(length - context, HEADS, HEAD_DIM, dtype=torch.bfloat16)
+        cpu_paged_prefill.paged_prefill(query[context:].contiguous(), key_cache, value_cache, table,
+                                        torch.tensor([0]), torch.tensor([length - context]),
+                                        torch.tensor([context]), 0.125, None, out)
+        return out
+
+    whole = attend(0)
+    for context in (1, 15, 31, 100, 137, 299):
+        assert torch.equal(attend(context), whole[context:]), f"chunk from position {context}"
+
+
+@pytest.fixture(params=["amx", "avx512"])
+def tile_copy(request):
+    yield from on_tile_gemm_copy(request.param)
+
+
+def test_linear_rows_do_not_depend_on_the_row_count(tile_copy):
+    """Where the tile GEMM takes decode rows, a row's product is the same bits alone, among a
+    few decodes or in a prefill-sized step; on AMX that holds from past the GEMV's rows on."""
+    if not can_pack(torch.bfloat16):
+        pytest.skip("no oneDNN here")
+    torch.manual_seed(0)
+    layer = Linear(576, 1536, bias=False, dtype=torch.bfloat16)
+    layer.weight.data.normal_()
+    layer.pack()
+    x = torch.randn(PACKED_MAX_ROWS, 576).bfloat16()                              # (M, in)
+    counts = [1, 2, 3, 4, 5, 17, 64, PACKED_MAX_ROWS]
+    if not cpu_tile_gemm.takes_decode_rows():
+        counts = [rows for rows in counts if rows > 4]
+    first = layer(x[:counts[0]])[0]
+    for rows in counts[1:]:
+        assert torch.equal(layer(x[:rows])[0], first), f"{rows} rows"
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tokenizer_dir, tmp_path_factory) -> str:
+    # head_dim 64: prefill chunks take the C prefill kernel and the C layers.
+    return build_tiny_checkpoint("llama", str(tmp_path_factory.mktemp("llama")), tokenizer_dir, hidden_size=256)
+
+
+def _generate(path: str, budget: int, prompts: list[list[int]], together: bool) -> list[tuple]:
+    llm = LLM(path, dtype="bfloat16", max_model_len=512, block_size=BLOCK, num_gpu_blocks_override=256,
+              enforce_eager=True, enable_chunked_prefill=True, max_num_batched_tokens=budget,
+              enable_prefix_caching=False)
+    fused = llm.llm_engine.runner.attn_backend.fused_layers
+    if fused is None or not fused.takes_prefills or not cpu_tile_gemm.takes_decode_rows():
+        pytest.skip("the C layers do not sum every row alike here (no AVX512-BF16, or AMX's GEMV)")
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    outputs = (llm.generate(requests, params, use_tqdm=False) if together
+               else [llm.generate([r], params, use_tqdm=False)[0] for r in requests])
+    return [(tuple(c.token_ids), [{t: lp.logprob for t, lp in step.items()} for step in c.logprobs])
+            for c in (o.outputs[0] for o in outputs)]
+
+
+def test_tokens_and_logprobs_do_not_depend_on_batch_or_budget(tiny_path):
+    """Five prompts decoded together with 64-token steps, then each alone with 32-token steps
+    (other chunk boundaries, 1-row decodes): the same tokens and the same logprob bits."""
+    prompts = random_prompts([150, 90, 37, 120, 5], seed=3)
+    together = _generate(tiny_path, 64, prompts, together=True)
+    alone = _generate(tiny_path, 32, prompts, together=False)
+    assert together == alone
