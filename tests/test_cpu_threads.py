@@ -41,10 +41,13 @@ class FakeClock:
     def __call__(self):
         return self.times
 
+    def wall(self):
+        return self.times.wall
+
 
 def test_governor_drops_and_takes_back_a_thread_per_interval():
     clock, calls = FakeClock(), []
-    governor = ThreadGovernor(2, calls.append, read_times=clock, interval_s=0.5)
+    governor = ThreadGovernor(2, calls.append, read_times=clock, interval_s=0.5, clock=clock.wall)
     governor.before_step()
     assert calls == [2]  # applied on the step thread at the first step
     clock.advance(0.3, others=1.0, own=1.0)
@@ -59,6 +62,16 @@ def test_governor_drops_and_takes_back_a_thread_per_interval():
     clock.advance(1.0, others=0.0, own=1.0)
     governor.before_step()
     assert calls == [2, 1, 2] and governor.threads == 2
+
+
+def test_governor_reads_the_cpu_times_once_an_interval():
+    clock, reads = FakeClock(), []
+    governor = ThreadGovernor(2, lambda n: None, read_times=lambda: (reads.append(1), clock())[1],
+                              interval_s=0.5, clock=clock.wall)
+    for _ in range(8):  # eight steps of 0.125 s: two intervals
+        clock.advance(0.125, others=0.0, own=1.0)
+        governor.before_step()
+    assert len(reads) == 1 + 2  # at construction, then at the end of each interval
 
 
 def test_governor_sets_the_count_on_each_new_step_thread():
@@ -117,7 +130,7 @@ def test_the_cpu_worker_adapts_unless_the_user_fixed_the_count(monkeypatch, tiny
     assert worker.threads is not None and worker.threads.max_threads == torch.get_num_threads()
     # A step beside a fake load of one core runs on one thread, in the thread that runs steps.
     clock = FakeClock()
-    worker.threads._read_times, worker.threads._last = clock, clock()
+    worker.threads._read_times, worker.threads._clock, worker.threads._last = clock, clock.wall, clock()
     clock.advance(1.0, others=1.0, own=1.0)
     seen = []
     run = worker.runner.execute_model
