@@ -106,6 +106,29 @@ def test_gemv_matches_float32_linear(rows, shape, with_bias):
 
 
 @needs_cc
+@pytest.mark.skipif(cpu_gemv.max_rows() == 0, reason="the CPU lacks AVX512-BF16")
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("n", [1, 3, 5, 13, 4103])  # W rows: below, between and past whole blocks of 4
+@pytest.mark.parametrize("threads", [1, 2])
+def test_gemv_rows_past_whole_blocks(rows, n, threads):
+    """Every output row, whichever thread and block (or the rows left after the blocks) has it,
+    is the float32 sum rounded once; k = 47: one 32-wide step and a tail."""
+    torch.manual_seed(n)
+    k = 47
+    x = torch.randn(rows, k).bfloat16()
+    weight = torch.randn(n, k).bfloat16()
+    bias = torch.randn(n).bfloat16()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = cpu_gemv.gemv(x, weight, bias)
+    finally:
+        torch.set_num_threads(before)
+    want = F.linear(x.float(), weight.float(), bias.float())
+    torch.testing.assert_close(got.float(), want, rtol=2 ** -8, atol=1e-3)
+
+
+@needs_cc
 def test_tile_gemm_is_built_where_the_cpu_has_amx_or_avx512_bf16():
     flags = cpu_flags()
     has_amx, has_avx512 = {"amx_tile", "amx_bf16"} <= flags, {"avx512_bf16", "avx512bw"} <= flags

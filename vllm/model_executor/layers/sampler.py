@@ -34,9 +34,9 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     so a seeded request's tokens do not depend on the other rows.
     """
     assert logits.shape[0] == len(params) == len(generators)
-    # max(dim) returns the first maximal index, as argmax does (both documented), and torch's
-    # CPU kernel for it is the faster of the two.
-    tokens = logits.max(dim=-1).indices                                     # (S,)
+    # The first maximal index, as torch's argmax and max(dim) give it; numpy's argmax is a
+    # vectorized pass over the row, several times faster on the host than either.
+    tokens = torch.from_numpy(logits.numpy().argmax(axis=-1))               # (S,) int64
     # Rows with top-k/top-p filters draw in rank order, the others in vocabulary order; each
     # kind is sampled on its own so a row's draw never depends on which rows share the batch.
     # min_p keeps a row in vocabulary order: it removes tokens without needing their ranks.

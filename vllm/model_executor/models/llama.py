@@ -144,6 +144,9 @@ class LlamaModel(nn.Module):
         # Set by LlamaForCausalLM.enable_fused_layers: the layers in C for the steps whose
         # attention and rows the C kernels take (llama_cpu_layers.py). Never inside a captured graph.
         self.fused_layers = None
+        # Each layer's (key, value) cache, as bind_kv_caches gave them: read once per step here
+        # instead of through 30 submodule attribute lookups.
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: (T,) -> final hidden states (T, hidden).
@@ -155,8 +158,7 @@ class LlamaModel(nn.Module):
         if self.fused_layers is not None and not torch.compiler.is_compiling():
             context = get_forward_context()
             if self.fused_layers.accepts(context.metadata, input_ids.shape[0]):
-                kv_caches = [(layer.self_attn.key_cache, layer.self_attn.value_cache) for layer in self.layers]
-                self.fused_layers(hidden, cos, sin, context.metadata, kv_caches)
+                self.fused_layers(hidden, cos, sin, context.metadata, self.kv_caches)
                 return self.norm(hidden)
         residual = None
         for layer in self.layers:
@@ -187,6 +189,7 @@ class LlamaForCausalLM(nn.Module):
         assert len(kv_caches) == len(self.model.layers)
         for layer, (key_cache, value_cache) in zip(self.model.layers, kv_caches):
             layer.self_attn.key_cache, layer.self_attn.value_cache = key_cache, value_cache
+        self.model.kv_caches = list(kv_caches)
 
     def enable_fused_layers(self) -> FusedLayers | None:
         """CPU, bf16: from now on eager steps that the C kernels take run each layer as one C
