@@ -99,6 +99,12 @@ static inline void store(void *y, int bf16, int64_t index, float value) {
     else ((float *)y)[index] = value;
 }
 
+/* bias[j] in float32 (bias in x's dtype, or NULL: none). */
+static inline float bias_at(const void *bias, int bf16, int64_t j) {
+    if (bias == NULL) return 0.0f;
+    return bf16 ? bf16_to_float(((const uint16_t *)bias)[j]) : ((const float *)bias)[j];
+}
+
 /* x as float32: itself, or a widened copy of bf16 x that the caller frees. */
 static const float *float_rows(const void *x, int bf16, int64_t count, float **owned) {
     *owned = NULL;
@@ -154,8 +160,8 @@ static inline void dequantize_block16(const uint8_t *b, int type, __m512 *lo, __
 }
 
 static inline __attribute__((always_inline)) void row_float(
-        const uint8_t *row, int type, const float *xf, void *y, int bf16, int64_t j, int64_t t0,
-        int tm, int64_t n, int64_t k) {
+        const uint8_t *row, int type, const float *xf, float b0, void *y, int bf16, int64_t j,
+        int64_t t0, int tm, int64_t n, int64_t k) {
     const int64_t bb = block_bytes(type), nb = k / QK;
     __m512 acc[TILE];
     for (int t = 0; t < TILE; ++t) acc[t] = _mm512_setzero_ps();
@@ -168,11 +174,11 @@ static inline __attribute__((always_inline)) void row_float(
             acc[t] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xt + 16), acc[t]);
         }
     }
-    for (int t = 0; t < tm; ++t) store(y, bf16, (t0 + t) * n + j, _mm512_reduce_add_ps(acc[t]));
+    for (int t = 0; t < tm; ++t) store(y, bf16, (t0 + t) * n + j, _mm512_reduce_add_ps(acc[t]) + b0);
 }
 #endif
 
-int gguf_matmul_float(const void *x, int bf16, const uint8_t *w, int type, void *y,
+int gguf_matmul_float(const void *x, int bf16, const uint8_t *w, int type, const void *bias, void *y,
                       int64_t m, int64_t n, int64_t k) {
     const int64_t bb = block_bytes(type), nb = k / QK;
     if (bb == 0 || k % QK) return 1;
@@ -182,13 +188,14 @@ int gguf_matmul_float(const void *x, int bf16, const uint8_t *w, int type, void 
     #pragma omp parallel for schedule(static)
     for (int64_t j = 0; j < n; ++j) {
         const uint8_t *row = w + j * nb * bb;
+        const float b0 = bias_at(bias, bf16, j);
         for (int64_t t0 = 0; t0 < m; t0 += TILE) {
             const int tm = m - t0 < TILE ? (int)(m - t0) : TILE;
 #ifdef __AVX512F__
             switch (type) {
-            case TYPE_Q8_0: row_float(row, TYPE_Q8_0, xf, y, bf16, j, t0, tm, n, k); break;
-            case TYPE_Q4_0: row_float(row, TYPE_Q4_0, xf, y, bf16, j, t0, tm, n, k); break;
-            default: row_float(row, TYPE_Q4_1, xf, y, bf16, j, t0, tm, n, k); break;
+            case TYPE_Q8_0: row_float(row, TYPE_Q8_0, xf, b0, y, bf16, j, t0, tm, n, k); break;
+            case TYPE_Q4_0: row_float(row, TYPE_Q4_0, xf, b0, y, bf16, j, t0, tm, n, k); break;
+            default: row_float(row, TYPE_Q4_1, xf, b0, y, bf16, j, t0, tm, n, k); break;
             }
             continue;
 #endif
@@ -204,7 +211,7 @@ int gguf_matmul_float(const void *x, int bf16, const uint8_t *w, int type, void 
             for (int t = 0; t < tm; ++t) {
                 float sum = 0.0f;
                 for (int i = 0; i < QK; ++i) sum += acc[t][i];
-                store(y, bf16, (t0 + t) * n + j, sum);
+                store(y, bf16, (t0 + t) * n + j, sum + b0);
             }
         }
     }
@@ -256,7 +263,7 @@ static inline float reduce(__m256 v) {
 /* One weight row times up to TILE rows of quantized x; `type` is a constant in each caller. */
 static inline __attribute__((always_inline)) void row_int8(
         const uint8_t *row, int type, const int8_t *qx, const float *dx, const int32_t *sx,
-        void *y, int bf16, int64_t j, int64_t t0, int tm, int64_t n, int64_t k) {
+        float b0, void *y, int bf16, int64_t j, int64_t t0, int tm, int64_t n, int64_t k) {
     const int64_t bb = block_bytes(type), nb = k / QK;
     __m256 acc[TILE];
     float shift[TILE] = {0};  /* Q4_1: sum over blocks of m * dx * sum(qx) */
@@ -276,10 +283,10 @@ static inline __attribute__((always_inline)) void row_int8(
             if (type == TYPE_Q4_1) shift[t] += mw * dx[xb] * (float)sx[xb];
         }
     }
-    for (int t = 0; t < tm; ++t) store(y, bf16, (t0 + t) * n + j, reduce(acc[t]) + shift[t]);
+    for (int t = 0; t < tm; ++t) store(y, bf16, (t0 + t) * n + j, reduce(acc[t]) + shift[t] + b0);
 }
 
-int gguf_matmul_int8(const void *x, int bf16, const uint8_t *w, int type, void *y,
+int gguf_matmul_int8(const void *x, int bf16, const uint8_t *w, int type, const void *bias, void *y,
                      int64_t m, int64_t n, int64_t k) {
     const int64_t bb = block_bytes(type), nb = k / QK;
     if (bb == 0 || k % QK) return 1;
@@ -297,12 +304,13 @@ int gguf_matmul_int8(const void *x, int bf16, const uint8_t *w, int type, void *
     #pragma omp parallel for schedule(static)
     for (int64_t j = 0; j < n; ++j) {
         const uint8_t *row = w + j * nb * bb;
+        const float b0 = bias_at(bias, bf16, j);
         for (int64_t t0 = 0; t0 < m; t0 += TILE) {
             const int tm = m - t0 < TILE ? (int)(m - t0) : TILE;
             switch (type) {
-            case TYPE_Q8_0: row_int8(row, TYPE_Q8_0, qx, dx, sx, y, bf16, j, t0, tm, n, k); break;
-            case TYPE_Q4_0: row_int8(row, TYPE_Q4_0, qx, dx, sx, y, bf16, j, t0, tm, n, k); break;
-            default: row_int8(row, TYPE_Q4_1, qx, dx, sx, y, bf16, j, t0, tm, n, k); break;
+            case TYPE_Q8_0: row_int8(row, TYPE_Q8_0, qx, dx, sx, b0, y, bf16, j, t0, tm, n, k); break;
+            case TYPE_Q4_0: row_int8(row, TYPE_Q4_0, qx, dx, sx, b0, y, bf16, j, t0, tm, n, k); break;
+            default: row_int8(row, TYPE_Q4_1, qx, dx, sx, b0, y, bf16, j, t0, tm, n, k); break;
             }
         }
     }
@@ -314,10 +322,37 @@ int gguf_matmul_int8(const void *x, int bf16, const uint8_t *w, int type, void *
 
 int gguf_int8_supported(void) { return 0; }
 
-int gguf_matmul_int8(const void *x, int bf16, const uint8_t *w, int type, void *y,
+int gguf_matmul_int8(const void *x, int bf16, const uint8_t *w, int type, const void *bias, void *y,
                      int64_t m, int64_t n, int64_t k) {
-    (void)x; (void)bf16; (void)w; (void)type; (void)y; (void)m; (void)n; (void)k;
+    (void)x; (void)bf16; (void)w; (void)type; (void)bias; (void)y; (void)m; (void)n; (void)k;
     return 1;
 }
 
 #endif
+
+/*
+ * The products of llama_cpu_layers.c's decoder layer (its gemv_fn), one entry point per type:
+ * x (m, k) bf16, W the rows of blocks (passed where the layer passes a bf16 weight: the layer
+ * only hands it on), bias (n) bf16 or NULL, y (m, n) bf16. The int8 product where the ISA has
+ * it, as gguf_linear.py chooses for bf16 activations, else the float32 one.
+ */
+static int layer_product(int type, const uint16_t *x, const void *w, const uint16_t *bias, uint16_t *y,
+                         int64_t m, int64_t n, int64_t k) {
+    if (gguf_int8_supported()) return gguf_matmul_int8(x, 1, w, type, bias, y, m, n, k);
+    return gguf_matmul_float(x, 1, w, type, bias, y, m, n, k);
+}
+
+int gguf_layer_product_q8_0(const uint16_t *x, const void *w, const uint16_t *bias, uint16_t *y,
+                            int64_t m, int64_t n, int64_t k) {
+    return layer_product(TYPE_Q8_0, x, w, bias, y, m, n, k);
+}
+
+int gguf_layer_product_q4_0(const uint16_t *x, const void *w, const uint16_t *bias, uint16_t *y,
+                            int64_t m, int64_t n, int64_t k) {
+    return layer_product(TYPE_Q4_0, x, w, bias, y, m, n, k);
+}
+
+int gguf_layer_product_q4_1(const uint16_t *x, const void *w, const uint16_t *bias, uint16_t *y,
+                            int64_t m, int64_t n, int64_t k) {
+    return layer_product(TYPE_Q4_1, x, w, bias, y, m, n, k);
+}

@@ -11,15 +11,19 @@ from pathlib import Path
 
 import torch
 
+from vllm.model_executor.layers.cpu_product import PRODUCT
 from vllm.platforms.c_library import CFunction, CLibrary
 
 _ptr, _i64, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-_MATMUL = CFunction([_ptr, _int, _ptr, _int, _ptr, _i64, _i64, _i64])
+_MATMUL = CFunction([_ptr, _int, _ptr, _int, _ptr, _ptr, _i64, _i64, _i64])
+# The decoder layer's products (llama_cpu_layers.c), one per type: GGMLQuantizationType -> name.
+_LAYER_PRODUCTS = {8: "gguf_layer_product_q8_0", 2: "gguf_layer_product_q4_0", 3: "gguf_layer_product_q4_1"}
 _LIBRARY = CLibrary(Path(__file__).with_name("cpu_gguf_gemv.c"),
                     "GGUF weights are dequantized with the gguf package for every product",
                     {"gguf_matmul_float": _MATMUL, "gguf_matmul_int8": _MATMUL,
                      "gguf_int8_supported": CFunction([]),
-                     "gguf_dequantize": CFunction([_ptr, _int, _ptr, _i64, _i64, _i64, _ptr, _int])})
+                     "gguf_dequantize": CFunction([_ptr, _int, _ptr, _i64, _i64, _i64, _ptr, _int]),
+                     **{name: PRODUCT for name in _LAYER_PRODUCTS.values()}})
 
 
 def available() -> bool:
@@ -39,8 +43,10 @@ def _check(x: torch.Tensor, blocks: torch.Tensor) -> None:
     assert blocks.dtype == torch.uint8 and blocks.is_contiguous()
 
 
-def matmul(x: torch.Tensor, blocks: torch.Tensor, quant_type: int, int8_activations: bool) -> torch.Tensor:
-    """x: (M, K) float32 or bf16; blocks: (N, row bytes) of `quant_type` -> (M, N) in x's dtype.
+def matmul(x: torch.Tensor, blocks: torch.Tensor, quant_type: int, int8_activations: bool,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x: (M, K) float32 or bf16; blocks: (N, row bytes) of `quant_type`; bias: (N,) in x's
+    dtype or None -> (M, N) in x's dtype, the bias added to the float32 sums.
 
     `int8_activations` quantizes x per block of 32 to int8 (only where `int8_available()`)."""
     lib = _LIBRARY.get()
@@ -48,10 +54,13 @@ def matmul(x: torch.Tensor, blocks: torch.Tensor, quant_type: int, int8_activati
     _check(x, blocks)
     x = x.contiguous()
     (m, k), n = x.shape, blocks.shape[0]
+    if bias is not None:
+        assert bias.dtype == x.dtype and bias.shape == (n,)
+        bias = bias.contiguous()
     y = x.new_empty(m, n)                                                      # (M, N)
     kernel = lib.gguf_matmul_int8 if int8_activations else lib.gguf_matmul_float
     status = kernel(x.data_ptr(), x.dtype == torch.bfloat16, blocks.data_ptr(), quant_type,
-                    y.data_ptr(), m, n, k)
+                    None if bias is None else bias.data_ptr(), y.data_ptr(), m, n, k)
     assert status == 0, f"gguf matmul failed with status {status}"
     return y
 
@@ -74,3 +83,10 @@ def dequantize(blocks: torch.Tensor, quant_type: int, k: int, dtype: torch.dtype
         raise IndexError(f"a row id is outside the {blocks.shape[0]} rows of the blocks")
     assert status == 0, f"gguf dequantize failed with status {status}"
     return out
+
+
+def layer_product_address(quant_type: int) -> int | None:
+    """Address of the decoder layer's product on blocks of `quant_type` (cpu_product.py's calling
+    convention, the weight given as its rows of blocks; int8 activations where `int8_available()`,
+    as `matmul` has them for bf16 x), for llama_cpu_layers.c; None where unavailable."""
+    return _LIBRARY.address(_LAYER_PRODUCTS[quant_type])

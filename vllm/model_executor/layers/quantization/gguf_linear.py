@@ -29,7 +29,17 @@ GEMV_MAX_ROWS = 16
 
 
 def is_quantized(param: torch.Tensor) -> bool:
+    """Whether `param` holds GGUF blocks; layers read it once, after loading (`mark_quantized`)."""
     return getattr(param, "quant_type", None) is not None
+
+
+def mark_quantized(model: nn.Module) -> None:
+    """Sets `quantized` on every layer that declares it (Linear, VocabParallelEmbedding) to
+    whether its weight holds GGUF blocks, so that their forward tests a flag. Call once the
+    weights are loaded."""
+    for module in model.modules():
+        if hasattr(module, "quantized"):
+            module.quantized = is_quantized(module.weight)
 
 
 def load_blocks(param: nn.Parameter, blocks: GGUFBlocks) -> torch.Tensor:
@@ -62,38 +72,40 @@ def dequantize(weight: nn.Parameter, dtype: torch.dtype, rows: torch.Tensor | No
     return torch.from_numpy(dense).to(dtype)
 
 
-def _matmul(x: torch.Tensor, blocks: torch.Tensor, quant_type: int, in_features: int) -> torch.Tensor:
-    """x: (T, in) float32 or bf16, blocks: (out, row bytes) -> (T, out) in x's dtype."""
+def _matmul(x: torch.Tensor, blocks: torch.Tensor, quant_type: int, in_features: int,
+            bias: torch.Tensor | None) -> torch.Tensor:
+    """x: (T, in) float32 or bf16, blocks: (out, row bytes), bias: (out,) or None -> (T, out) in
+    x's dtype; the bias is added to the float32 sums, as the C decoder layers add it."""
     if x.shape[0] <= GEMV_MAX_ROWS and cpu_gguf_gemv.available():
         int8 = x.dtype == torch.bfloat16 and cpu_gguf_gemv.int8_available()
-        return cpu_gguf_gemv.matmul(x, blocks, quant_type, int8_activations=int8)
+        return cpu_gguf_gemv.matmul(x, blocks, quant_type, int8_activations=int8, bias=bias)
     if cpu_gguf_gemv.available():
         dense = cpu_gguf_gemv.dequantize(blocks, quant_type, in_features, x.dtype)   # (out, in)
     else:
         from gguf import GGMLQuantizationType, quants
 
         dense = torch.from_numpy(quants.dequantize(blocks.numpy(), GGMLQuantizationType(quant_type))).to(x.dtype)
-    return F.linear(x, dense)
+    return F.linear(x, dense, bias)
 
 
 @torch.library.custom_op("vllm::gguf_linear", mutates_args=())
-def gguf_linear_op(x: torch.Tensor, blocks: torch.Tensor, quant_type: int, in_features: int) -> torch.Tensor:
+def gguf_linear_op(x: torch.Tensor, blocks: torch.Tensor, quant_type: int, in_features: int,
+                   bias: torch.Tensor | None) -> torch.Tensor:
     """x: (T, in), blocks: (out, row bytes) of `quant_type` -> (T, out), for captured graphs."""
-    return _matmul(x, blocks, quant_type, in_features)
+    return _matmul(x, blocks, quant_type, in_features, bias)
 
 
 @gguf_linear_op.register_fake
-def _(x: torch.Tensor, blocks: torch.Tensor, quant_type: int, in_features: int) -> torch.Tensor:
+def _(x: torch.Tensor, blocks: torch.Tensor, quant_type: int, in_features: int,
+      bias: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty(x.shape[0], blocks.shape[0])
 
 
 def linear(x: torch.Tensor, weight: nn.Parameter, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ weight^T (+ bias) for a weight of GGUF blocks: (T, in) -> (T, out)."""
+    """x @ weight^T + bias for a weight of GGUF blocks: (T, in) -> (T, out)."""
     if torch.compiler.is_compiling():
-        y = gguf_linear_op(x, weight.data, weight.quant_type, weight.in_features)
-    else:
-        y = _matmul(x, weight.data, weight.quant_type, weight.in_features)      # (T, out)
-    return y if bias is None else y + bias
+        return gguf_linear_op(x, weight.data, weight.quant_type, weight.in_features, bias)
+    return _matmul(x, weight.data, weight.quant_type, weight.in_features, bias)   # (T, out)
 
 
 @torch.library.custom_op("vllm::gguf_embedding", mutates_args=())
