@@ -12,10 +12,9 @@ import torch
 from tests.test_fused_layers import _assert_fused_matches_op_by_op
 from tests.utils import build_tiny_checkpoint, random_prompts
 from vllm import LLM, SamplingParams
-from vllm.model_executor.layers.linear import Linear
+from vllm.model_executor.layers.linear import PACKED_MAX_ROWS, Linear
 from vllm.model_executor.layers.quantization import cpu_gguf_gemv, gguf_linear
 from vllm.model_executor.layers.quantization.gguf_blocks import GGUFBlocks
-from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from vllm.model_executor.models.llama_cpu_layers import FusedLayers
 from vllm.platforms.cpu import cpu_flags
 
@@ -40,21 +39,42 @@ def _product(quant_type: int, x: torch.Tensor, blocks: torch.Tensor, bias: torch
 
 @pytest.mark.skipif(not cpu_gguf_gemv.available(), reason="the GGUF kernels need a C compiler")
 @pytest.mark.parametrize("with_bias", [False, True])
-@pytest.mark.parametrize("m,n,k", [(1, 7, 64), (3, 33, 160), (16, 64, 576)])
+@pytest.mark.parametrize("m,n,k", [(1, 7, 64), (3, 33, 160), (5, 64, 576), (16, 64, 576)])
 @pytest.mark.parametrize("name", TYPES)
-def test_layer_product_is_the_bf16_matmul(name, m, n, k, with_bias):
-    """The layer's product is matmul on bf16 x (int8 activations where the ISA has them), the
-    bias added to the float32 sums before the one rounding to bf16: the same bits."""
+def test_layer_product_is_the_op_by_op_product(name, m, n, k, with_bias):
+    """The layer's entry point for a type is `product` on that type: below tiled_min_rows() (or
+    where the tiled product does not run) that is matmul on bf16 x, int8 activations where the
+    ISA has them, the bias added to the float32 sums before the one rounding to bf16."""
     rng = np.random.default_rng(m + n + k)
     data = gguf.quants.quantize(rng.standard_normal((n, k)).astype(np.float32), gguf.GGMLQuantizationType(TYPES[name]))
     blocks = torch.from_numpy(np.ascontiguousarray(data))
     x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32)).bfloat16()
     bias = torch.from_numpy(rng.standard_normal(n).astype(np.float32)).bfloat16() if with_bias else None
-    want = cpu_gguf_gemv.matmul(x, blocks, TYPES[name], cpu_gguf_gemv.int8_available(), bias)
     got = _product(TYPES[name], x, blocks, bias)
-    assert torch.equal(got, want)
+    assert torch.equal(got, cpu_gguf_gemv.product(x, blocks, TYPES[name], bias))
+    if m < cpu_gguf_gemv.tiled_min_rows() or not cpu_gguf_gemv.tiled_fits(n):
+        assert torch.equal(got, cpu_gguf_gemv.matmul(x, blocks, TYPES[name], cpu_gguf_gemv.int8_available(), bias))
     if with_bias:  # and the bias did something
-        assert not torch.equal(got, cpu_gguf_gemv.matmul(x, blocks, TYPES[name], cpu_gguf_gemv.int8_available()))
+        assert not torch.equal(got, cpu_gguf_gemv.product(x, blocks, TYPES[name], None))
+
+
+@pytest.mark.skipif(not cpu_gguf_gemv.tiled_fits(64), reason="no tile GEMM here")
+@pytest.mark.parametrize("m,n,k", [(6, 16, 64), (9, 48, 160), (40, 1040, 576)])
+@pytest.mark.parametrize("name", TYPES)
+def test_tiled_product_is_bf16_dequantize_then_matmul(name, m, n, k):
+    """From tiled_min_rows() rows: the weights dequantized to bf16 (nearest even), their float32
+    products with x and the bias, rounded to bf16 once; 1040 rows are more than one panel."""
+    assert m >= cpu_gguf_gemv.tiled_min_rows()
+    rng = np.random.default_rng(m + n + k)
+    data = gguf.quants.quantize(rng.standard_normal((n, k)).astype(np.float32), gguf.GGMLQuantizationType(TYPES[name]))
+    blocks = torch.from_numpy(np.ascontiguousarray(data))
+    x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32)).bfloat16()
+    bias = torch.from_numpy(rng.standard_normal(n).astype(np.float32)).bfloat16()
+    got = cpu_gguf_gemv.product(x, blocks, TYPES[name], bias).double()
+    dense = cpu_gguf_gemv.dequantize(blocks, TYPES[name], k, torch.bfloat16).double()      # (n, k)
+    want = x.double() @ dense.T + bias.double()
+    bound = (k + 32) * 2.0 ** -24 * (x.double().abs() @ dense.abs().T) + want.abs() * 2.0 ** -8
+    assert torch.all((got - want).abs() <= bound)
 
 
 needs_fused_layers = pytest.mark.skipif("avx512_bf16" not in cpu_flags(),
@@ -93,7 +113,7 @@ def quantizable_llm(request, tokenizer_dir, tmp_path_factory):
     path = build_tiny_checkpoint(request.param, str(tmp_path_factory.mktemp(request.param)), tokenizer_dir,
                                  hidden_size=256)
     llm = LLM(path, dtype="bfloat16", max_model_len=512, block_size=BLOCK, num_gpu_blocks_override=512,
-              enforce_eager=True, enable_chunked_prefill=True, max_num_batched_tokens=16)
+              enforce_eager=True, enable_chunked_prefill=True, max_num_batched_tokens=64)
     model = llm.llm_engine.runner.model
     dense = {name: p.detach().clone() for name, p in model.named_parameters()
              if p.dim() == 2 and (name.endswith("proj.weight") or "embed" in name or "lm_head" in name)}
@@ -106,7 +126,7 @@ def _quantized(quantizable_llm, name: str) -> LLM:
     runner = llm.llm_engine.runner
     _quantize_in_place(runner.model, TYPES[name], dense, cache)
     fused = FusedLayers.build(runner.model.model)
-    assert fused is not None and fused.max_tokens == gguf_linear.GEMV_MAX_ROWS
+    assert fused is not None and fused.max_tokens == PACKED_MAX_ROWS
     runner.attn_backend.fused_layers = runner.model.model.fused_layers = fused
     assert llm.reset_prefix_cache()
     return llm
@@ -115,11 +135,12 @@ def _quantized(quantizable_llm, name: str) -> LLM:
 @needs_fused_layers
 @pytest.mark.skipif(not cpu_gguf_gemv.available(), reason="the GGUF kernels need a C compiler")
 @pytest.mark.parametrize("contexts,chunks", [([37], []), ([5, 200, 16], []), ([11 * i % 170 for i in range(16)], []),
-                                             ([130, 3], [(1, 0), (6, 200)])])
+                                             ([130, 3], [(1, 0), (2, 200)]), ([7], [(100, 30)])])
 @pytest.mark.parametrize("name", TYPES)
 def test_quantized_steps_match_op_by_op(quantizable_llm, name, contexts, chunks):
     """Same hidden states and cache writes from the C layers and the op-by-op layers on the
-    same blocks, for 1-16 decodes and small prefill chunks with and without decodes."""
+    same blocks, for 1-16 decodes and prefill chunks with and without decodes: products of 1-5
+    rows on the int8 (or float32) product, 16 and 101 rows on the tiled one where it runs."""
     runner = _quantized(quantizable_llm, name).llm_engine.runner
     assert runner.model.model.layers[0].mlp.down_proj.weight.dtype == torch.uint8
     _assert_fused_matches_op_by_op(runner, contexts, chunks, random.Random(len(contexts) + 7 * len(chunks)))
@@ -128,7 +149,7 @@ def test_quantized_steps_match_op_by_op(quantizable_llm, name, contexts, chunks)
 @needs_fused_layers
 @pytest.mark.skipif(not cpu_gguf_gemv.available(), reason="the GGUF kernels need a C compiler")
 def test_quantized_engine_decodes_through_fused_layers(quantizable_llm):
-    """Greedy chunked generations of 9 prompts (steps of up to 16 tokens, all of which the C
+    """Greedy chunked generations of 9 prompts (steps of up to 64 tokens, all of which the C
     layers take) on Q4_1 blocks (the default model's type; the step tests cover the others),
     with the op-by-op path's tokens."""
     llm = _quantized(quantizable_llm, "Q4_1")

@@ -42,6 +42,9 @@ enum { TYPE_Q4_0 = 2, TYPE_Q4_1 = 3, TYPE_Q8_0 = 8 };  /* GGMLQuantizationType v
 
 #define QK 32    /* weights per block */
 #define TILE 4   /* rows of x multiplied into a weight row per pass over it */
+#ifndef TILED_MIN_ROWS
+#define TILED_MIN_ROWS 6  /* from this many rows of bf16 x, the tiled product (below) */
+#endif
 
 static int64_t block_bytes(int type) {
     switch (type) {
@@ -331,28 +334,115 @@ int gguf_matmul_int8(const void *x, int bf16, const uint8_t *w, int type, const 
 #endif
 
 /*
- * The products of llama_cpu_layers.c's decoder layer (its gemv_fn), one entry point per type:
- * x (m, k) bf16, W the rows of blocks (passed where the layer passes a bf16 weight: the layer
- * only hands it on), bias (n) bf16 or NULL, y (m, n) bf16. The int8 product where the ISA has
- * it, as gguf_linear.py chooses for bf16 activations, else the float32 one.
+ * Past a few rows the weight-stationary products above run out of arithmetic: each weight block
+ * is unpacked and rescaled once per row of x. The bf16 tile GEMM (cpu_tile_gemm.c) does far
+ * more multiply-adds per instruction, so for more rows W is dequantized, a panel of rows at a
+ * time, into a bf16 scratch in the tile GEMM's layout:
+ *
+ *   tiles[b][kb] = 16 x 16 pairs: row r, column c = W[16 b + c][32 kb + 2 r], W[16 b + c][32 kb + 2 r + 1]
+ *
+ * (block kb of output row 16 b + c is column c of tile (b, kb)), and the tile GEMM multiplies x
+ * into the panel. A panel is at most PANEL_BYTES of bf16 so that it stays in the cache between
+ * its dequantization and its product. Which product serves which rows: gguf_tiled_min_rows().
  */
-static int layer_product(int type, const uint16_t *x, const void *w, const uint16_t *bias, uint16_t *y,
+#define PANEL_BYTES (512 * 1024)
+
+typedef int (*tile_gemm_fn)(const uint16_t *x, const uint16_t *tiles, const uint16_t *bias, uint16_t *y,
+                            int64_t m, int64_t n, int64_t k);
+static tile_gemm_fn tile_gemm;  /* cpu_tile_gemm.c's tile_gemm_bf16, given once by gguf_use_tile_gemm */
+
+/* Hands over the tile GEMM (NULL: none, every row count takes the products above). */
+int gguf_use_tile_gemm(void *gemm) {
+    tile_gemm = (tile_gemm_fn)gemm;
+    return 0;
+}
+
+/* The fewest rows of x for which the tiled product is used, where it can be. */
+int gguf_tiled_min_rows(void) { return TILED_MIN_ROWS; }
+
+static int tiled_fits(int64_t n, int64_t k) { return tile_gemm != NULL && n % 16 == 0 && k % QK == 0; }
+
+/* Rows [j0, j0 + rows) of W (rows % 16 == 0) -> tiles, bf16, rounded to nearest even. */
+static void dequantize_tiles(const uint8_t *w, int type, int64_t j0, int64_t rows, int64_t k, uint16_t *tiles) {
+    const int64_t bb = block_bytes(type), nb = k / QK;
+    #pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < rows / 16; ++b)
+        for (int64_t kb = 0; kb < nb; ++kb) {
+            uint32_t *tile = (uint32_t *)(tiles + (b * nb + kb) * 512);
+            for (int c = 0; c < 16; ++c) {
+                const uint8_t *blk = w + ((j0 + 16 * b + c) * nb + kb) * bb;
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+                __m512 lo, hi;
+                dequantize_block16(blk, type, &lo, &hi);
+                /* pairs (w_2r, w_2r+1), r = 0..15, to column c: every 16th 32-bit word */
+                const __m512i pairs = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+                const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5,
+                                                                           4, 3, 2, 1, 0), _mm512_set1_epi32(16));
+                _mm512_i32scatter_epi32(tile + c, column, pairs, 4);
+#else
+                float block[QK];
+                dequantize_block(blk, type, block);
+                for (int r = 0; r < 16; ++r)
+                    tile[r * 16 + c] = (uint32_t)float_to_bf16(block[2 * r]) |
+                                       (uint32_t)float_to_bf16(block[2 * r + 1]) << 16;
+#endif
+            }
+        }
+}
+
+/* y (m, n) = x @ W^T + bias on the tile GEMM, W dequantized panel by panel. */
+static int tiled_product(int type, const uint16_t *x, const uint8_t *w, const uint16_t *bias, uint16_t *y,
                          int64_t m, int64_t n, int64_t k) {
+    int64_t panel = PANEL_BYTES / (2 * k) / 16 * 16;
+    panel = panel < 16 ? 16 : panel > n ? n : panel;
+    uint16_t *tiles = malloc((size_t)(panel * k) * sizeof *tiles);
+    uint16_t *part = panel < n ? malloc((size_t)(m * panel) * sizeof *part) : NULL;  /* (m, panel) */
+    if (tiles == NULL || (panel < n && part == NULL)) {
+        free(tiles); free(part);
+        return 2;
+    }
+    int status = 0;
+    for (int64_t j0 = 0; j0 < n && status == 0; j0 += panel) {
+        const int64_t rows = n - j0 < panel ? n - j0 : panel;
+        dequantize_tiles(w, type, j0, rows, k, tiles);
+        if (part == NULL) {
+            status = tile_gemm(x, tiles, bias, y, m, rows, k);
+            continue;
+        }
+        status = tile_gemm(x, tiles, bias == NULL ? NULL : bias + j0, part, m, rows, k);
+        for (int64_t t = 0; t < m; ++t) memcpy(y + t * n + j0, part + t * rows, (size_t)rows * sizeof *y);
+    }
+    free(tiles); free(part);
+    return status;
+}
+
+/*
+ * The products of llama_cpu_layers.c's decoder layer (its gemv_fn), one entry point per type,
+ * for any number of rows: x (m, k) bf16, W the rows of blocks (passed where the layer passes a
+ * bf16 weight: the layer only hands it on), bias (n) bf16 or NULL, y (m, n) bf16. From
+ * gguf_tiled_min_rows() rows the tiled product where the tile GEMM is given and the shape fits;
+ * below, the int8 product where the ISA has it, else the float32 one. gguf_product_bf16 is the
+ * same for the op-by-op layers (gguf_linear.py).
+ */
+int gguf_product_bf16(const uint16_t *x, const uint8_t *w, int type, const uint16_t *bias, uint16_t *y,
+                      int64_t m, int64_t n, int64_t k) {
+    if (block_bytes(type) == 0 || k % QK) return 1;
+    if (m >= TILED_MIN_ROWS && tiled_fits(n, k)) return tiled_product(type, x, w, bias, y, m, n, k);
     if (gguf_int8_supported()) return gguf_matmul_int8(x, 1, w, type, bias, y, m, n, k);
     return gguf_matmul_float(x, 1, w, type, bias, y, m, n, k);
 }
 
 int gguf_layer_product_q8_0(const uint16_t *x, const void *w, const uint16_t *bias, uint16_t *y,
                             int64_t m, int64_t n, int64_t k) {
-    return layer_product(TYPE_Q8_0, x, w, bias, y, m, n, k);
+    return gguf_product_bf16(x, w, TYPE_Q8_0, bias, y, m, n, k);
 }
 
 int gguf_layer_product_q4_0(const uint16_t *x, const void *w, const uint16_t *bias, uint16_t *y,
                             int64_t m, int64_t n, int64_t k) {
-    return layer_product(TYPE_Q4_0, x, w, bias, y, m, n, k);
+    return gguf_product_bf16(x, w, TYPE_Q4_0, bias, y, m, n, k);
 }
 
 int gguf_layer_product_q4_1(const uint16_t *x, const void *w, const uint16_t *bias, uint16_t *y,
                             int64_t m, int64_t n, int64_t k) {
-    return layer_product(TYPE_Q4_1, x, w, bias, y, m, n, k);
+    return gguf_product_bf16(x, w, TYPE_Q4_1, bias, y, m, n, k);
 }

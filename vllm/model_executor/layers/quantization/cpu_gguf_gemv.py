@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from vllm.model_executor.layers import cpu_tile_gemm
 from vllm.model_executor.layers.cpu_product import PRODUCT
 from vllm.platforms.c_library import CFunction, CLibrary
 
@@ -23,7 +24,10 @@ _LIBRARY = CLibrary(Path(__file__).with_name("cpu_gguf_gemv.c"),
                     {"gguf_matmul_float": _MATMUL, "gguf_matmul_int8": _MATMUL,
                      "gguf_int8_supported": CFunction([]),
                      "gguf_dequantize": CFunction([_ptr, _int, _ptr, _i64, _i64, _i64, _ptr, _int]),
-                     **{name: PRODUCT for name in _LAYER_PRODUCTS.values()}})
+                     "gguf_product_bf16": CFunction([_ptr, _ptr, _int, _ptr, _ptr, _i64, _i64, _i64]),
+                     "gguf_use_tile_gemm": CFunction([_ptr]), "gguf_tiled_min_rows": CFunction([]),
+                     **{name: PRODUCT for name in _LAYER_PRODUCTS.values()}},
+                    on_load=lambda lib: lib.gguf_use_tile_gemm(cpu_tile_gemm.kernel_address()))
 
 
 def available() -> bool:
@@ -62,6 +66,39 @@ def matmul(x: torch.Tensor, blocks: torch.Tensor, quant_type: int, int8_activati
     status = kernel(x.data_ptr(), x.dtype == torch.bfloat16, blocks.data_ptr(), quant_type,
                     None if bias is None else bias.data_ptr(), y.data_ptr(), m, n, k)
     assert status == 0, f"gguf matmul failed with status {status}"
+    return y
+
+
+def tiled_fits(n: int) -> bool:
+    """Whether bf16 products of n output rows (K a multiple of 32, as GGUF rows are) take the
+    tiled product (dequantized panels on cpu_tile_gemm.c) from `tiled_min_rows()` rows: the
+    tile GEMM is available here and n is a multiple of 16."""
+    return available() and cpu_tile_gemm.kernel_address() is not None and n % 16 == 0
+
+
+@functools.cache
+def tiled_min_rows() -> int:
+    lib = _LIBRARY.get()
+    assert lib is not None
+    return lib.gguf_tiled_min_rows()
+
+
+def product(x: torch.Tensor, blocks: torch.Tensor, quant_type: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """The C decoder layer's product for bf16 x: (M, K) bf16, blocks (N, row bytes), bias (N,)
+    bf16 or None -> (M, N) bf16: from `tiled_min_rows()` rows where `tiled_fits(N)` the tiled
+    product, else `matmul` with int8 activations where `int8_available()`."""
+    lib = _LIBRARY.get()
+    assert lib is not None and x.dtype == torch.bfloat16
+    _check(x, blocks)
+    x = x.contiguous()
+    (m, k), n = x.shape, blocks.shape[0]
+    if bias is not None:
+        assert bias.dtype == torch.bfloat16 and bias.shape == (n,)
+        bias = bias.contiguous()
+    y = x.new_empty(m, n)                                                      # (M, N)
+    status = lib.gguf_product_bf16(x.data_ptr(), blocks.data_ptr(), quant_type,
+                                   None if bias is None else bias.data_ptr(), y.data_ptr(), m, n, k)
+    assert status == 0, f"gguf product failed with status {status}"
     return y
 
 

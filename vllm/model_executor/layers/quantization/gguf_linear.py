@@ -76,9 +76,12 @@ def _matmul(x: torch.Tensor, blocks: torch.Tensor, quant_type: int, in_features:
             bias: torch.Tensor | None) -> torch.Tensor:
     """x: (T, in) float32 or bf16, blocks: (out, row bytes), bias: (out,) or None -> (T, out) in
     x's dtype; the bias is added to the float32 sums, as the C decoder layers add it."""
-    if x.shape[0] <= GEMV_MAX_ROWS and cpu_gguf_gemv.available():
-        int8 = x.dtype == torch.bfloat16 and cpu_gguf_gemv.int8_available()
-        return cpu_gguf_gemv.matmul(x, blocks, quant_type, int8_activations=int8, bias=bias)
+    rows = x.shape[0]
+    small = rows <= GEMV_MAX_ROWS and cpu_gguf_gemv.available()
+    if x.dtype == torch.bfloat16 and (small or cpu_gguf_gemv.tiled_fits(blocks.shape[0])):
+        return cpu_gguf_gemv.product(x, blocks, quant_type, bias)  # the C decoder layers' product
+    if small:
+        return cpu_gguf_gemv.matmul(x, blocks, quant_type, int8_activations=False, bias=bias)
     if cpu_gguf_gemv.available():
         dense = cpu_gguf_gemv.dequantize(blocks, quant_type, in_features, x.dtype)   # (out, in)
     else:
