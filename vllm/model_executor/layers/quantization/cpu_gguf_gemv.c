@@ -42,9 +42,6 @@ enum { TYPE_Q4_0 = 2, TYPE_Q4_1 = 3, TYPE_Q8_0 = 8 };  /* GGMLQuantizationType v
 
 #define QK 32    /* weights per block */
 #define TILE 4   /* rows of x multiplied into a weight row per pass over it */
-#ifndef TILED_MIN_ROWS
-#define TILED_MIN_ROWS 6  /* from this many rows of bf16 x, the tiled product (below) */
-#endif
 
 static int64_t block_bytes(int type) {
     switch (type) {
@@ -343,7 +340,7 @@ int gguf_matmul_int8(const void *x, int bf16, const uint8_t *w, int type, const 
  *
  * (block kb of output row 16 b + c is column c of tile (b, kb)), and the tile GEMM multiplies x
  * into the panel. A panel is at most PANEL_BYTES of bf16 so that it stays in the cache between
- * its dequantization and its product. Which product serves which rows: gguf_tiled_min_rows().
+ * its dequantization and its product. Which product serves which rows: gguf_tiled_min_rows(type).
  */
 #define PANEL_BYTES (512 * 1024)
 
@@ -357,8 +354,17 @@ int gguf_use_tile_gemm(void *gemm) {
     return 0;
 }
 
-/* The fewest rows of x for which the tiled product is used, where it can be. */
-int gguf_tiled_min_rows(void) { return TILED_MIN_ROWS; }
+/* The fewest rows of x for which the tiled product of `type` is used, where it can be: where it
+ * overtakes the int8 product on the default model's shapes (benchmarks/benchmark_gguf_products.py;
+ * the shapes moved it by a few rows, the types by more: Q4_1's int8 product also sums its
+ * blocks' minimums, Q8_0's needs no unpacking). */
+int gguf_tiled_min_rows(int type) {
+    switch (type) {
+    case TYPE_Q4_1: return 8;
+    case TYPE_Q4_0: return 12;
+    default: return 16;
+    }
+}
 
 static int tiled_fits(int64_t n, int64_t k) { return tile_gemm != NULL && n % 16 == 0 && k % QK == 0; }
 
@@ -390,9 +396,11 @@ static void dequantize_tiles(const uint8_t *w, int type, int64_t j0, int64_t row
         }
 }
 
-/* y (m, n) = x @ W^T + bias on the tile GEMM, W dequantized panel by panel. */
-static int tiled_product(int type, const uint16_t *x, const uint8_t *w, const uint16_t *bias, uint16_t *y,
-                         int64_t m, int64_t n, int64_t k) {
+/* y (m, n) = x @ W^T + bias on the tile GEMM, W dequantized panel by panel; 1 where the tile
+ * GEMM is not given or the shape does not fit it. */
+int gguf_tiled_product_bf16(const uint16_t *x, const uint8_t *w, int type, const uint16_t *bias, uint16_t *y,
+                            int64_t m, int64_t n, int64_t k) {
+    if (block_bytes(type) == 0 || !tiled_fits(n, k)) return 1;
     int64_t panel = PANEL_BYTES / (2 * k) / 16 * 16;
     panel = panel < 16 ? 16 : panel > n ? n : panel;
     uint16_t *tiles = malloc((size_t)(panel * k) * sizeof *tiles);
@@ -420,14 +428,14 @@ static int tiled_product(int type, const uint16_t *x, const uint8_t *w, const ui
  * The products of llama_cpu_layers.c's decoder layer (its gemv_fn), one entry point per type,
  * for any number of rows: x (m, k) bf16, W the rows of blocks (passed where the layer passes a
  * bf16 weight: the layer only hands it on), bias (n) bf16 or NULL, y (m, n) bf16. From
- * gguf_tiled_min_rows() rows the tiled product where the tile GEMM is given and the shape fits;
+ * gguf_tiled_min_rows(type) rows the tiled product where the tile GEMM is given and the shape fits;
  * below, the int8 product where the ISA has it, else the float32 one. gguf_product_bf16 is the
  * same for the op-by-op layers (gguf_linear.py).
  */
 int gguf_product_bf16(const uint16_t *x, const uint8_t *w, int type, const uint16_t *bias, uint16_t *y,
                       int64_t m, int64_t n, int64_t k) {
     if (block_bytes(type) == 0 || k % QK) return 1;
-    if (m >= TILED_MIN_ROWS && tiled_fits(n, k)) return tiled_product(type, x, w, bias, y, m, n, k);
+    if (m >= gguf_tiled_min_rows(type) && tiled_fits(n, k)) return gguf_tiled_product_bf16(x, w, type, bias, y, m, n, k);
     if (gguf_int8_supported()) return gguf_matmul_int8(x, 1, w, type, bias, y, m, n, k);
     return gguf_matmul_float(x, 1, w, type, bias, y, m, n, k);
 }
