@@ -368,6 +368,33 @@ int gguf_tiled_min_rows(int type) {
 
 static int tiled_fits(int64_t n, int64_t k) { return tile_gemm != NULL && n % 16 == 0 && k % QK == 0; }
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+/* One stage of transpose16, with s a constant in each call (the index vectors fold). */
+static inline __attribute__((always_inline)) void transpose_stage(__m512i r[16], const int s) {
+    const __m512i j = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __mmask16 upper = _mm512_test_epi32_mask(j, _mm512_set1_epi32(s));  /* j & s */
+    /* row i takes b[j - s] (as index 16 + j - s) where j & s; row i + s takes a[j + s] where not */
+    const __m512i ilo = _mm512_mask_add_epi32(j, upper, j, _mm512_set1_epi32(16 - s));
+    const __m512i ihi = _mm512_mask_add_epi32(_mm512_add_epi32(j, _mm512_set1_epi32(s)), upper, j,
+                                              _mm512_set1_epi32(16));
+    for (int i = 0; i < 16; ++i) {
+        if (i & s) continue;
+        const __m512i a = r[i], b = r[i + s];
+        r[i] = _mm512_permutex2var_epi32(a, ilo, b);
+        r[i + s] = _mm512_permutex2var_epi32(a, ihi, b);
+    }
+}
+
+/* r (16 x 16 32-bit words) -> its transpose: each stage swaps the off-diagonal s x s blocks of
+ * every 2s x 2s block, [[A, B], [C, D]] -> [[A, C], [B, D]], for s = 8, 4, 2, 1. */
+static inline void transpose16(__m512i r[16]) {
+    transpose_stage(r, 8);
+    transpose_stage(r, 4);
+    transpose_stage(r, 2);
+    transpose_stage(r, 1);
+}
+#endif
+
 /* Rows [j0, j0 + rows) of W (rows % 16 == 0) -> tiles, bf16, rounded to nearest even. */
 static void dequantize_tiles(const uint8_t *w, int type, int64_t j0, int64_t rows, int64_t k, uint16_t *tiles) {
     const int64_t bb = block_bytes(type), nb = k / QK;
@@ -375,24 +402,25 @@ static void dequantize_tiles(const uint8_t *w, int type, int64_t j0, int64_t row
     for (int64_t b = 0; b < rows / 16; ++b)
         for (int64_t kb = 0; kb < nb; ++kb) {
             uint32_t *tile = (uint32_t *)(tiles + (b * nb + kb) * 512);
-            for (int c = 0; c < 16; ++c) {
-                const uint8_t *blk = w + ((j0 + 16 * b + c) * nb + kb) * bb;
+            const uint8_t *first = w + ((j0 + 16 * b) * nb + kb) * bb;  /* block kb of the tile's row 0 */
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
+            __m512i pairs[16];  /* row c: its block's 16 pairs (w_2r, w_2r+1); transposed: tile row r */
+            for (int c = 0; c < 16; ++c) {
                 __m512 lo, hi;
-                dequantize_block16(blk, type, &lo, &hi);
-                /* pairs (w_2r, w_2r+1), r = 0..15, to column c: every 16th 32-bit word */
-                const __m512i pairs = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
-                const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5,
-                                                                           4, 3, 2, 1, 0), _mm512_set1_epi32(16));
-                _mm512_i32scatter_epi32(tile + c, column, pairs, 4);
+                dequantize_block16(first + c * nb * bb, type, &lo, &hi);
+                pairs[c] = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+            }
+            transpose16(pairs);
+            for (int r = 0; r < 16; ++r) _mm512_storeu_si512(tile + r * 16, pairs[r]);
 #else
+            for (int c = 0; c < 16; ++c) {
                 float block[QK];
-                dequantize_block(blk, type, block);
+                dequantize_block(first + c * nb * bb, type, block);
                 for (int r = 0; r < 16; ++r)
                     tile[r * 16 + c] = (uint32_t)float_to_bf16(block[2 * r]) |
                                        (uint32_t)float_to_bf16(block[2 * r + 1]) << 16;
-#endif
             }
+#endif
         }
 }
 
