@@ -355,14 +355,14 @@ int gguf_use_tile_gemm(void *gemm) {
 }
 
 /* The fewest rows of x for which the tiled product of `type` is used, where it can be: where it
- * overtakes the int8 product on the default model's shapes (benchmarks/benchmark_gguf_products.py;
- * the shapes moved it by a few rows, the types by more: Q4_1's int8 product also sums its
- * blocks' minimums, Q8_0's needs no unpacking). */
+ * overtakes the int8 product on the default model's shapes (benchmarks/benchmark_gguf_products.py:
+ * the shapes move it by a row at most; Q4_1's int8 product also sums its blocks' minimums, and
+ * Q8_0's needs no unpacking). */
 int gguf_tiled_min_rows(int type) {
     switch (type) {
-    case TYPE_Q4_1: return 8;
-    case TYPE_Q4_0: return 12;
-    default: return 16;
+    case TYPE_Q4_1: return 4;
+    case TYPE_Q4_0: return 5;
+    default: return 6;
     }
 }
 
