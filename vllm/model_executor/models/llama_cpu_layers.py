@@ -1,4 +1,5 @@
-"""The C path of a Llama model's decoder layers for bf16 steps on CPU (llama_cpu_layers.c).
+"""The C path of a Llama model's decoder layers for bf16 steps on CPU (llama_cpu_layers.c), on
+bf16 weights or on weights kept in GGUF blocks.
 
 A batch-1 decode step on CPU is bound by reading the weights, but run op by op its layers
 also spend time between the GEMVs: norms, rotary, residual adds, the cache write and attention,
@@ -11,6 +12,11 @@ runs each layer as one C call instead, for a step of decodes, prefill chunks or 
 attention the C kernels take whole (no metadata groups) and whose rows the GEMV or the tile
 GEMM take (up to PACKED_MAX_ROWS). It uses the same kernels as the op-by-op path and rounds to
 bf16 where it does.
+
+With quantization="gguf" the products are cpu_gguf_gemv.c's, one entry point per GGUF type
+with the bf16 GEMV's signature (the weight is its rows of blocks): the same product as the
+op-by-op layers', for every row count (weight-stationary for decodes, dequantized tiles on the
+tile GEMM for more rows).
 
 Built through `LlamaForCausalLM.enable_fused_layers`, which the CPU model runner calls for bf16
 models when the kernels are available; with VLLM_CPU_C_KERNELS=0 or without a compiler the

@@ -14,7 +14,7 @@
  *
  *   nibble bytes: byte j holds q_j in its low half and q_{j+16} in its high half
  *
- * Two products, both with float32 sums:
+ * Two weight-stationary products, both with float32 sums (a bias, in x's dtype, added to them):
  *   gguf_matmul_float  x in float32 (bf16 x widened): each block dequantized to float32 exactly
  *                      as the gguf package does, then multiplied; AVX-512, else portable C.
  *   gguf_matmul_int8   x quantized per 32-block to int8 like llama.cpp's Q8 activation blocks
@@ -23,6 +23,9 @@
  *                      dw * dx * dot summed in float32. Each x differs from dx * qx by at most
  *                      dx / 2, that is max|x of its block| / 254. Only where the ISA has int8
  *                      dot products (AVX512-VNNI or AVX-VNNI); gguf_int8_supported() says.
+ * and, for more rows of bf16 x, a tiled product: W dequantized to bf16 panel by panel for the
+ * tile GEMM of cpu_tile_gemm.c (below). gguf_product_bf16 chooses among them by the row count;
+ * the C decoder layers (llama_cpu_layers.c) call it through one entry point per type.
  *
  * Layouts (contiguous): x (m, k) float32 or bf16; W n rows of k / 32 blocks; y (m, n) in x's
  * dtype. k must be a multiple of 32 (GGUF rows are whole blocks).

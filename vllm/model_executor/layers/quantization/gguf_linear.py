@@ -5,12 +5,16 @@ its data for the blocks, (out rows, row bytes) uint8, marking it with `quant_typ
 of input columns and the dtype it stands in for; a tied lm_head shares the parameter, so it
 reads the embedding's blocks. `Linear.matmul` and `VocabParallelEmbedding` then come here:
 
-  rows <= GEMV_MAX_ROWS  (decodes) one pass over the blocks, dequantized in registers
-                         (cpu_gguf_gemv.c): bf16 x on int8 dot products where the CPU has them,
-                         x quantized per 32-block to int8; otherwise float32 products of the
-                         dequantized weights, as exact as the unquantized float32 path
-  more rows              (prefill chunks, compute bound) the weight dequantized into a
-                         temporary in x's dtype and torch's GEMM, as an unquantized layer
+  bf16 x                 cpu_gguf_gemv.product, the C decoder layers' product too: up to a few
+                         rows (decodes; the count is per type, `tiled_min_rows`) one pass over
+                         the blocks, dequantized in registers, on int8 dot products where the
+                         CPU has them (x quantized per 32-block to int8), else float32 ones;
+                         from there (batched decodes, prefill chunks) each weight dequantized
+                         to bf16 panel by panel into the tile GEMM's layout (cpu_tile_gemm.c)
+  float32 x, <= GEMV_MAX_ROWS  float32 products of the dequantized weights in registers, as
+                         exact as the unquantized float32 path
+  other products         the weight dequantized into a temporary in x's dtype and torch's GEMM
+                         (float32 prefill chunks; bf16 where the tile GEMM cannot run)
   embedding              the looked-up rows dequantized, in the dtype the weight stands in for
 
 Without the C library (no compiler, VLLM_CPU_C_KERNELS=0) the gguf package dequantizes the
@@ -24,7 +28,8 @@ from torch import nn
 from vllm.model_executor.layers.quantization import cpu_gguf_gemv
 from vllm.model_executor.layers.quantization.gguf_blocks import GGUFBlocks, type_name
 
-# A fixed cut-over between the two products; choosing it per shape from timings is still to do.
+# Rows up to which the weight-stationary products serve where no tiled product runs (float32 x,
+# or no tile GEMM here): past it, dequantizing the weight once beats unpacking it once per row.
 GEMV_MAX_ROWS = 16
 
 
