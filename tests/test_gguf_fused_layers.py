@@ -3,7 +3,12 @@ layers on the same blocks, for each GGUF type; and the layers' product entry poi
 cpu_gguf_gemv.matmul."""
 
 import ctypes
+import os
+import platform
 import random
+import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -165,3 +170,22 @@ def test_quantized_engine_decodes_through_fused_layers(quantizable_llm):
         outputs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
         assert (runner.graph_stats.eager_steps > before) == use_fused
     assert outputs[0] == outputs[1]
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64" or shutil.which("cc") is None, reason="builds for x86-64-v3")
+def test_avx2_only_build_falls_back_to_the_float_product(tmp_path):
+    """Built as for an AVX2-only CPU (a compiler wrapper appending -march=x86-64-v3): no int8
+    product and no tile GEMM, so the layers' entry points are the float32 product at every row
+    count, and this file's product tests pass there."""
+    wrapper = tmp_path / "cc_avx2"
+    wrapper.write_text(f'#!/bin/sh\nexec {shutil.which("cc")} "$@" -march=x86-64-v3 -mtune=generic\n')
+    wrapper.chmod(0o755)
+    env = dict(os.environ, CC=str(wrapper), VLLM_CACHE_ROOT=str(tmp_path / "kernels"), VLLM_CPU_C_KERNELS="1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    probe = subprocess.run([sys.executable, "-c", "from vllm.model_executor.layers.quantization import "
+                            "cpu_gguf_gemv as g; print(g.available(), g.int8_available(), g.tiled_fits(64))"],
+                           cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert probe.stdout.split() == ["True", "False", "False"], probe.stderr[-2000:]
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+                          "-k", "test_layer_product"], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and " passed" in run.stdout, run.stdout[-3000:]
