@@ -70,11 +70,16 @@ def matmul(x: torch.Tensor, blocks: torch.Tensor, quant_type: int, int8_activati
     return y
 
 
+@functools.cache
+def _tiled_available() -> bool:
+    return available() and cpu_tile_gemm.kernel_address() is not None
+
+
 def tiled_fits(n: int) -> bool:
     """Whether bf16 products of n output rows (K a multiple of 32, as GGUF rows are) take the
     tiled product (dequantized panels on cpu_tile_gemm.c) from `tiled_min_rows(type)` rows: the
     tile GEMM is available here and n is a multiple of 16."""
-    return available() and cpu_tile_gemm.kernel_address() is not None and n % 16 == 0
+    return n % 16 == 0 and _tiled_available()
 
 
 @functools.cache
@@ -131,7 +136,7 @@ def dequantize(blocks: torch.Tensor, quant_type: int, k: int, dtype: torch.dtype
 
 
 def layer_product_address(quant_type: int) -> int | None:
-    """Address of the decoder layer's product on blocks of `quant_type` (cpu_product.py's calling
-    convention, the weight given as its rows of blocks; int8 activations where `int8_available()`,
-    as `matmul` has them for bf16 x), for llama_cpu_layers.c; None where unavailable."""
+    """Address of the decoder layer's product on blocks of `quant_type`: `product` (the same
+    choice by rows), in cpu_product.py's calling convention with the weight given as its rows of
+    blocks, for llama_cpu_layers.c; None where unavailable."""
     return _LIBRARY.address(_LAYER_PRODUCTS[quant_type])
