@@ -109,7 +109,7 @@ def _quantize_in_place(model: torch.nn.Module, quant_type: int, dense: dict[str,
     gguf_linear.mark_quantized(model)
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+@pytest.fixture(scope="module")
 def quantizable_llm(request, tokenizer_dir, tmp_path_factory):
     """A bf16 tiny model (head_dim 64, so prefill chunks take the C prefill kernel; Qwen2 with
     q/k/v biases and a tied lm_head) and its weights as loaded, to quantize per test."""
@@ -141,10 +141,11 @@ def _quantized(quantizable_llm, name: str) -> LLM:
 @pytest.mark.skipif(not cpu_gguf_gemv.available(), reason="the GGUF kernels need a C compiler")
 @pytest.mark.parametrize("contexts,chunks", [([37], []), ([5, 200, 16], []), ([11 * i % 170 for i in range(16)], []),
                                              ([130, 3], [(1, 0), (2, 200)]), ([7], [(100, 30)])])
-@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("quantizable_llm,name", [("llama", "Q8_0"), ("llama", "Q4_0"), ("llama", "Q4_1"),
+                                                  ("qwen2", "Q4_1")], indirect=["quantizable_llm"])
 def test_quantized_steps_match_op_by_op(quantizable_llm, name, contexts, chunks):
     """Same hidden states and cache writes from the C layers and the op-by-op layers on the
-    same blocks, for 1-16 decodes and prefill chunks with and without decodes: products of 1-3
+    same blocks (each type on Llama; Qwen2's q/k/v biases on Q4_1), for 1-16 decodes and prefill chunks with and without decodes: products of 1-3
     rows on the int8 (or float32) product, 16 and 101 rows on the tiled one where it runs."""
     runner = _quantized(quantizable_llm, name).llm_engine.runner
     assert runner.model.model.layers[0].mlp.down_proj.weight.dtype == torch.uint8
@@ -153,6 +154,7 @@ def test_quantized_steps_match_op_by_op(quantizable_llm, name, contexts, chunks)
 
 @needs_fused_layers
 @pytest.mark.skipif(not cpu_gguf_gemv.available(), reason="the GGUF kernels need a C compiler")
+@pytest.mark.parametrize("quantizable_llm", ["llama", "qwen2"], indirect=True)
 def test_quantized_engine_decodes_through_fused_layers(quantizable_llm):
     """Greedy chunked generations of 9 prompts (steps of up to 64 tokens, all of which the C
     layers take) on Q4_1 blocks (the default model's type; the step tests cover the others),
