@@ -19,7 +19,7 @@ _PROMPTS = [PROMPTS[1], PROMPTS[5], PROMPTS[6]]  # short and long prompts: decod
 @functools.cache
 def _run(quantization: str | None, dtype: str) -> tuple:
     """(token ids, top-5 logprobs of each position, resident weight bytes, whether every product
-    weight is kept quantized) of a greedy run; 64-token chunks run on dequantized weights,
+    weight is kept quantized and the (tied) lm_head multiplies the blocks) of a greedy run; 64-token chunks run on dequantized weights,
     decodes of up to 3 rows on the blocks."""
     llm = LLM(dtype=dtype, quantization=quantization, max_num_batched_tokens=64, max_num_seqs=8,
               block_size=16, max_model_len=512, kv_cache_memory_bytes=64 << 20)
@@ -27,7 +27,7 @@ def _run(quantization: str | None, dtype: str) -> tuple:
     model = llm.llm_engine.runner.model
     weights = [p for name, p in model.named_parameters() if name.endswith("proj.weight") or "embed" in name]
     return ([list(o.outputs[0].token_ids) for o in outs], [o.outputs[0].logprobs for o in outs],
-            resident_weight_bytes(model), all(is_quantized(p) for p in weights))
+            resident_weight_bytes(model), all(is_quantized(p) for p in weights) and model.lm_head.quantized)
 
 
 def test_weights_stay_in_their_blocks():

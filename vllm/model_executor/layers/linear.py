@@ -85,6 +85,7 @@ class Linear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias, dtype=dtype)
         self.packed = False
         self.tiled: torch.Tensor | None = None  # the tile copy of the weight, after pack()
+        self.quantized = False  # the weight holds GGUF blocks (gguf_linear.mark_quantized)
 
     def reset_parameters(self) -> None:
         """Leaves the weights uninitialised: the model's load_weights writes every parameter, so
@@ -107,7 +108,7 @@ class Linear(nn.Linear):
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x @ weight^T (+ bias): (T, in) -> (T, out), on the packed copy where there is one."""
-        if gguf_linear.is_quantized(self.weight):
+        if self.quantized:
             return gguf_linear.linear(x, self.weight, bias)
         if not self.packed:
             return F.linear(x, self.weight, bias)
@@ -156,5 +157,5 @@ def pack_linear_weights(model: nn.Module) -> None:
     """Packs every `Linear` of a loaded CPU bf16 model (weights must not change afterwards);
     weights kept quantized stay as they are."""
     for module in model.modules():
-        if isinstance(module, Linear) and not gguf_linear.is_quantized(module.weight):
+        if isinstance(module, Linear) and not module.quantized:
             module.pack()

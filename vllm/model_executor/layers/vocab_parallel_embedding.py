@@ -32,6 +32,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.shard_rows, hidden_size, dtype=dtype),
                                    requires_grad=False)
         self.weight.weight_loader = self.weight_loader
+        self.quantized = False  # the weight holds GGUF blocks (gguf_linear.mark_quantized)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: int | None) -> None:
         if loaded.shape != (self.vocab_size, param.shape[1]):
@@ -43,7 +44,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids: (T,) -> (T, hidden)."""
-        lookup = gguf_linear.embedding if gguf_linear.is_quantized(self.weight) else F.embedding
+        lookup = gguf_linear.embedding if self.quantized else F.embedding
         if self.tp.world_size == 1:
             return lookup(input_ids, self.weight)
         local = input_ids - self.vocab_start                                     # (T,)

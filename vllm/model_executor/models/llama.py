@@ -195,9 +195,8 @@ class LlamaForCausalLM(nn.Module):
         """CPU, bf16: from now on eager steps that the C kernels take run each layer as one C
         call, where the kernels build here. Call once the weights are loaded (and packed);
         returns the C path. None with tensor parallelism: the C layers have no all-reduce, so
-        sharded layers run op by op, and so do weights kept quantized: the C layers take bf16
-        weights only."""
-        if get_tp_group().world_size > 1 or any(gguf_linear.is_quantized(p) for p in self.parameters()):
+        sharded layers run op by op."""
+        if get_tp_group().world_size > 1:
             return None
         self.model.fused_layers = FusedLayers.build(self.model)
         return self.model.fused_layers
@@ -251,6 +250,7 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint is missing tensors for: {missing[:8]}"
                              + (" ..." if len(missing) > 8 else ""))
+        gguf_linear.mark_quantized(self)
 
     @staticmethod
     def _blocks_for(param: nn.Parameter, target: str, tensor: torch.Tensor | GGUFBlocks,

@@ -1,4 +1,5 @@
-"""The C path of a Llama model's decoder layers for bf16 steps on CPU (llama_cpu_layers.c).
+"""The C path of a Llama model's decoder layers for bf16 steps on CPU (llama_cpu_layers.c), on
+bf16 weights or on weights kept in GGUF blocks.
 
 A batch-1 decode step on CPU is bound by reading the weights, but run op by op its layers
 also spend time between the GEMVs: norms, rotary, residual adds, the cache write and attention,
@@ -12,6 +13,11 @@ attention the C kernels take whole (no metadata groups) and whose rows the GEMV 
 GEMM take (up to PACKED_MAX_ROWS; see linear.py for which takes which). It uses the same kernels as the op-by-op path and rounds to
 bf16 where it does.
 
+With quantization="gguf" the products are cpu_gguf_gemv.c's, one entry point per GGUF type
+with the bf16 GEMV's signature (the weight is its rows of blocks): the same product as the
+op-by-op layers', for every row count (weight-stationary for decodes, dequantized tiles on the
+tile GEMM for more rows).
+
 Built through `LlamaForCausalLM.enable_fused_layers`, which the CPU model runner calls for bf16
 models when the kernels are available; with VLLM_CPU_C_KERNELS=0 or without a compiler the
 op-by-op path runs every step. Captured graphs keep the torch layers.
@@ -19,6 +25,7 @@ op-by-op path runs every step. Captured graphs keep the torch layers.
 
 import ctypes
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -26,6 +33,7 @@ from vllm.attention.backends.cpu_metadata import AttentionMetadata
 from vllm.attention.ops import cpu_paged_decode, cpu_paged_prefill
 from vllm.model_executor.layers import cpu_gemv, cpu_tile_gemm
 from vllm.model_executor.layers.linear import PACKED_MAX_ROWS, gemv_rows
+from vllm.model_executor.layers.quantization import cpu_gguf_gemv, gguf_linear
 from vllm.platforms.c_library import CFunction, CLibrary
 
 _ptr, _i64 = ctypes.c_void_p, ctypes.c_int64
@@ -65,6 +73,43 @@ def _address(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+def _linears(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [m for layer in model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                  layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+
+
+class _Products(NamedTuple):
+    """The C products the layers call (addresses; None: none) and the rows the GEMV takes."""
+    gemv: int
+    gemv_rows: int
+    tile_gemm: int | None
+    tile_gemm_silu_mul: int | None
+
+
+def _products(linears: list[torch.nn.Module]) -> _Products | None:
+    """bf16 weights: the GEMV (cpu_gemv.c) up to its rows, the tile GEMM above on the tile
+    copies. Weights of one GGUF type: that type's product (cpu_gguf_gemv.c) for every row
+    count, as the op-by-op layers use it: up to PACKED_MAX_ROWS where it has its tiled product
+    for every weight's shape, else up to gguf_linear.GEMV_MAX_ROWS (larger steps stay op by op).
+    None where the kernels are not built here or the weights mix types."""
+    quant_types = {m.weight.quant_type if m.quantized else None for m in linears}
+    if len(quant_types) != 1:
+        return None
+    quant_type = quant_types.pop()
+    if quant_type is None:
+        gemv, tile_gemm = cpu_gemv.kernel_address(), cpu_tile_gemm.kernel_address()
+        if gemv is None:
+            return None
+        # Past the GEMV's rows, only if every product has its tile copy (Linear.pack).
+        if tile_gemm is None or any(_tiles(m) is None for m in linears):
+            return _Products(gemv, cpu_gemv.max_rows(), None, None)
+        return _Products(gemv, gemv_rows(), tile_gemm, cpu_tile_gemm.kernel_address(silu_mul=True))
+    gemv = cpu_gguf_gemv.layer_product_address(quant_type)
+    tiled = all(cpu_gguf_gemv.tiled_fits(m.weight.shape[0]) for m in linears)
+    rows = PACKED_MAX_ROWS if tiled else gguf_linear.GEMV_MAX_ROWS
+    return None if gemv is None else _Products(gemv, rows, None, None)
+
+
 class FusedLayers:
     """Runs all decoder layers of a `LlamaModel` for a step, one C call per layer.
 
@@ -72,24 +117,22 @@ class FusedLayers:
     after it is built (the runner builds it once the weights are loaded and packed).
     """
 
-    def __init__(self, model: torch.nn.Module, lib: ctypes.CDLL, gemv: int, attend_decodes: int,
+    def __init__(self, model: torch.nn.Module, lib: ctypes.CDLL, products: _Products, attend_decodes: int,
                  attend_prefills: int | None) -> None:
         self._lib = lib
-        self._gemv, self._attend_decodes, self._attend_prefills = gemv, attend_decodes, attend_prefills
+        self._gemv, self._gemv_rows = products.gemv, products.gemv_rows
+        self._attend_decodes, self._attend_prefills = attend_decodes, attend_prefills
         self.takes_prefills = attend_prefills is not None  # else only steps of decodes
-        linears = [m for layer in model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                                         layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-        # Above the GEMV's rows, only if every product has its tile copy (Linear.pack).
-        self._tile_gemm = cpu_tile_gemm.kernel_address()
-        self._tile_gemm_silu_mul = cpu_tile_gemm.kernel_address(silu_mul=True)
-        tiled = self._tile_gemm is not None and all(_tiles(m) is not None for m in linears)
-        self._gemv_rows = gemv_rows() if tiled else cpu_gemv.max_rows()
-        self.max_tokens = PACKED_MAX_ROWS if tiled else self._gemv_rows
+        linears = _linears(model)
+        self._tile_gemm, self._tile_gemm_silu_mul = products.tile_gemm, products.tile_gemm_silu_mul
+        self.max_tokens = PACKED_MAX_ROWS if self._tile_gemm is not None else self._gemv_rows
         self._layers = []
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-                assert linear.weight.dtype == torch.bfloat16 and linear.weight.is_contiguous()
+                # bf16 rows, or rows of GGUF blocks that the product reads whole
+                assert linear.weight.dtype == (torch.uint8 if linear.quantized else torch.bfloat16)
+                assert linear.weight.is_contiguous()
                 # The C layer reads one bias value per output row of the weight.
                 if linear.bias is not None and linear.bias.shape != linear.weight.shape[:1]:
                     raise ValueError(f"bias of shape {tuple(linear.bias.shape)} for a weight of "
@@ -110,20 +153,22 @@ class FusedLayers:
 
     @classmethod
     def build(cls, model: torch.nn.Module) -> "FusedLayers | None":
-        """For a loaded bf16 `LlamaModel` on CPU; None where the decode kernels cannot be built
-        here (without the prefill kernel, only steps of decodes). Steps carry prefill chunks for
-        the prefill kernel only where it takes the model's shapes (cpu_paged_prefill.is_available)."""
-        if next(model.parameters()).dtype != torch.bfloat16:
+        """For a loaded bf16 `LlamaModel` on CPU, its products' weights bf16 or all of one GGUF
+        type; None where the decode kernels cannot be built here (without the prefill kernel,
+        only steps of decodes) or the products' weights mix GGUF types or GGUF blocks and bf16.
+        Steps carry prefill chunks for the prefill kernel only where it takes the model's shapes
+        (cpu_paged_prefill.is_available)."""
+        if model.norm.weight.dtype != torch.bfloat16:
             return None
         attn = model.layers[0].self_attn
         if not cpu_paged_decode.is_available(torch.device("cpu"), torch.bfloat16, attn.num_heads,
                                              attn.num_kv_heads, attn.head_dim):
             return None
-        lib, gemv = _LIBRARY.get(), cpu_gemv.kernel_address()
-        attend_decodes = cpu_paged_decode.kernel_address(torch.bfloat16)
-        if lib is None or gemv is None or attend_decodes is None:
+        products = _products(_linears(model))
+        lib, attend_decodes = _LIBRARY.get(), cpu_paged_decode.kernel_address(torch.bfloat16)
+        if lib is None or products is None or attend_decodes is None:
             return None
-        return cls(model, lib, gemv, attend_decodes, cpu_paged_prefill.kernel_address())
+        return cls(model, lib, products, attend_decodes, cpu_paged_prefill.kernel_address())
 
     def accepts(self, metadata: AttentionMetadata, num_tokens: int) -> bool:
         """Whether the C kernels take all of the step: its attention (no groups, no padding) and

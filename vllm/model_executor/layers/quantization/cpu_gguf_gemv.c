@@ -14,7 +14,7 @@
  *
  *   nibble bytes: byte j holds q_j in its low half and q_{j+16} in its high half
  *
- * Two products, both with float32 sums:
+ * Two weight-stationary products, both with float32 sums (a bias, in x's dtype, added to them):
  *   gguf_matmul_float  x in float32 (bf16 x widened): each block dequantized to float32 exactly
  *                      as the gguf package does, then multiplied; AVX-512, else portable C.
  *   gguf_matmul_int8   x quantized per 32-block to int8 like llama.cpp's Q8 activation blocks
@@ -23,6 +23,9 @@
  *                      dw * dx * dot summed in float32. Each x differs from dx * qx by at most
  *                      dx / 2, that is max|x of its block| / 254. Only where the ISA has int8
  *                      dot products (AVX512-VNNI or AVX-VNNI); gguf_int8_supported() says.
+ * and, for more rows of bf16 x, a tiled product: W dequantized to bf16 panel by panel for the
+ * tile GEMM of cpu_tile_gemm.c (below). gguf_product_bf16 chooses among them by the row count;
+ * the C decoder layers (llama_cpu_layers.c) call it through one entry point per type.
  *
  * Layouts (contiguous): x (m, k) float32 or bf16; W n rows of k / 32 blocks; y (m, n) in x's
  * dtype. k must be a multiple of 32 (GGUF rows are whole blocks).
@@ -99,6 +102,12 @@ static inline void store(void *y, int bf16, int64_t index, float value) {
     else ((float *)y)[index] = value;
 }
 
+/* bias[j] in float32 (bias in x's dtype, or NULL: none). */
+static inline float bias_at(const void *bias, int bf16, int64_t j) {
+    if (bias == NULL) return 0.0f;
+    return bf16 ? bf16_to_float(((const uint16_t *)bias)[j]) : ((const float *)bias)[j];
+}
+
 /* x as float32: itself, or a widened copy of bf16 x that the caller frees. */
 static const float *float_rows(const void *x, int bf16, int64_t count, float **owned) {
     *owned = NULL;
@@ -154,8 +163,8 @@ static inline void dequantize_block16(const uint8_t *b, int type, __m512 *lo, __
 }
 
 static inline __attribute__((always_inline)) void row_float(
-        const uint8_t *row, int type, const float *xf, void *y, int bf16, int64_t j, int64_t t0,
-        int tm, int64_t n, int64_t k) {
+        const uint8_t *row, int type, const float *xf, float b0, void *y, int bf16, int64_t j,
+        int64_t t0, int tm, int64_t n, int64_t k) {
     const int64_t bb = block_bytes(type), nb = k / QK;
     __m512 acc[TILE];
     for (int t = 0; t < TILE; ++t) acc[t] = _mm512_setzero_ps();
@@ -168,11 +177,11 @@ static inline __attribute__((always_inline)) void row_float(
             acc[t] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xt + 16), acc[t]);
         }
     }
-    for (int t = 0; t < tm; ++t) store(y, bf16, (t0 + t) * n + j, _mm512_reduce_add_ps(acc[t]));
+    for (int t = 0; t < tm; ++t) store(y, bf16, (t0 + t) * n + j, _mm512_reduce_add_ps(acc[t]) + b0);
 }
 #endif
 
-int gguf_matmul_float(const void *x, int bf16, const uint8_t *w, int type, void *y,
+int gguf_matmul_float(const void *x, int bf16, const uint8_t *w, int type, const void *bias, void *y,
                       int64_t m, int64_t n, int64_t k) {
     const int64_t bb = block_bytes(type), nb = k / QK;
     if (bb == 0 || k % QK) return 1;
@@ -182,13 +191,14 @@ int gguf_matmul_float(const void *x, int bf16, const uint8_t *w, int type, void 
     #pragma omp parallel for schedule(static)
     for (int64_t j = 0; j < n; ++j) {
         const uint8_t *row = w + j * nb * bb;
+        const float b0 = bias_at(bias, bf16, j);
         for (int64_t t0 = 0; t0 < m; t0 += TILE) {
             const int tm = m - t0 < TILE ? (int)(m - t0) : TILE;
 #ifdef __AVX512F__
             switch (type) {
-            case TYPE_Q8_0: row_float(row, TYPE_Q8_0, xf, y, bf16, j, t0, tm, n, k); break;
-            case TYPE_Q4_0: row_float(row, TYPE_Q4_0, xf, y, bf16, j, t0, tm, n, k); break;
-            default: row_float(row, TYPE_Q4_1, xf, y, bf16, j, t0, tm, n, k); break;
+            case TYPE_Q8_0: row_float(row, TYPE_Q8_0, xf, b0, y, bf16, j, t0, tm, n, k); break;
+            case TYPE_Q4_0: row_float(row, TYPE_Q4_0, xf, b0, y, bf16, j, t0, tm, n, k); break;
+            default: row_float(row, TYPE_Q4_1, xf, b0, y, bf16, j, t0, tm, n, k); break;
             }
             continue;
 #endif
@@ -204,7 +214,7 @@ int gguf_matmul_float(const void *x, int bf16, const uint8_t *w, int type, void 
             for (int t = 0; t < tm; ++t) {
                 float sum = 0.0f;
                 for (int i = 0; i < QK; ++i) sum += acc[t][i];
-                store(y, bf16, (t0 + t) * n + j, sum);
+                store(y, bf16, (t0 + t) * n + j, sum + b0);
             }
         }
     }
@@ -256,7 +266,7 @@ static inline float reduce(__m256 v) {
 /* One weight row times up to TILE rows of quantized x; `type` is a constant in each caller. */
 static inline __attribute__((always_inline)) void row_int8(
         const uint8_t *row, int type, const int8_t *qx, const float *dx, const int32_t *sx,
-        void *y, int bf16, int64_t j, int64_t t0, int tm, int64_t n, int64_t k) {
+        float b0, void *y, int bf16, int64_t j, int64_t t0, int tm, int64_t n, int64_t k) {
     const int64_t bb = block_bytes(type), nb = k / QK;
     __m256 acc[TILE];
     float shift[TILE] = {0};  /* Q4_1: sum over blocks of m * dx * sum(qx) */
@@ -276,10 +286,10 @@ static inline __attribute__((always_inline)) void row_int8(
             if (type == TYPE_Q4_1) shift[t] += mw * dx[xb] * (float)sx[xb];
         }
     }
-    for (int t = 0; t < tm; ++t) store(y, bf16, (t0 + t) * n + j, reduce(acc[t]) + shift[t]);
+    for (int t = 0; t < tm; ++t) store(y, bf16, (t0 + t) * n + j, reduce(acc[t]) + shift[t] + b0);
 }
 
-int gguf_matmul_int8(const void *x, int bf16, const uint8_t *w, int type, void *y,
+int gguf_matmul_int8(const void *x, int bf16, const uint8_t *w, int type, const void *bias, void *y,
                      int64_t m, int64_t n, int64_t k) {
     const int64_t bb = block_bytes(type), nb = k / QK;
     if (bb == 0 || k % QK) return 1;
@@ -297,12 +307,13 @@ int gguf_matmul_int8(const void *x, int bf16, const uint8_t *w, int type, void *
     #pragma omp parallel for schedule(static)
     for (int64_t j = 0; j < n; ++j) {
         const uint8_t *row = w + j * nb * bb;
+        const float b0 = bias_at(bias, bf16, j);
         for (int64_t t0 = 0; t0 < m; t0 += TILE) {
             const int tm = m - t0 < TILE ? (int)(m - t0) : TILE;
             switch (type) {
-            case TYPE_Q8_0: row_int8(row, TYPE_Q8_0, qx, dx, sx, y, bf16, j, t0, tm, n, k); break;
-            case TYPE_Q4_0: row_int8(row, TYPE_Q4_0, qx, dx, sx, y, bf16, j, t0, tm, n, k); break;
-            default: row_int8(row, TYPE_Q4_1, qx, dx, sx, y, bf16, j, t0, tm, n, k); break;
+            case TYPE_Q8_0: row_int8(row, TYPE_Q8_0, qx, dx, sx, b0, y, bf16, j, t0, tm, n, k); break;
+            case TYPE_Q4_0: row_int8(row, TYPE_Q4_0, qx, dx, sx, b0, y, bf16, j, t0, tm, n, k); break;
+            default: row_int8(row, TYPE_Q4_1, qx, dx, sx, b0, y, bf16, j, t0, tm, n, k); break;
             }
         }
     }
@@ -314,10 +325,163 @@ int gguf_matmul_int8(const void *x, int bf16, const uint8_t *w, int type, void *
 
 int gguf_int8_supported(void) { return 0; }
 
-int gguf_matmul_int8(const void *x, int bf16, const uint8_t *w, int type, void *y,
+int gguf_matmul_int8(const void *x, int bf16, const uint8_t *w, int type, const void *bias, void *y,
                      int64_t m, int64_t n, int64_t k) {
-    (void)x; (void)bf16; (void)w; (void)type; (void)y; (void)m; (void)n; (void)k;
+    (void)x; (void)bf16; (void)w; (void)type; (void)bias; (void)y; (void)m; (void)n; (void)k;
     return 1;
 }
 
 #endif
+
+/*
+ * Past a few rows the weight-stationary products above run out of arithmetic: each weight block
+ * is unpacked and rescaled once per row of x. The bf16 tile GEMM (cpu_tile_gemm.c) does far
+ * more multiply-adds per instruction, so for more rows W is dequantized, a panel of rows at a
+ * time, into a bf16 scratch in the tile GEMM's layout:
+ *
+ *   tiles[b][kb] = 16 x 16 pairs: row r, column c = W[16 b + c][32 kb + 2 r], W[16 b + c][32 kb + 2 r + 1]
+ *
+ * (block kb of output row 16 b + c is column c of tile (b, kb)), and the tile GEMM multiplies x
+ * into the panel. A panel is at most PANEL_BYTES of bf16 so that it stays in the cache between
+ * its dequantization and its product. Which product serves which rows: gguf_tiled_min_rows(type).
+ */
+#define PANEL_BYTES (512 * 1024)
+
+typedef int (*tile_gemm_fn)(const uint16_t *x, const uint16_t *tiles, const uint16_t *bias, uint16_t *y,
+                            int64_t m, int64_t n, int64_t k);
+static tile_gemm_fn tile_gemm;  /* cpu_tile_gemm.c's tile_gemm_bf16, given once by gguf_use_tile_gemm */
+
+/* Hands over the tile GEMM (NULL: none, every row count takes the products above). */
+int gguf_use_tile_gemm(void *gemm) {
+    tile_gemm = (tile_gemm_fn)gemm;
+    return 0;
+}
+
+/* The fewest rows of x for which the tiled product of `type` is used, where it can be: where it
+ * overtakes the int8 product on the default model's shapes (benchmarks/benchmark_gguf_products.py:
+ * the shapes move it by a row at most; Q4_1's int8 product also sums its blocks' minimums, and
+ * Q8_0's needs no unpacking). */
+int gguf_tiled_min_rows(int type) {
+    switch (type) {
+    case TYPE_Q4_1: return 4;
+    case TYPE_Q4_0: return 5;
+    default: return 6;
+    }
+}
+
+static int tiled_fits(int64_t n, int64_t k) { return tile_gemm != NULL && n % 16 == 0 && k % QK == 0; }
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+/* One stage of transpose16, with s a constant in each call (the index vectors fold). */
+static inline __attribute__((always_inline)) void transpose_stage(__m512i r[16], const int s) {
+    const __m512i j = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __mmask16 upper = _mm512_test_epi32_mask(j, _mm512_set1_epi32(s));  /* j & s */
+    /* row i takes b[j - s] (as index 16 + j - s) where j & s; row i + s takes a[j + s] where not */
+    const __m512i ilo = _mm512_mask_add_epi32(j, upper, j, _mm512_set1_epi32(16 - s));
+    const __m512i ihi = _mm512_mask_add_epi32(_mm512_add_epi32(j, _mm512_set1_epi32(s)), upper, j,
+                                              _mm512_set1_epi32(16));
+    for (int i = 0; i < 16; ++i) {
+        if (i & s) continue;
+        const __m512i a = r[i], b = r[i + s];
+        r[i] = _mm512_permutex2var_epi32(a, ilo, b);
+        r[i + s] = _mm512_permutex2var_epi32(a, ihi, b);
+    }
+}
+
+/* r (16 x 16 32-bit words) -> its transpose: each stage swaps the off-diagonal s x s blocks of
+ * every 2s x 2s block, [[A, B], [C, D]] -> [[A, C], [B, D]], for s = 8, 4, 2, 1. */
+static inline void transpose16(__m512i r[16]) {
+    transpose_stage(r, 8);
+    transpose_stage(r, 4);
+    transpose_stage(r, 2);
+    transpose_stage(r, 1);
+}
+#endif
+
+/* Rows [j0, j0 + rows) of W (rows % 16 == 0) -> tiles, bf16, rounded to nearest even. */
+static void dequantize_tiles(const uint8_t *w, int type, int64_t j0, int64_t rows, int64_t k, uint16_t *tiles) {
+    const int64_t bb = block_bytes(type), nb = k / QK;
+    #pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < rows / 16; ++b)
+        for (int64_t kb = 0; kb < nb; ++kb) {
+            uint32_t *tile = (uint32_t *)(tiles + (b * nb + kb) * 512);
+            const uint8_t *first = w + ((j0 + 16 * b) * nb + kb) * bb;  /* block kb of the tile's row 0 */
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+            __m512i pairs[16];  /* row c: its block's 16 pairs (w_2r, w_2r+1); transposed: tile row r */
+            for (int c = 0; c < 16; ++c) {
+                __m512 lo, hi;
+                dequantize_block16(first + c * nb * bb, type, &lo, &hi);
+                pairs[c] = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+            }
+            transpose16(pairs);
+            for (int r = 0; r < 16; ++r) _mm512_storeu_si512(tile + r * 16, pairs[r]);
+#else
+            for (int c = 0; c < 16; ++c) {
+                float block[QK];
+                dequantize_block(first + c * nb * bb, type, block);
+                for (int r = 0; r < 16; ++r)
+                    tile[r * 16 + c] = (uint32_t)float_to_bf16(block[2 * r]) |
+                                       (uint32_t)float_to_bf16(block[2 * r + 1]) << 16;
+            }
+#endif
+        }
+}
+
+/* y (m, n) = x @ W^T + bias on the tile GEMM, W dequantized panel by panel; 1 where the tile
+ * GEMM is not given or the shape does not fit it. */
+int gguf_tiled_product_bf16(const uint16_t *x, const uint8_t *w, int type, const uint16_t *bias, uint16_t *y,
+                            int64_t m, int64_t n, int64_t k) {
+    if (block_bytes(type) == 0 || !tiled_fits(n, k)) return 1;
+    int64_t panel = PANEL_BYTES / (2 * k) / 16 * 16;
+    panel = panel < 16 ? 16 : panel > n ? n : panel;
+    uint16_t *tiles = malloc((size_t)(panel * k) * sizeof *tiles);
+    uint16_t *part = panel < n ? malloc((size_t)(m * panel) * sizeof *part) : NULL;  /* (m, panel) */
+    if (tiles == NULL || (panel < n && part == NULL)) {
+        free(tiles); free(part);
+        return 2;
+    }
+    int status = 0;
+    for (int64_t j0 = 0; j0 < n && status == 0; j0 += panel) {
+        const int64_t rows = n - j0 < panel ? n - j0 : panel;
+        dequantize_tiles(w, type, j0, rows, k, tiles);
+        if (part == NULL) {
+            status = tile_gemm(x, tiles, bias, y, m, rows, k);
+            continue;
+        }
+        status = tile_gemm(x, tiles, bias == NULL ? NULL : bias + j0, part, m, rows, k);
+        for (int64_t t = 0; t < m; ++t) memcpy(y + t * n + j0, part + t * rows, (size_t)rows * sizeof *y);
+    }
+    free(tiles); free(part);
+    return status;
+}
+
+/*
+ * The products of llama_cpu_layers.c's decoder layer (its gemv_fn), one entry point per type,
+ * for any number of rows: x (m, k) bf16, W the rows of blocks (passed where the layer passes a
+ * bf16 weight: the layer only hands it on), bias (n) bf16 or NULL, y (m, n) bf16. From
+ * gguf_tiled_min_rows(type) rows the tiled product where the tile GEMM is given and the shape fits;
+ * below, the int8 product where the ISA has it, else the float32 one. gguf_product_bf16 is the
+ * same for the op-by-op layers (gguf_linear.py).
+ */
+int gguf_product_bf16(const uint16_t *x, const uint8_t *w, int type, const uint16_t *bias, uint16_t *y,
+                      int64_t m, int64_t n, int64_t k) {
+    if (block_bytes(type) == 0 || k % QK) return 1;
+    if (m >= gguf_tiled_min_rows(type) && tiled_fits(n, k)) return gguf_tiled_product_bf16(x, w, type, bias, y, m, n, k);
+    if (gguf_int8_supported()) return gguf_matmul_int8(x, 1, w, type, bias, y, m, n, k);
+    return gguf_matmul_float(x, 1, w, type, bias, y, m, n, k);
+}
+
+int gguf_layer_product_q8_0(const uint16_t *x, const void *w, const uint16_t *bias, uint16_t *y,
+                            int64_t m, int64_t n, int64_t k) {
+    return gguf_product_bf16(x, w, TYPE_Q8_0, bias, y, m, n, k);
+}
+
+int gguf_layer_product_q4_0(const uint16_t *x, const void *w, const uint16_t *bias, uint16_t *y,
+                            int64_t m, int64_t n, int64_t k) {
+    return gguf_product_bf16(x, w, TYPE_Q4_0, bias, y, m, n, k);
+}
+
+int gguf_layer_product_q4_1(const uint16_t *x, const void *w, const uint16_t *bias, uint16_t *y,
+                            int64_t m, int64_t n, int64_t k) {
+    return gguf_product_bf16(x, w, TYPE_Q4_1, bias, y, m, n, k);
+}

@@ -11,15 +11,24 @@ from pathlib import Path
 
 import torch
 
+from vllm.model_executor.layers import cpu_tile_gemm
+from vllm.model_executor.layers.cpu_product import PRODUCT
 from vllm.platforms.c_library import CFunction, CLibrary
 
 _ptr, _i64, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-_MATMUL = CFunction([_ptr, _int, _ptr, _int, _ptr, _i64, _i64, _i64])
+_MATMUL = CFunction([_ptr, _int, _ptr, _int, _ptr, _ptr, _i64, _i64, _i64])
+_PRODUCT_BF16 = CFunction([_ptr, _ptr, _int, _ptr, _ptr, _i64, _i64, _i64])
+# The decoder layer's products (llama_cpu_layers.c), one per type: GGMLQuantizationType -> name.
+_LAYER_PRODUCTS = {8: "gguf_layer_product_q8_0", 2: "gguf_layer_product_q4_0", 3: "gguf_layer_product_q4_1"}
 _LIBRARY = CLibrary(Path(__file__).with_name("cpu_gguf_gemv.c"),
                     "GGUF weights are dequantized with the gguf package for every product",
                     {"gguf_matmul_float": _MATMUL, "gguf_matmul_int8": _MATMUL,
                      "gguf_int8_supported": CFunction([]),
-                     "gguf_dequantize": CFunction([_ptr, _int, _ptr, _i64, _i64, _i64, _ptr, _int])})
+                     "gguf_dequantize": CFunction([_ptr, _int, _ptr, _i64, _i64, _i64, _ptr, _int]),
+                     "gguf_product_bf16": _PRODUCT_BF16, "gguf_tiled_product_bf16": _PRODUCT_BF16,
+                     "gguf_use_tile_gemm": CFunction([_ptr]), "gguf_tiled_min_rows": CFunction([_int]),
+                     **{name: PRODUCT for name in _LAYER_PRODUCTS.values()}},
+                    on_load=lambda lib: lib.gguf_use_tile_gemm(cpu_tile_gemm.kernel_address()))
 
 
 def available() -> bool:
@@ -39,8 +48,10 @@ def _check(x: torch.Tensor, blocks: torch.Tensor) -> None:
     assert blocks.dtype == torch.uint8 and blocks.is_contiguous()
 
 
-def matmul(x: torch.Tensor, blocks: torch.Tensor, quant_type: int, int8_activations: bool) -> torch.Tensor:
-    """x: (M, K) float32 or bf16; blocks: (N, row bytes) of `quant_type` -> (M, N) in x's dtype.
+def matmul(x: torch.Tensor, blocks: torch.Tensor, quant_type: int, int8_activations: bool,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x: (M, K) float32 or bf16; blocks: (N, row bytes) of `quant_type`; bias: (N,) in x's
+    dtype or None -> (M, N) in x's dtype, the bias added to the float32 sums.
 
     `int8_activations` quantizes x per block of 32 to int8 (only where `int8_available()`)."""
     lib = _LIBRARY.get()
@@ -48,11 +59,59 @@ def matmul(x: torch.Tensor, blocks: torch.Tensor, quant_type: int, int8_activati
     _check(x, blocks)
     x = x.contiguous()
     (m, k), n = x.shape, blocks.shape[0]
+    if bias is not None:
+        assert bias.dtype == x.dtype and bias.shape == (n,)
+        bias = bias.contiguous()
     y = x.new_empty(m, n)                                                      # (M, N)
     kernel = lib.gguf_matmul_int8 if int8_activations else lib.gguf_matmul_float
     status = kernel(x.data_ptr(), x.dtype == torch.bfloat16, blocks.data_ptr(), quant_type,
-                    y.data_ptr(), m, n, k)
+                    None if bias is None else bias.data_ptr(), y.data_ptr(), m, n, k)
     assert status == 0, f"gguf matmul failed with status {status}"
+    return y
+
+
+@functools.cache
+def _tiled_available() -> bool:
+    return available() and cpu_tile_gemm.kernel_address() is not None
+
+
+def tiled_fits(n: int) -> bool:
+    """Whether bf16 products of n output rows (K a multiple of 32, as GGUF rows are) take the
+    tiled product (dequantized panels on cpu_tile_gemm.c) from `tiled_min_rows(type)` rows: the
+    tile GEMM is available here and n is a multiple of 16."""
+    return n % 16 == 0 and _tiled_available()
+
+
+@functools.cache
+def tiled_min_rows(quant_type: int) -> int:
+    """Rows of bf16 x from which `product` takes the tiled product for `quant_type`: where it
+    overtakes the int8 product (measured by benchmarks/benchmark_gguf_products.py)."""
+    lib = _LIBRARY.get()
+    assert lib is not None
+    return lib.gguf_tiled_min_rows(quant_type)
+
+
+def product(x: torch.Tensor, blocks: torch.Tensor, quant_type: int, bias: torch.Tensor | None,
+            tiled: bool | None = None) -> torch.Tensor:
+    """The C decoder layer's product for bf16 x: (M, K) bf16, blocks (N, row bytes), bias (N,)
+    bf16 or None -> (M, N) bf16: from `tiled_min_rows(quant_type)` rows where `tiled_fits(N)` the tiled
+    product, else `matmul` with int8 activations where `int8_available()`. `tiled` True takes
+    the tiled product at any row count (where `tiled_fits(N)`), False never (for measuring)."""
+    lib = _LIBRARY.get()
+    assert lib is not None and x.dtype == torch.bfloat16
+    _check(x, blocks)
+    if tiled is False:
+        return matmul(x, blocks, quant_type, int8_available(), bias)
+    x = x.contiguous()
+    (m, k), n = x.shape, blocks.shape[0]
+    if bias is not None:
+        assert bias.dtype == torch.bfloat16 and bias.shape == (n,)
+        bias = bias.contiguous()
+    y = x.new_empty(m, n)                                                      # (M, N)
+    kernel = lib.gguf_tiled_product_bf16 if tiled else lib.gguf_product_bf16
+    status = kernel(x.data_ptr(), blocks.data_ptr(), quant_type, None if bias is None else bias.data_ptr(),
+                    y.data_ptr(), m, n, k)
+    assert status == 0, f"gguf product failed with status {status}"
     return y
 
 
@@ -74,3 +133,10 @@ def dequantize(blocks: torch.Tensor, quant_type: int, k: int, dtype: torch.dtype
         raise IndexError(f"a row id is outside the {blocks.shape[0]} rows of the blocks")
     assert status == 0, f"gguf dequantize failed with status {status}"
     return out
+
+
+def layer_product_address(quant_type: int) -> int | None:
+    """Address of the decoder layer's product on blocks of `quant_type`: `product` (the same
+    choice by rows), in cpu_product.py's calling convention with the weight given as its rows of
+    blocks, for llama_cpu_layers.c; None where unavailable."""
+    return _LIBRARY.address(_LAYER_PRODUCTS[quant_type])

@@ -5,12 +5,16 @@ its data for the blocks, (out rows, row bytes) uint8, marking it with `quant_typ
 of input columns and the dtype it stands in for; a tied lm_head shares the parameter, so it
 reads the embedding's blocks. `Linear.matmul` and `VocabParallelEmbedding` then come here:
 
-  rows <= GEMV_MAX_ROWS  (decodes) one pass over the blocks, dequantized in registers
-                         (cpu_gguf_gemv.c): bf16 x on int8 dot products where the CPU has them,
-                         x quantized per 32-block to int8; otherwise float32 products of the
-                         dequantized weights, as exact as the unquantized float32 path
-  more rows              (prefill chunks, compute bound) the weight dequantized into a
-                         temporary in x's dtype and torch's GEMM, as an unquantized layer
+  bf16 x                 cpu_gguf_gemv.product, the C decoder layers' product too: up to a few
+                         rows (decodes; the count is per type, `tiled_min_rows`) one pass over
+                         the blocks, dequantized in registers, on int8 dot products where the
+                         CPU has them (x quantized per 32-block to int8), else float32 ones;
+                         from there (batched decodes, prefill chunks) each weight dequantized
+                         to bf16 panel by panel into the tile GEMM's layout (cpu_tile_gemm.c)
+  float32 x, <= GEMV_MAX_ROWS  float32 products of the dequantized weights in registers, as
+                         exact as the unquantized float32 path
+  other products         the weight dequantized into a temporary in x's dtype and torch's GEMM
+                         (float32 prefill chunks; bf16 where the tile GEMM cannot run)
   embedding              the looked-up rows dequantized, in the dtype the weight stands in for
 
 Without the C library (no compiler, VLLM_CPU_C_KERNELS=0) the gguf package dequantizes the
@@ -24,12 +28,23 @@ from torch import nn
 from vllm.model_executor.layers.quantization import cpu_gguf_gemv
 from vllm.model_executor.layers.quantization.gguf_blocks import GGUFBlocks, type_name
 
-# A fixed cut-over between the two products; choosing it per shape from timings is still to do.
+# Rows up to which the weight-stationary products serve where no tiled product runs (float32 x,
+# or no tile GEMM here): past it, dequantizing the weight once beats unpacking it once per row.
 GEMV_MAX_ROWS = 16
 
 
 def is_quantized(param: torch.Tensor) -> bool:
+    """Whether `param` holds GGUF blocks; layers read it once, after loading (`mark_quantized`)."""
     return getattr(param, "quant_type", None) is not None
+
+
+def mark_quantized(model: nn.Module) -> None:
+    """Sets `quantized` on every layer that declares it (Linear, VocabParallelEmbedding) to
+    whether its weight holds GGUF blocks, so that their forward tests a flag. Call once the
+    weights are loaded."""
+    for module in model.modules():
+        if hasattr(module, "quantized"):
+            module.quantized = is_quantized(module.weight)
 
 
 def load_blocks(param: nn.Parameter, blocks: GGUFBlocks) -> torch.Tensor:
@@ -62,38 +77,43 @@ def dequantize(weight: nn.Parameter, dtype: torch.dtype, rows: torch.Tensor | No
     return torch.from_numpy(dense).to(dtype)
 
 
-def _matmul(x: torch.Tensor, blocks: torch.Tensor, quant_type: int, in_features: int) -> torch.Tensor:
-    """x: (T, in) float32 or bf16, blocks: (out, row bytes) -> (T, out) in x's dtype."""
-    if x.shape[0] <= GEMV_MAX_ROWS and cpu_gguf_gemv.available():
-        int8 = x.dtype == torch.bfloat16 and cpu_gguf_gemv.int8_available()
-        return cpu_gguf_gemv.matmul(x, blocks, quant_type, int8_activations=int8)
+def _matmul(x: torch.Tensor, blocks: torch.Tensor, quant_type: int, in_features: int,
+            bias: torch.Tensor | None) -> torch.Tensor:
+    """x: (T, in) float32 or bf16, blocks: (out, row bytes), bias: (out,) or None -> (T, out) in
+    x's dtype; the bias is added to the float32 sums, as the C decoder layers add it."""
+    rows = x.shape[0]
+    small = rows <= GEMV_MAX_ROWS and cpu_gguf_gemv.available()
+    if x.dtype == torch.bfloat16 and (small or cpu_gguf_gemv.tiled_fits(blocks.shape[0])):
+        return cpu_gguf_gemv.product(x, blocks, quant_type, bias)  # the C decoder layers' product
+    if small:
+        return cpu_gguf_gemv.matmul(x, blocks, quant_type, int8_activations=False, bias=bias)
     if cpu_gguf_gemv.available():
         dense = cpu_gguf_gemv.dequantize(blocks, quant_type, in_features, x.dtype)   # (out, in)
     else:
         from gguf import GGMLQuantizationType, quants
 
         dense = torch.from_numpy(quants.dequantize(blocks.numpy(), GGMLQuantizationType(quant_type))).to(x.dtype)
-    return F.linear(x, dense)
+    return F.linear(x, dense, bias)
 
 
 @torch.library.custom_op("vllm::gguf_linear", mutates_args=())
-def gguf_linear_op(x: torch.Tensor, blocks: torch.Tensor, quant_type: int, in_features: int) -> torch.Tensor:
+def gguf_linear_op(x: torch.Tensor, blocks: torch.Tensor, quant_type: int, in_features: int,
+                   bias: torch.Tensor | None) -> torch.Tensor:
     """x: (T, in), blocks: (out, row bytes) of `quant_type` -> (T, out), for captured graphs."""
-    return _matmul(x, blocks, quant_type, in_features)
+    return _matmul(x, blocks, quant_type, in_features, bias)
 
 
 @gguf_linear_op.register_fake
-def _(x: torch.Tensor, blocks: torch.Tensor, quant_type: int, in_features: int) -> torch.Tensor:
+def _(x: torch.Tensor, blocks: torch.Tensor, quant_type: int, in_features: int,
+      bias: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty(x.shape[0], blocks.shape[0])
 
 
 def linear(x: torch.Tensor, weight: nn.Parameter, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ weight^T (+ bias) for a weight of GGUF blocks: (T, in) -> (T, out)."""
+    """x @ weight^T + bias for a weight of GGUF blocks: (T, in) -> (T, out)."""
     if torch.compiler.is_compiling():
-        y = gguf_linear_op(x, weight.data, weight.quant_type, weight.in_features)
-    else:
-        y = _matmul(x, weight.data, weight.quant_type, weight.in_features)      # (T, out)
-    return y if bias is None else y + bias
+        return gguf_linear_op(x, weight.data, weight.quant_type, weight.in_features, bias)
+    return _matmul(x, weight.data, weight.quant_type, weight.in_features, bias)   # (T, out)
 
 
 @torch.library.custom_op("vllm::gguf_embedding", mutates_args=())

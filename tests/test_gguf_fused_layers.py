@@ -1,0 +1,193 @@
+"""The C decoder layers (llama_cpu_layers.c) on weights kept in GGUF blocks against the op-by-op
+layers on the same blocks, for each GGUF type; and the layers' product entry points against
+cpu_gguf_gemv.matmul."""
+
+import ctypes
+import os
+import platform
+import random
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from tests.test_fused_layers import _assert_fused_matches_op_by_op
+from tests.utils import build_tiny_checkpoint, random_prompts
+from vllm import LLM, SamplingParams
+from vllm.model_executor.layers.linear import PACKED_MAX_ROWS, Linear
+from vllm.model_executor.layers.quantization import cpu_gguf_gemv, gguf_linear
+from vllm.model_executor.layers.quantization.gguf_blocks import GGUFBlocks
+from vllm.model_executor.models.llama_cpu_layers import FusedLayers
+from vllm.platforms.cpu import cpu_flags
+
+gguf = pytest.importorskip("gguf")
+
+TYPES = {"Q8_0": 8, "Q4_0": 2, "Q4_1": 3}
+BLOCK = 16
+
+
+def _product(quant_type: int, x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The C layer's product for `quant_type`, called through its address as the layer calls it."""
+    address = cpu_gguf_gemv.layer_product_address(quant_type)
+    assert address is not None
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    kernel = ctypes.CFUNCTYPE(ctypes.c_int, p, p, p, p, i64, i64, i64)(address)
+    (m, k), n = x.shape, blocks.shape[0]
+    y = x.new_empty(m, n)
+    assert kernel(x.data_ptr(), blocks.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
+                  m, n, k) == 0
+    return y
+
+
+@pytest.mark.skipif(not cpu_gguf_gemv.available(), reason="the GGUF kernels need a C compiler")
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("m,n,k", [(1, 7, 64), (3, 33, 160), (5, 64, 576), (16, 64, 576)])
+@pytest.mark.parametrize("name", TYPES)
+def test_layer_product_is_the_op_by_op_product(name, m, n, k, with_bias):
+    """The layer's entry point for a type is `product` on that type: below tiled_min_rows (or
+    where the tiled product does not run) that is matmul on bf16 x, int8 activations where the
+    ISA has them, the bias added to the float32 sums before the one rounding to bf16."""
+    rng = np.random.default_rng(m + n + k)
+    data = gguf.quants.quantize(rng.standard_normal((n, k)).astype(np.float32), gguf.GGMLQuantizationType(TYPES[name]))
+    blocks = torch.from_numpy(np.ascontiguousarray(data))
+    x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32)).bfloat16()
+    bias = torch.from_numpy(rng.standard_normal(n).astype(np.float32)).bfloat16() if with_bias else None
+    got = _product(TYPES[name], x, blocks, bias)
+    assert torch.equal(got, cpu_gguf_gemv.product(x, blocks, TYPES[name], bias))
+    if m < cpu_gguf_gemv.tiled_min_rows(TYPES[name]) or not cpu_gguf_gemv.tiled_fits(n):
+        assert torch.equal(got, cpu_gguf_gemv.matmul(x, blocks, TYPES[name], cpu_gguf_gemv.int8_available(), bias))
+    if with_bias:  # and the bias did something
+        assert not torch.equal(got, cpu_gguf_gemv.product(x, blocks, TYPES[name], None))
+
+
+@pytest.mark.skipif(not cpu_gguf_gemv.tiled_fits(64), reason="no tile GEMM here")
+@pytest.mark.parametrize("m,n,k", [(1, 16, 64), (9, 48, 160), (40, 1040, 576)])
+@pytest.mark.parametrize("name", TYPES)
+def test_tiled_product_is_bf16_dequantize_then_matmul(name, m, n, k):
+    """The tiled product (from tiled_min_rows rows): the weights dequantized to bf16 (nearest
+    even), their float32 products with x and the bias, rounded to bf16 once; 1040 rows are more
+    than one panel."""
+    rng = np.random.default_rng(m + n + k)
+    data = gguf.quants.quantize(rng.standard_normal((n, k)).astype(np.float32), gguf.GGMLQuantizationType(TYPES[name]))
+    blocks = torch.from_numpy(np.ascontiguousarray(data))
+    x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32)).bfloat16()
+    bias = torch.from_numpy(rng.standard_normal(n).astype(np.float32)).bfloat16()
+    got = cpu_gguf_gemv.product(x, blocks, TYPES[name], bias, tiled=True).double()
+    dense = cpu_gguf_gemv.dequantize(blocks, TYPES[name], k, torch.bfloat16).double()      # (n, k)
+    want = x.double() @ dense.T + bias.double()
+    bound = (k + 32) * 2.0 ** -24 * (x.double().abs() @ dense.abs().T) + want.abs() * 2.0 ** -8
+    assert torch.all((got - want).abs() <= bound)
+
+
+needs_fused_layers = pytest.mark.skipif("avx512_bf16" not in cpu_flags(),
+                                        reason="the C layers' attention kernels need AVX512-BF16")
+
+
+def _quantize_in_place(model: torch.nn.Module, quant_type: int, dense: dict[str, torch.Tensor],
+                       cache: dict[tuple[str, int], GGUFBlocks]) -> None:
+    """Every product weight, the embedding and the lm_head of `model` become GGUF blocks of
+    `quant_type` made from `dense` (name -> the bf16 weight as loaded; blocks kept in `cache`)."""
+    params = dict(model.named_parameters())
+    for name, weight in dense.items():
+        if (name, quant_type) not in cache:
+            data = gguf.quants.quantize(weight.float().numpy(), gguf.GGMLQuantizationType(quant_type))
+            cache[name, quant_type] = GGUFBlocks(torch.from_numpy(np.ascontiguousarray(data)), quant_type,
+                                                 weight.shape[1])
+        param = params[name]
+        param.data = weight.clone()  # dense again, then blocks of this type
+        for attr in ("quant_type", "in_features", "dense_dtype"):
+            if hasattr(param, attr):
+                delattr(param, attr)
+        rows = gguf_linear.load_blocks(param, cache[name, quant_type])  # param.data: (rows, row bytes) uint8
+        param.data.copy_(rows)
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.packed, module.tiled = False, None  # the bf16 copies no longer stand for the weight
+    gguf_linear.mark_quantized(model)
+
+
+@pytest.fixture(scope="module")
+def quantizable_llm(request, tokenizer_dir, tmp_path_factory):
+    """A bf16 tiny model (head_dim 64, so prefill chunks take the C prefill kernel; Qwen2 with
+    q/k/v biases and a tied lm_head) and its weights as loaded, to quantize per test."""
+    if "avx512_bf16" not in cpu_flags():
+        pytest.skip("the C layers' attention kernels need AVX512-BF16")
+    path = build_tiny_checkpoint(request.param, str(tmp_path_factory.mktemp(request.param)), tokenizer_dir,
+                                 hidden_size=256)
+    llm = LLM(path, dtype="bfloat16", max_model_len=512, block_size=BLOCK, num_gpu_blocks_override=512,
+              enforce_eager=True, enable_chunked_prefill=True, max_num_batched_tokens=64)
+    model = llm.llm_engine.runner.model
+    dense = {name: p.detach().clone() for name, p in model.named_parameters()
+             if p.dim() == 2 and (name.endswith("proj.weight") or "embed" in name or "lm_head" in name)}
+    return llm, dense, {}
+
+
+def _quantized(quantizable_llm, name: str) -> LLM:
+    """The fixture's engine with its weights in blocks of GGUF type `name`, C layers rebuilt."""
+    llm, dense, cache = quantizable_llm
+    runner = llm.llm_engine.runner
+    _quantize_in_place(runner.model, TYPES[name], dense, cache)
+    fused = FusedLayers.build(runner.model.model)
+    assert fused is not None and fused.max_tokens == PACKED_MAX_ROWS
+    runner.attn_backend.fused_layers = runner.model.model.fused_layers = fused
+    assert llm.reset_prefix_cache()
+    return llm
+
+
+@needs_fused_layers
+@pytest.mark.skipif(not cpu_gguf_gemv.available(), reason="the GGUF kernels need a C compiler")
+@pytest.mark.parametrize("contexts,chunks", [([37], []), ([5, 200, 16], []), ([11 * i % 170 for i in range(16)], []),
+                                             ([130, 3], [(1, 0), (2, 200)]), ([7], [(100, 30)])])
+@pytest.mark.parametrize("quantizable_llm,name", [("llama", "Q8_0"), ("llama", "Q4_0"), ("llama", "Q4_1"),
+                                                  ("qwen2", "Q4_1")], indirect=["quantizable_llm"])
+def test_quantized_steps_match_op_by_op(quantizable_llm, name, contexts, chunks):
+    """Same hidden states and cache writes from the C layers and the op-by-op layers on the
+    same blocks (each type on Llama; Qwen2's q/k/v biases on Q4_1), for 1-16 decodes and prefill chunks with and without decodes: products of 1-3
+    rows on the int8 (or float32) product, 16 and 101 rows on the tiled one where it runs."""
+    runner = _quantized(quantizable_llm, name).llm_engine.runner
+    assert runner.model.model.layers[0].mlp.down_proj.weight.dtype == torch.uint8
+    _assert_fused_matches_op_by_op(runner, contexts, chunks, random.Random(len(contexts) + 7 * len(chunks)))
+
+
+@needs_fused_layers
+@pytest.mark.skipif(not cpu_gguf_gemv.available(), reason="the GGUF kernels need a C compiler")
+@pytest.mark.parametrize("quantizable_llm", ["llama", "qwen2"], indirect=True)
+def test_quantized_engine_decodes_through_fused_layers(quantizable_llm):
+    """Greedy chunked generations of 9 prompts (steps of up to 64 tokens, all of which the C
+    layers take) on Q4_1 blocks (the default model's type; the step tests cover the others),
+    with the op-by-op path's tokens."""
+    llm = _quantized(quantizable_llm, "Q4_1")
+    runner = llm.llm_engine.runner
+    fused = runner.attn_backend.fused_layers
+    prompts = [{"prompt_token_ids": p} for p in random_prompts([3, 40, 17, 90, 8, 61, 5, 70, 30], seed=5)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outputs = []
+    for use_fused in (False, True):
+        runner.attn_backend.fused_layers = runner.model.model.fused_layers = fused if use_fused else None
+        assert llm.reset_prefix_cache()
+        before = runner.graph_stats.eager_steps
+        outputs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+        assert (runner.graph_stats.eager_steps > before) == use_fused
+    assert outputs[0] == outputs[1]
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64" or shutil.which("cc") is None, reason="builds for x86-64-v3")
+def test_avx2_only_build_falls_back_to_the_float_product(tmp_path):
+    """Built as for an AVX2-only CPU (a compiler wrapper appending -march=x86-64-v3): no int8
+    product and no tile GEMM, so the layers' entry points are the float32 product at every row
+    count, and this file's product tests pass there."""
+    wrapper = tmp_path / "cc_avx2"
+    wrapper.write_text(f'#!/bin/sh\nexec {shutil.which("cc")} "$@" -march=x86-64-v3 -mtune=generic\n')
+    wrapper.chmod(0o755)
+    env = dict(os.environ, CC=str(wrapper), VLLM_CACHE_ROOT=str(tmp_path / "kernels"), VLLM_CPU_C_KERNELS="1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    probe = subprocess.run([sys.executable, "-c", "from vllm.model_executor.layers.quantization import "
+                            "cpu_gguf_gemv as g; print(g.available(), g.int8_available(), g.tiled_fits(64))"],
+                           cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert probe.stdout.split() == ["True", "False", "False"], probe.stderr[-2000:]
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+                          "-k", "test_layer_product"], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and " passed" in run.stdout, run.stdout[-3000:]
