@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from tests.utils import build_tiny_checkpoint, on_tile_gemm_copy, random_prompts
+from tests.utils import build_tiny_checkpoint, on_tile_gemm_copy, random_prompts, tokens_op_by_op_then_fused
 from vllm import LLM, SamplingParams
 from vllm.attention.backends.abstract import SeqSpan
 from vllm.attention.backends.cpu_metadata import build_attention_metadata
@@ -101,19 +101,11 @@ def test_eager_steps_match_op_by_op(bf16_llm, contexts, tile_copy):
 def test_engine_decodes_through_fused_layers(bf16_llm):
     """Whole generations of 2 and 9 prompts: their decode steps take the C layers, and the tokens
     are those of the op-by-op path (the tiny models' logits are far from ties)."""
-    runner = bf16_llm.llm_engine.runner
-    fused = runner.attn_backend.fused_layers
     prompts = [{"prompt_token_ids": p} for p in random_prompts([3, 40, 17, 90, 8, 61, 5, 70, 30], seed=5)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    outputs = []
-    for use_fused in (False, True):
-        runner.attn_backend.fused_layers = runner.model.model.fused_layers = fused if use_fused else None
-        # Both runs compute the same chunks: none finds the other's prompts in the prefix cache.
-        assert bf16_llm.reset_prefix_cache()
-        before = runner.graph_stats.eager_steps
-        outputs.append([o.outputs[0].token_ids for o in bf16_llm.generate(prompts[:2], params, use_tqdm=False)
-                        + bf16_llm.generate(prompts, params, use_tqdm=False)])
-        assert (runner.graph_stats.eager_steps > before) == use_fused
+    outputs = tokens_op_by_op_then_fused(
+        bf16_llm, lambda: [o.outputs[0].token_ids for o in bf16_llm.generate(prompts[:2], params, use_tqdm=False)
+                           + bf16_llm.generate(prompts, params, use_tqdm=False)])
     assert outputs[0] == outputs[1]
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.test_fused_layers import _assert_fused_matches_op_by_op
-from tests.utils import build_tiny_checkpoint, random_prompts
+from tests.utils import avx2_only_env, build_tiny_checkpoint, random_prompts, tokens_op_by_op_then_fused
 from vllm import LLM, SamplingParams
 from vllm.model_executor.layers.linear import PACKED_MAX_ROWS, Linear
 from vllm.model_executor.layers.quantization import cpu_gguf_gemv, gguf_linear
@@ -160,17 +160,10 @@ def test_quantized_engine_decodes_through_fused_layers(quantizable_llm):
     layers take) on Q4_1 blocks (the default model's type; the step tests cover the others),
     with the op-by-op path's tokens."""
     llm = _quantized(quantizable_llm, "Q4_1")
-    runner = llm.llm_engine.runner
-    fused = runner.attn_backend.fused_layers
     prompts = [{"prompt_token_ids": p} for p in random_prompts([3, 40, 17, 90, 8, 61, 5, 70, 30], seed=5)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    outputs = []
-    for use_fused in (False, True):
-        runner.attn_backend.fused_layers = runner.model.model.fused_layers = fused if use_fused else None
-        assert llm.reset_prefix_cache()
-        before = runner.graph_stats.eager_steps
-        outputs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
-        assert (runner.graph_stats.eager_steps > before) == use_fused
+    outputs = tokens_op_by_op_then_fused(
+        llm, lambda: [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
     assert outputs[0] == outputs[1]
 
 
@@ -179,10 +172,7 @@ def test_avx2_only_build_falls_back_to_the_float_product(tmp_path):
     """Built as for an AVX2-only CPU (a compiler wrapper appending -march=x86-64-v3): no int8
     product and no tile GEMM, so the layers' entry points are the float32 product at every row
     count, and this file's product tests pass there."""
-    wrapper = tmp_path / "cc_avx2"
-    wrapper.write_text(f'#!/bin/sh\nexec {shutil.which("cc")} "$@" -march=x86-64-v3 -mtune=generic\n')
-    wrapper.chmod(0o755)
-    env = dict(os.environ, CC=str(wrapper), VLLM_CACHE_ROOT=str(tmp_path / "kernels"), VLLM_CPU_C_KERNELS="1")
+    env = avx2_only_env(tmp_path)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     probe = subprocess.run([sys.executable, "-c", "from vllm.model_executor.layers.quantization import "
                             "cpu_gguf_gemv as g; print(g.available(), g.int8_available(), g.tiled_fits(64))"],

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.utils import avx2_only_env
 from vllm.model_executor.layers.quantization import cpu_gguf_gemv
 from vllm.model_executor.layers.quantization.gguf_blocks import BLOCK_SIZE, row_bytes
 from vllm.platforms.cpu import cpu_flags
@@ -119,10 +120,7 @@ def test_int8_product_is_where_the_isa_has_it():
 def test_avx2_only_build_has_the_portable_float_product(tmp_path):
     """Built as for an AVX2-only CPU (a compiler wrapper appending -march=x86-64-v3): no int8
     product, and the portable float32 product passes this file's float tests."""
-    wrapper = tmp_path / "cc_avx2"
-    wrapper.write_text(f'#!/bin/sh\nexec {shutil.which("cc")} "$@" -march=x86-64-v3 -mtune=generic\n')
-    wrapper.chmod(0o755)
-    env = dict(os.environ, CC=str(wrapper), VLLM_CACHE_ROOT=str(tmp_path / "kernels"), VLLM_CPU_C_KERNELS="1")
+    env = avx2_only_env(tmp_path)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     probe = subprocess.run([sys.executable, "-c", "from vllm.model_executor.layers.quantization import "
                             "cpu_gguf_gemv as g; print(g.available(), g.int8_available())"],

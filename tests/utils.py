@@ -103,3 +103,30 @@ def on_tile_gemm_copy(copy: str):
         yield copy
     finally:
         cpu_tile_gemm.use_amx(True)
+
+
+def avx2_only_env(tmp_path) -> dict[str, str]:
+    """Environment that builds the C kernels as for an AVX2-only CPU (a compiler wrapper that
+    appends -march=x86-64-v3), into their own cache under `tmp_path`."""
+    wrapper = tmp_path / "cc_avx2"
+    wrapper.write_text(f'#!/bin/sh\nexec {shutil.which("cc")} "$@" -march=x86-64-v3 -mtune=generic\n')
+    wrapper.chmod(0o755)
+    return dict(os.environ, CC=str(wrapper), VLLM_CACHE_ROOT=str(tmp_path / "kernels"), VLLM_CPU_C_KERNELS="1")
+
+
+def tokens_op_by_op_then_fused(llm, generate) -> list:
+    """`generate()`'s result run op by op, then on `llm`'s C decoder layers, each from an empty
+    prefix cache (both compute the same chunks); asserts that only the second takes the C layers."""
+    runner = llm.llm_engine.runner
+    fused = runner.attn_backend.fused_layers
+    results = []
+    try:
+        for use_fused in (False, True):
+            runner.attn_backend.fused_layers = runner.model.model.fused_layers = fused if use_fused else None
+            assert llm.reset_prefix_cache()
+            before = runner.graph_stats.eager_steps
+            results.append(generate())
+            assert (runner.graph_stats.eager_steps > before) == use_fused
+    finally:
+        runner.attn_backend.fused_layers = runner.model.model.fused_layers = fused
+    return results

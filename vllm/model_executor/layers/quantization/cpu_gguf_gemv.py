@@ -43,9 +43,16 @@ def int8_available() -> bool:
     return lib is not None and lib.gguf_int8_supported() == 1
 
 
-def _check(x: torch.Tensor, blocks: torch.Tensor) -> None:
+def _operands(x: torch.Tensor, blocks: torch.Tensor,
+              bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Checks a product's operands: x (M, K) float32 or bf16, blocks (N, row bytes), bias (N,) in
+    x's dtype or None. Returns x and bias contiguous, and y (M, N) in x's dtype to write."""
     assert x.dtype in (torch.float32, torch.bfloat16) and x.dim() == 2
     assert blocks.dtype == torch.uint8 and blocks.is_contiguous()
+    if bias is not None:
+        assert bias.dtype == x.dtype and bias.shape == (blocks.shape[0],)
+        bias = bias.contiguous()
+    return x.contiguous(), bias, x.new_empty(x.shape[0], blocks.shape[0])        # y: (M, N)
 
 
 def matmul(x: torch.Tensor, blocks: torch.Tensor, quant_type: int, int8_activations: bool,
@@ -56,13 +63,8 @@ def matmul(x: torch.Tensor, blocks: torch.Tensor, quant_type: int, int8_activati
     `int8_activations` quantizes x per block of 32 to int8 (only where `int8_available()`)."""
     lib = _LIBRARY.get()
     assert lib is not None and (not int8_activations or int8_available())
-    _check(x, blocks)
-    x = x.contiguous()
+    x, bias, y = _operands(x, blocks, bias)
     (m, k), n = x.shape, blocks.shape[0]
-    if bias is not None:
-        assert bias.dtype == x.dtype and bias.shape == (n,)
-        bias = bias.contiguous()
-    y = x.new_empty(m, n)                                                      # (M, N)
     kernel = lib.gguf_matmul_int8 if int8_activations else lib.gguf_matmul_float
     status = kernel(x.data_ptr(), x.dtype == torch.bfloat16, blocks.data_ptr(), quant_type,
                     None if bias is None else bias.data_ptr(), y.data_ptr(), m, n, k)
@@ -99,15 +101,10 @@ def product(x: torch.Tensor, blocks: torch.Tensor, quant_type: int, bias: torch.
     the tiled product at any row count (where `tiled_fits(N)`), False never (for measuring)."""
     lib = _LIBRARY.get()
     assert lib is not None and x.dtype == torch.bfloat16
-    _check(x, blocks)
     if tiled is False:
         return matmul(x, blocks, quant_type, int8_available(), bias)
-    x = x.contiguous()
+    x, bias, y = _operands(x, blocks, bias)
     (m, k), n = x.shape, blocks.shape[0]
-    if bias is not None:
-        assert bias.dtype == torch.bfloat16 and bias.shape == (n,)
-        bias = bias.contiguous()
-    y = x.new_empty(m, n)                                                      # (M, N)
     kernel = lib.gguf_tiled_product_bf16 if tiled else lib.gguf_product_bf16
     status = kernel(x.data_ptr(), blocks.data_ptr(), quant_type, None if bias is None else bias.data_ptr(),
                     y.data_ptr(), m, n, k)
