@@ -140,39 +140,52 @@ class StepBudget:
 
 def latency_budget(model: StepTimeModel, target_seconds: float, *, decode_pairs: int,
                    num_decodes: int, prefill_context: int, sizes: Sequence[int],
-                   max_num_batched_tokens: int) -> StepBudget:
-    """The largest step whose predicted time, times the model's tail factor, is within
-    `target_seconds`: the decodes plus one prefill chunk of the rest after `prefill_context`
-    cached tokens (several chunks with less context attend fewer pairs, so this bounds them).
+                   max_num_batched_tokens: int, min_prefill_tokens: int = 0) -> StepBudget:
+    """The token budget of a step holding `num_decodes` decodes and one prefill chunk of the
+    rest after `prefill_context` cached tokens (several chunks with less context attend fewer
+    pairs, so this bounds them). The target is on the gaps between a request's tokens, so only
+    the decodes wait on the step:
+
+    - without decodes nobody waits: the whole `max_num_batched_tokens`;
+    - else the largest step whose predicted time, times the model's tail factor, is within
+      `target_seconds`, with at least `min_prefill_tokens` (the waiting prompts' drain rate)
+      and MIN_PREFILL_CHUNK prefill tokens;
+    - and when even that smallest step is over the target, its decodes miss it whatever the
+      chunk: the whole `max_num_batched_tokens`, so that the prompts finish in as few such
+      steps as possible (the target being a percentile over tokens, each miss counts once
+      per decode, however long).
 
     With `sizes` (the warmed token buckets, ascending) the step is one of them: the chunk then
-    fills its bucket, with no padding. Without, any count. Never above `max_num_batched_tokens`;
-    at least `MIN_PREFILL_CHUNK` prefill tokens (or the budget's end) even over the target.
+    fills its bucket, with no padding. Without, any count. Never above `max_num_batched_tokens`.
     """
     def predict(total: int) -> float:
         chunk = total - num_decodes
         return model.predict(StepShape(padded_size(sizes, total),
                                        decode_pairs + attended_pairs([(chunk, prefill_context)])))
 
+    def chosen(total: int) -> StepBudget:
+        return StepBudget(total, predict(total))
+
+    if num_decodes == 0:
+        return chosen(max_num_batched_tokens)
     target_seconds /= model.tail_factor  # the slow steps, not the average one, within target
 
-    floor = min(num_decodes + MIN_PREFILL_CHUNK, max_num_batched_tokens)
+    floor = min(num_decodes + max(MIN_PREFILL_CHUNK, min_prefill_tokens), max_num_batched_tokens)
     if sizes:
         candidates = [s for s in sizes if s <= max_num_batched_tokens]
         if not candidates or candidates[-1] < max_num_batched_tokens:
             candidates.append(max_num_batched_tokens)
         smallest = next(s for s in candidates if s >= floor)
         fitting = [s for s in candidates if s >= smallest and predict(s) <= target_seconds]
-        total = fitting[-1] if fitting else smallest
-        return StepBudget(total, predict(total))
+        return chosen(fitting[-1] if fitting else max_num_batched_tokens)
     # Any count: the prediction grows with it, so bisect for the largest within target.
     lo, hi = floor, max_num_batched_tokens
     if predict(lo) > target_seconds:
-        return StepBudget(lo, predict(lo))
+        return chosen(max_num_batched_tokens)
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if predict(mid) <= target_seconds:
             lo = mid
         else:
             hi = mid - 1
-    return StepBudget(lo, predict(lo))
+    return chosen(lo)
