@@ -52,6 +52,40 @@ def test_the_fit_never_goes_negative():
     assert model.predict(StepShape(512, 10**6)) >= model.predict(StepShape(16, 0)) > 0
 
 
+def test_the_fit_weighs_small_steps_as_much_as_large_ones():
+    # A fixed cost and a slope that grows a little at large sizes: fitted on absolute errors the
+    # largest buckets would set the line and miss a small step's time by half.
+    sizes = [16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048]
+
+    def truth(n: int) -> float:
+        return 0.020 + 5e-4 * n + 1.5e-7 * n * n
+
+    model = StepTimeModel()
+    model.fit_warmup([(StepShape(n, 0), truth(n)) for n in sizes])
+    for n in (16, 32, 64):
+        assert model.predict(StepShape(n, 0)) == pytest.approx(truth(n), rel=0.1)
+
+
+def test_a_steps_cost_beyond_its_forward_pass_is_fitted_apart():
+    # The warm-up times forward passes alone; the engine's steps cost 30 ms more. The overhead
+    # takes the difference, the slope stays the warm-up's, and the tail factor, read against the
+    # current fit, does not keep the misses of the first steps after warm-up.
+    model = StepTimeModel()
+    model.fit_warmup([(StepShape(n, 0), 6e-4 * n) for n in (16, 64, 256, 1024, 2048)])
+    rng = np.random.default_rng(0)
+    first = None
+    for _ in range(100):
+        shape = StepShape(int(rng.integers(1, 64)), 0)
+        seconds = 0.030 + 6e-4 * shape.num_tokens
+        first = first or seconds / model.predict(shape)
+        model.observe(shape, seconds)
+    assert first > 1.8  # the warm-up fit alone misses a small step by far
+    assert model.overhead == pytest.approx(0.030, rel=1e-3)
+    assert model.coefficients[1] == pytest.approx(6e-4, rel=1e-3)
+    assert model.tail_factor == pytest.approx(1.0)
+    assert model.predict(StepShape(2048, 0)) == pytest.approx(0.030 + 6e-4 * 2048, rel=1e-3)
+
+
 def test_the_recent_window_follows_a_change():
     model = StepTimeModel(window=20)
     for t in range(1, 41):
@@ -76,7 +110,7 @@ def test_the_tail_factor_is_the_slow_steps_over_their_prediction():
     fast = StepTimeModel()
     fast.fit_warmup([(StepShape(t, 0), 1e-3 + 1e-5 * t) for t in (16, 64, 256, 512)])
     for shape in shapes:
-        fast.observe(shape, 0.5 * fast.predict(shape))
+        fast.observe(shape, 0.5 * (1e-3 + 1e-5 * shape.num_tokens))
     assert fast.tail_factor == 1.0
 
 

@@ -292,10 +292,11 @@ class Scheduler:
         if chosen is not None:
             budget = min(budget, chosen.num_tokens - len(decodes))
         prefills = self._schedule_prefills(budget, scheduled_ids, preempted)
-        return SchedulerOutput(decodes + prefills, num_decodes=len(decodes),
-                               preempted_request_ids=preempted,
-                               token_budget=None if chosen is None else chosen.num_tokens,
-                               predicted_seconds=None if chosen is None else chosen.predicted_seconds)
+        out = SchedulerOutput(decodes + prefills, num_decodes=len(decodes), preempted_request_ids=preempted)
+        if chosen is not None:  # the prediction of the step as scheduled, which its measured time answers
+            out.token_budget = chosen.num_tokens
+            out.predicted_seconds = self.step_time_model.predict(self.step_shape(out))
+        return out
 
     def _latency_budget(self, decodes: list[ScheduledSequence]) -> StepBudget | None:
         """The step's token budget under `max_step_latency_ms`, when a prompt waits or is
