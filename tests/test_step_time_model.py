@@ -97,7 +97,7 @@ def test_the_tail_factor_is_the_slow_steps_over_their_prediction():
     model = StepTimeModel()
     model.fit_warmup([(StepShape(t, 0), 1e-3 + 1e-5 * t) for t in (16, 64, 256, 512)])
     assert model.tail_factor == 1.0
-    # Every tenth step runs 1.5x its prediction, the others as predicted: the 95th percentile
+    # Every tenth step runs 1.5x its prediction, the others as predicted: the 99th percentile
     # of the ratios is a slow step's.
     shapes = [StepShape(16 * (1 + i % 32), 0) for i in range(100)]
     for i, shape in enumerate(shapes[:MIN_TAIL_SAMPLES - 1]):
