@@ -96,6 +96,8 @@ GOODPUT_KEYS = ("ttft", "tpot", "e2el")
 # tail after its last arrival.
 ESTIMATED_STARTUP_S = 25.0
 ESTIMATED_DRAIN_S = 8.0
+# A capacity probe is cut short this long past its last arrival and --ttft-slo-ms.
+PROBE_DRAIN_S = 30.0
 METRICS = (("ttft", "TTFT", "Time to First Token"),
            ("tpot", "TPOT", "Time per Output Token (excl. 1st token)"),
            ("itl", "ITL", "Inter-token Latency"),
@@ -400,9 +402,6 @@ def probe_timeout(args: argparse.Namespace, offsets: list[float]) -> float:
     return offsets[-1] + args.ttft_slo_ms / 1000 + PROBE_DRAIN_S
 
 
-PROBE_DRAIN_S = 30.0
-
-
 def capacity_search(base_url, workload_at, args, slos, spec: serving_capacity.ServerSpec) -> dict:
     """The server's capacity at each of its targets, on the rate grid all servers share;
     `workload_at(rate)` is the (workload, unit gaps) a probe at `rate` sends (the same on every
@@ -540,11 +539,12 @@ def main(args: argparse.Namespace, extra_flags: list[str]) -> dict:
     intervals = unit_intervals(len(workload), args.burstiness, args.seed)
     kinds = sorted({r["kind"] for r in workload})
     counts = ", ".join(f"{k}: {sum(1 for r in workload if r['kind'] == k)}" for k in kinds)
-    print(f"Workload: {len(workload)} requests ({counts}), "
-          f"{sum(r['prompt_len'] for r in workload)} prompt tokens, "
-          f"{sum(r['output_len'] for r in workload)} output tokens")
+    if not args.capacity_search:  # whose probes send workloads of their own (printed below)
+        print(f"Workload: {len(workload)} requests ({counts}), "
+              f"{sum(r['prompt_len'] for r in workload)} prompt tokens, "
+              f"{sum(r['output_len'] for r in workload)} output tokens")
+        print(f"Traffic request rate: {args.request_rate}")
     distribution = "Poisson process" if args.burstiness == 1.0 else "Gamma distribution"
-    print(f"Traffic request rate: {args.request_rate}")
     print(f"Burstiness factor: {args.burstiness} ({distribution})")
     print(f"Maximum request concurrency: {args.max_concurrency}")
 
