@@ -433,6 +433,24 @@ def test_serving_helpers():
 
     work = [{"prompt_token_ids": [5] * 30, "prompt_len": 30, "output_len": 3, "kind": "long"},
             {"prompt_token_ids": [7, 8], "prompt_len": 2, "output_len": 1, "kind": "dataset"}]
+    # Capacity probes: rate x --probe-seconds requests, at least --probe-min-prompts, a quarter
+    # of them long by default; each rate's prompts its own; cut short past the TTFT bound.
+    parser = bs.make_parser()
+    args = parser.parse_args(["--capacity-search", "--itl-slo-ms", "50"])
+    bs.check_args(parser, args, [])
+    assert (bs.probe_size(args, 0.25), bs.probe_size(args, 2.0)) == (16, 48) and args.long_fraction == 0.25
+    grid, start = bs.capacity_grid(args)
+    assert grid[0] == 0.25 and grid[-1] == 16 and grid[start] == 1.0 and len(grid) == 13
+    lengths = {"short_input_len": (3, 5), "long_input_len": (20, 30), "output_len_range": (2, 4)}
+    vars(args).update(lengths)
+    probe, gaps = bs.probe_workload(args, Tokenizer(), start, 1.0, chat=False)
+    assert len(probe) == len(gaps) == 24 and sum(w["kind"] == "long" for w in probe) == 6
+    other, _ = bs.probe_workload(args, Tokenizer(), start + 1, 1.414, chat=False)
+    assert other[0]["prompt_token_ids"] != probe[0]["prompt_token_ids"]
+    assert bs.probe_timeout(args, [0.0, 20.0]) == 20.0 + 10.0 + bs.PROBE_DRAIN_S
+    plain = parser.parse_args([])
+    bs.check_args(parser, plain, [])
+    assert plain.long_fraction == 0.1
     a, b = bs.fresh_prompts(work, Tokenizer(), 1, chat=True), bs.fresh_prompts(work, Tokenizer(), 2, chat=False)
     assert [len(w["prompt_token_ids"]) for w in a] == [30, 2] and a[1] is work[1]
     assert a[0]["prompt_token_ids"] != b[0]["prompt_token_ids"] != work[0]["prompt_token_ids"]
