@@ -42,8 +42,15 @@ Servers:
   --capacity-search --itl-slo-ms T [T ...]
                      per server and target T, the highest request rate whose P99 ITL <= T and whose
                      TTFT at --ttft-slo-percentile (99) <= --ttft-slo-ms (10000), Sarathi-Serve's
-                     capacity, bisected on a geometric grid of --rate-steps rates from --min-rate to
-                     --max-rate; each rate runs once per server and is judged against every target
+                     capacity, on a geometric grid of --rate-steps rates from --min-rate to
+                     --max-rate (default 0.25 to 16, each sqrt(2) times the previous): from
+                     --start-rate (1) the rate doubles while the probes meet the target (halves
+                     while they miss) until it is bracketed, then the bracket is bisected; each
+                     rate runs once per server and is judged against every target. A probe at rate
+                     r sends r x --probe-seconds (24) requests of the workload, at least
+                     --probe-min-prompts (16), with prompts of its own (--num-prompts does not
+                     apply), and is cut short --ttft-slo-ms + 30 s after its last arrival (what is
+                     left counts as failed); the mixed workload then has --long-fraction 0.25
   --compare-budgets B [B ...]
                      with --capacity-search: starts one server per target T (--max-step-latency-ms
                      T, the largest B as --max-num-batched-tokens) and one per fixed budget B, and
@@ -67,6 +74,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import math
 import os
 import random
@@ -84,6 +92,12 @@ from serving_http import (LaunchedServer, RequestRecord, request_body, run_reque
                           scrape_metrics, server_report)
 
 GOODPUT_KEYS = ("ttft", "tpot", "e2el")
+# For the capacity search's run-time estimate: a server's start-up with warm-up, and a probe's
+# tail after its last arrival.
+ESTIMATED_STARTUP_S = 25.0
+ESTIMATED_DRAIN_S = 8.0
+# A capacity probe is cut short this long past its last arrival and --ttft-slo-ms.
+PROBE_DRAIN_S = 30.0
 METRICS = (("ttft", "TTFT", "Time to First Token"),
            ("tpot", "TPOT", "Time per Output Token (excl. 1st token)"),
            ("itl", "ITL", "Inter-token Latency"),
@@ -106,16 +120,17 @@ def parse_range(text: str) -> tuple[int, int]:
     return lo, hi
 
 
-def make_workload(args: argparse.Namespace, tokenizer) -> list[dict]:
-    """[{"prompt_token_ids", "prompt_len", "output_len", "kind"}] in arrival order."""
+def make_workload(args: argparse.Namespace, tokenizer, n: int | None = None, seed: int | None = None) -> list[dict]:
+    """[{"prompt_token_ids", "prompt_len", "output_len", "kind"}] in arrival order: `n` requests
+    (default --num-prompts) drawn with `seed` (default --seed)."""
+    n = args.num_prompts if n is None else n
     if args.dataset_path is not None:
-        reqs = workload_prompts.load_dataset(args.dataset_path, tokenizer, args.num_prompts)
+        reqs = workload_prompts.load_dataset(args.dataset_path, tokenizer, n)
         for r in reqs:
             r["kind"] = "dataset"
         return reqs
     vocab, special = workload_prompts.tokenizer_vocab(tokenizer)
-    rng = random.Random(args.seed)
-    n = args.num_prompts
+    rng = random.Random(args.seed if seed is None else seed)
     specs: list[tuple[int, int, str]] = []
     if args.dataset_name == "random":
         def length(mean: int) -> int:
@@ -135,6 +150,40 @@ def make_workload(args: argparse.Namespace, tokenizer) -> list[dict]:
             specs.append((rng.randint(*prompt_range), rng.randint(*args.output_len_range), kind))
     return [{"prompt_token_ids": workload_prompts.random_token_ids(rng, p, vocab, special), "prompt_len": p,
              "output_len": o, "kind": kind} for p, o, kind in specs]
+
+
+def probe_size(args: argparse.Namespace, rate: float) -> int:
+    """Requests of a capacity probe at `rate`: --probe-seconds of arrivals, at least
+    --probe-min-prompts (a dataset has only so many)."""
+    return max(args.probe_min_prompts, math.ceil(rate * args.probe_seconds))
+
+
+def probe_workload(args: argparse.Namespace, tokenizer, index: int, rate: float,
+                   chat: bool) -> tuple[list[dict], list[float]]:
+    """(workload, unit inter-arrival gaps) of a capacity probe at `rate`, the grid's `index`-th:
+    the same on every server, and each rate with prompts of its own (seeded by its index), so
+    that no probe reads the prefix cache an earlier one filled."""
+    seed = args.seed + 1 + index
+    workload = fresh_prompts(make_workload(args, tokenizer, probe_size(args, rate), seed), tokenizer, seed, chat)
+    return workload, unit_intervals(len(workload), args.burstiness, seed)
+
+
+def probe_definition(args: argparse.Namespace, probed: dict[float, list[dict]]) -> dict:
+    """What the capacity probes send, for the results: the rule, and per probed rate its requests."""
+    rule = {"probe_seconds": args.probe_seconds, "probe_min_prompts": args.probe_min_prompts,
+            "burstiness": args.burstiness, "seed": args.seed, "dataset_path": args.dataset_path}
+    if args.dataset_path is None:
+        rule["dataset_name"] = args.dataset_name
+        rule.update({"long_fraction": args.long_fraction, "short_input_len": args.short_input_len,
+                     "long_input_len": args.long_input_len, "output_len_range": args.output_len_range}
+                    if args.dataset_name == "mixed" else
+                    {"random_input_len": args.random_input_len, "random_output_len": args.random_output_len,
+                     "random_range_ratio": args.random_range_ratio})
+    rule["per_rate"] = {f"{rate:g}": {"num_prompts": len(w), "num_long": sum(r["kind"] == "long" for r in w),
+                                      "prompt_tokens": sum(r["prompt_len"] for r in w),
+                                      "output_tokens": sum(r["output_len"] for r in w)}
+                        for rate, w in sorted(probed.items())}
+    return rule
 
 
 def fresh_prompts(workload: list[dict], tokenizer, seed: int, chat: bool) -> list[dict]:
@@ -307,8 +356,9 @@ def print_result(result: dict, title: str, metric_percentiles: list[float],
 
 # --------------------------------------------------------------------------- runs
 
-def run_mode(base_url, workload, intervals, rate, args, slos, tag) -> dict:
-    """One run of the workload against the server at `base_url`, at `rate` requests per second."""
+def run_mode(base_url, workload, intervals, rate, args, slos, tag, timeout=None) -> dict:
+    """One run of the workload against the server at `base_url`, at `rate` requests per second;
+    what is left after `timeout` seconds (default --timeout) is cancelled and counts as failed."""
     offsets = arrival_offsets(intervals, rate)
     records = [RequestRecord(f"{tag}-{i}", w["prompt_len"], w["output_len"], w["kind"], offsets[i])
                for i, w in enumerate(workload)]
@@ -316,7 +366,7 @@ def run_mode(base_url, workload, intervals, rate, args, slos, tag) -> dict:
                            w["output_len"], args.ignore_eos) for w in workload]
     before = scrape_metrics(base_url)
     duration = asyncio.run(run_requests(base_url + args.endpoint, bodies, records,
-                                        args.max_concurrency, args.timeout))
+                                        args.max_concurrency, args.timeout if timeout is None else timeout))
     result = compute_metrics(records, duration, slos, args.metric_percentiles)
     ok = [r for r in records if r.success]
     result["server"] = server_report(before, scrape_metrics(base_url), [r.ttft for r in ok],
@@ -335,14 +385,36 @@ def warm_up(base_url: str, workload: list[dict], args: argparse.Namespace) -> No
         raise SystemExit(f"the warm-up request failed: {probe['errors'][0]}")
 
 
-def capacity_search(base_url, workload_at, intervals, args, slos, spec: serving_capacity.ServerSpec) -> dict:
-    """The server's capacity at each of its targets, on the rate grid all servers share;
-    `workload_at(rate)` is the workload a probe at `rate` sends (the same on every server)."""
+def capacity_grid(args: argparse.Namespace) -> tuple[list[float], int]:
+    """The rate grid all servers share, and the index of the rate each search starts from (the
+    grid's rate nearest --start-rate)."""
     grid = serving_capacity.rate_grid(args.min_rate, args.max_rate, args.rate_steps)
+    start = min(range(len(grid)), key=lambda i: abs(math.log(grid[i] / args.start_rate)))
+    return grid, start
+
+
+def probe_timeout(args: argparse.Namespace, offsets: list[float]) -> float:
+    """Seconds after which a probe is cut short: its last arrival, then --ttft-slo-ms and
+    PROBE_DRAIN_S for the last request to finish. A server that has not answered by then misses
+    the TTFT bound anyway; cutting it short keeps an overloaded probe from draining for minutes."""
+    if args.timeout is not None:
+        return args.timeout
+    return offsets[-1] + args.ttft_slo_ms / 1000 + PROBE_DRAIN_S
+
+
+def capacity_search(base_url, workload_at, args, slos, spec: serving_capacity.ServerSpec) -> dict:
+    """The server's capacity at each of its targets, on the rate grid all servers share;
+    `workload_at(rate)` is the (workload, unit gaps) a probe at `rate` sends (the same on every
+    server)."""
+    grid, start = capacity_grid(args)
     targets = [serving_capacity.Slo(t, args.ttft_slo_ms, args.ttft_slo_percentile) for t in spec.itl_targets_ms]
-    return serving_capacity.search_server(
-        spec.name, grid, targets,
-        lambda rate: run_mode(base_url, workload_at(rate), intervals, rate, args, slos, f"{spec.name}-r{rate:g}"))
+
+    def run_at(rate: float) -> dict:
+        workload, intervals = workload_at(rate)
+        return run_mode(base_url, workload, intervals, rate, args, slos, f"{spec.name}-r{rate:g}",
+                        timeout=probe_timeout(args, arrival_offsets(intervals, rate)))
+
+    return serving_capacity.search_server(spec.name, grid, targets, run_at, start)
 
 
 # --------------------------------------------------------------------------- plot
@@ -441,7 +513,7 @@ def one_server(base_url, spec, workload, intervals, args, slos, runs, searches, 
         args.served_model = httpx2.get(f"{base_url}/v1/models").json()["data"][0]["id"]
     warm_up(base_url, workload, args)
     if args.capacity_search:
-        searches[spec.name] = capacity_search(base_url, workload_at, intervals, args, slos, spec)
+        searches[spec.name] = capacity_search(base_url, workload_at, args, slos, spec)
     else:
         res = run_mode(base_url, workload, intervals, args.request_rate, args, slos, spec.name)
         runs[spec.name] = res
@@ -467,11 +539,12 @@ def main(args: argparse.Namespace, extra_flags: list[str]) -> dict:
     intervals = unit_intervals(len(workload), args.burstiness, args.seed)
     kinds = sorted({r["kind"] for r in workload})
     counts = ", ".join(f"{k}: {sum(1 for r in workload if r['kind'] == k)}" for k in kinds)
-    print(f"Workload: {len(workload)} requests ({counts}), "
-          f"{sum(r['prompt_len'] for r in workload)} prompt tokens, "
-          f"{sum(r['output_len'] for r in workload)} output tokens")
+    if not args.capacity_search:  # whose probes send workloads of their own (printed below)
+        print(f"Workload: {len(workload)} requests ({counts}), "
+              f"{sum(r['prompt_len'] for r in workload)} prompt tokens, "
+              f"{sum(r['output_len'] for r in workload)} output tokens")
+        print(f"Traffic request rate: {args.request_rate}")
     distribution = "Poisson process" if args.burstiness == 1.0 else "Gamma distribution"
-    print(f"Traffic request rate: {args.request_rate}")
     print(f"Burstiness factor: {args.burstiness} ({distribution})")
     print(f"Maximum request concurrency: {args.max_concurrency}")
 
@@ -482,14 +555,17 @@ def main(args: argparse.Namespace, extra_flags: list[str]) -> dict:
     start = time.perf_counter()
     workload_at = None
     if args.capacity_search:
-        grid = serving_capacity.rate_grid(args.min_rate, args.max_rate, args.rate_steps)
+        grid, start_index = capacity_grid(args)
         chat = args.endpoint.endswith("chat/completions")
-        variants = {rate: fresh_prompts(workload, tokenizer, args.seed + 1 + i, chat) for i, rate in enumerate(grid)}
-        workload_at = variants.__getitem__
-        typical, upper = serving_capacity.estimate_seconds(specs, grid, len(workload),
-                                                           startup_s=60.0 if launch else 0.0)
-        print(f"Capacity search: {len(specs)} server(s), rates {', '.join(f'{r:.3g}' for r in grid)} req/s; "
-              f"estimated {typical / 60:.1f} min (at most {upper / 60:.1f} min)", flush=True)
+        workload_at = functools.cache(
+            lambda rate: probe_workload(args, tokenizer, grid.index(rate), rate, chat))
+        typical, upper = serving_capacity.estimate_seconds(
+            specs, grid, lambda r: max(probe_size(args, r) / r, args.probe_seconds) + ESTIMATED_DRAIN_S,
+            start_index, startup_s=ESTIMATED_STARTUP_S if launch else 0.0)
+        print(f"Capacity search: {len(specs)} server(s), rates {', '.join(f'{r:.3g}' for r in grid)} req/s "
+              f"from {grid[start_index]:.3g}; probes of {args.probe_seconds:g} s of arrivals (at least "
+              f"{args.probe_min_prompts} requests, {args.long_fraction:.0%} long); estimated {typical / 60:.1f} min "
+              f"if every server misses all targets by 4 req/s (at most {upper / 60:.1f} min)", flush=True)
     for done, spec in enumerate(specs, 1):
         if not launch:
             one_server(base_url, spec, workload, intervals, args, slos, runs, searches, workload_at)
@@ -528,10 +604,13 @@ def main(args: argparse.Namespace, extra_flags: list[str]) -> dict:
         "machine": result_files.machine_info(),
     })
     if searches:
+        grid, start_index = capacity_grid(args)
         results["capacity_search"] = {
             "itl_slo_ms": args.itl_slo_ms, "ttft_slo_ms": args.ttft_slo_ms,
             "ttft_slo_percentile": args.ttft_slo_percentile,
-            "rate_grid": serving_capacity.rate_grid(args.min_rate, args.max_rate, args.rate_steps),
+            "rate_grid": grid, "start_rate": grid[start_index],
+            "probe_workload": probe_definition(args, {p["request_rate"]: workload_at(p["request_rate"])[0]
+                                                      for found in searches.values() for p in found["probes"]}),
             "wall_seconds": time.perf_counter() - start, "servers": searches}
     if args.compare_budgets:
         rows = serving_capacity.compare(specs, searches)
@@ -605,7 +684,9 @@ def make_parser() -> argparse.ArgumentParser:
     w.add_argument("--short-input-len", type=parse_range, default=(16, 128), metavar="A:B")
     w.add_argument("--long-input-len", type=parse_range, default=(1500, 2000), metavar="A:B")
     w.add_argument("--output-len-range", type=parse_range, default=(32, 128), metavar="A:B")
-    w.add_argument("--long-fraction", type=float, default=0.1)
+    w.add_argument("--long-fraction", type=float, default=None,
+                   help="mixed: the share of long prompts (default 0.1; 0.25 with --capacity-search, "
+                        "so that the long prefills' stalls reach the P99 of the gaps)")
     w.add_argument("--random-input-len", type=int, default=1024)
     w.add_argument("--random-output-len", type=int, default=128)
     w.add_argument("--random-range-ratio", type=float, default=0.0)
@@ -643,11 +724,18 @@ def make_parser() -> argparse.ArgumentParser:
                    help="capacity search: start one server per --itl-slo-ms target with "
                         "--max-step-latency-ms at that target (the largest budget the upper bound) "
                         "and one per fixed --max-num-batched-tokens budget, and compare them")
-    m.add_argument("--min-rate", type=float, default=0.5, help="capacity search: lowest rate, req/s (default 0.5)")
-    m.add_argument("--max-rate", type=float, default=4.0, help="capacity search: highest rate, req/s (default 4)")
-    m.add_argument("--rate-steps", type=int, default=7,
+    m.add_argument("--min-rate", type=float, default=0.25, help="capacity search: lowest rate, req/s (default 0.25)")
+    m.add_argument("--max-rate", type=float, default=16.0, help="capacity search: highest rate, req/s (default 16)")
+    m.add_argument("--rate-steps", type=int, default=13,
                    help="capacity search: rates in the geometric grid from --min-rate to --max-rate "
-                        "(default 7)")
+                        "(default 13: each sqrt(2) times the previous)")
+    m.add_argument("--start-rate", type=float, default=1.0,
+                   help="capacity search: the rate each server is probed at first (the nearest grid "
+                        "rate; default 1)")
+    m.add_argument("--probe-seconds", type=float, default=24.0,
+                   help="capacity search: each probe sends rate x this many seconds of requests (default 24)")
+    m.add_argument("--probe-min-prompts", type=int, default=16,
+                   help="capacity search: each probe sends at least this many requests (default 16)")
     o = parser.add_argument_group("output")
     o.add_argument("--save-result", action="store_true", help="write the JSON (and the PNG)")
     o.add_argument("--result-dir", type=str, default=None, help="default benchmarks/results/")
@@ -670,6 +758,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace, extra:
         parser.error("--burstiness must be > 0")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         parser.error("--max-concurrency must be at least 1")
+    if args.long_fraction is None:
+        args.long_fraction = 0.25 if args.capacity_search else 0.1
     if not 0 <= args.long_fraction <= 1:
         parser.error("--long-fraction must be in [0, 1]")
     if args.dataset_name == "sharegpt" and not args.dataset_path:
@@ -684,6 +774,10 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace, extra:
             parser.error("--capacity-search needs 0 < --min-rate < --max-rate < inf")
         if args.rate_steps < 2:
             parser.error("--rate-steps must be at least 2")
+        if not args.min_rate <= args.start_rate <= args.max_rate:
+            parser.error("--start-rate must be within --min-rate .. --max-rate")
+        if not args.probe_seconds > 0 or args.probe_min_prompts < 1:
+            parser.error("--probe-seconds must be > 0 and --probe-min-prompts at least 1")
         if not args.ttft_slo_ms > 0 or not 0 < args.ttft_slo_percentile <= 100:
             parser.error("--ttft-slo-ms must be > 0 and --ttft-slo-percentile in (0, 100]")
     if args.compare_budgets:

@@ -7,8 +7,11 @@ which shows in the time to first token and not in the gaps between tokens.
 
 Rates come from a geometric grid (--min-rate .. --max-rate, --rate-steps points). A probe is one
 run of the workload at one rate against one server; its result is cached per server, and each
-target bisects the grid over the cached probes: a probe's verdict for every target is read from
-the same run, so a server judged against three targets runs each rate at most once.
+target is searched over the cached probes: from --start-rate, two grid steps at a time upward
+while the probes meet the target (downward while they miss), until a probe on each side brackets
+the capacity, then the bracket is bisected. A probe's verdict for every target is read from the
+same run, so a server judged against three targets runs each rate at most once. A capacity at
+the grid's top rate is a lower bound (`capacity_is_grid_top`), shown as ">=".
 
 --compare-budgets B1 B2 ... starts the servers itself: one per target with
 `--max-step-latency-ms T` (the largest budget as `--max-num-batched-tokens`, the upper bound),
@@ -91,17 +94,38 @@ def capacity(grid: list[float], probes: Iterable[Probe], slo: Slo) -> float | No
     return grid[lo] if lo >= 0 else None
 
 
-def next_rate(grid: list[float], probes: Iterable[Probe], slo: Slo) -> float | None:
-    """The rate to probe next for `slo` (the middle of the open bracket), None once it is closed."""
+def is_grid_top(grid: list[float], probes: Iterable[Probe], slo: Slo) -> bool:
+    """Whether the capacity at `slo` is the grid's top rate: a lower bound, not a measurement."""
+    return _bracket(grid, probes, slo)[0] == len(grid) - 1
+
+
+GALLOP = 2  # grid steps between the probes that look for the bracket (2: the rate doubles at ratio sqrt 2)
+
+
+def next_rate(grid: list[float], probes: Iterable[Probe], slo: Slo, start: int = 0) -> float | None:
+    """The rate to probe next for `slo`, None once the capacity is bracketed to one grid step:
+    grid[start] first; then GALLOP steps up from the highest rate that meets it while none misses,
+    GALLOP steps down from the lowest that misses while none below meets it; then the middle."""
+    probes = list(probes)
+    if not probes:
+        return grid[start]
     lo, hi = _bracket(grid, probes, slo)
-    return grid[(lo + hi + 1) // 2] if hi - lo > 1 else None
+    if hi - lo <= 1:
+        return None
+    if hi == len(grid):
+        return grid[min(lo + GALLOP, len(grid) - 1)]
+    if lo < 0:
+        return grid[max(hi - GALLOP, 0)]
+    return grid[(lo + hi + 1) // 2]
 
 
-def search(grid: list[float], slos: list[Slo], run_probe: Callable[[float], Probe]) -> list[Probe]:
-    """Bisects the grid for every SLO, running each rate at most once; the probes, by rate."""
+def search(grid: list[float], slos: list[Slo], run_probe: Callable[[float], Probe],
+           start: int = 0) -> list[Probe]:
+    """Searches the grid for every SLO from grid[start], running each rate at most once; the
+    probes, by rate."""
     probes: dict[float, Probe] = {}
     for slo in slos:
-        while (rate := next_rate(grid, probes.values(), slo)) is not None:
+        while (rate := next_rate(grid, probes.values(), slo, start)) is not None:
             probes[rate] = run_probe(rate)
     return [probes[r] for r in sorted(probes)]
 
@@ -117,37 +141,45 @@ def probe_from_run(rate: float, run: dict, ttft_percentile: float) -> Probe:
                  run["failed"], details)
 
 
-def search_server(name: str, grid: list[float], slos: list[Slo], run_at: Callable[[float], dict]) -> dict:
-    """One server's search, printing each probe: its capacity per target and its probes (JSON).
-    `run_at(rate)` runs the workload at `rate` and returns benchmark_serving's metrics."""
-    bound = max_probes(len(grid), len(slos))
+def search_server(name: str, grid: list[float], slos: list[Slo], run_at: Callable[[float], dict],
+                  start: int = 0) -> dict:
+    """One server's search from grid[start], printing each probe: its capacity per target and its
+    probes (JSON). `run_at(rate)` runs the workload at `rate` and returns benchmark_serving's
+    metrics."""
+    bound = max_probes(len(grid), len(slos), start)
     percentile = slos[0].ttft_percentile
 
     def run_probe(rate: float) -> Probe:
         probe = probe_from_run(rate, run_at(rate), percentile)
         met = [f"{s.itl_ms:g}" for s in slos if probe.meets(s)]
-        print(f"[{name}] rate {rate:.3f} req/s: P99 ITL {probe.p99_itl_ms:.1f} ms, P{percentile:g} TTFT "
+        print(f"[{name}] rate {rate:.3f} req/s, {probe.details.get('completed', 0) + probe.failed} requests: P99 ITL {probe.p99_itl_ms:.1f} ms, P{percentile:g} TTFT "
               f"{probe.ttft_ms:.0f} ms, {probe.details.get('request_throughput', 0):.2f} req/s served, "
               f"{probe.failed} failed -> meets {', '.join(met) + ' ms' if met else 'no target'} "
               f"(at most {bound} probes)", flush=True)
         return probe
 
-    probes = search(grid, slos, run_probe)
-    found = {}
+    probes = search(grid, slos, run_probe, start)
+    found, top = {}, {}
     for slo in slos:
-        found[target_key(slo.itl_ms)] = cap = capacity(grid, probes, slo)
+        key = target_key(slo.itl_ms)
+        found[key] = cap = capacity(grid, probes, slo)
+        top[key] = is_grid_top(grid, probes, slo)
         print(f"[{name}] capacity at P99 ITL <= {slo.itl_ms:g} ms and P{percentile:g} TTFT <= "
-              f"{slo.ttft_ms:g} ms: " + (f"{cap:.3f} req/s" if cap is not None else f"below {grid[0]:g} req/s"),
+              f"{slo.ttft_ms:g} ms: " + (f"below {grid[0]:g} req/s" if cap is None else
+                                         f"{cap:.3f} req/s" + (" or more (the grid's top)" if top[key] else "")),
               flush=True)
-    return {"itl_targets_ms": [s.itl_ms for s in slos], "capacity": found,
+    return {"itl_targets_ms": [s.itl_ms for s in slos], "capacity": found, "capacity_is_grid_top": top,
             "probes": [dict(request_rate=p.request_rate, p99_itl_ms=p.p99_itl_ms, ttft_ms=p.ttft_ms,
                             failed=p.failed, meets_itl_targets_ms=[s.itl_ms for s in slos if p.meets(s)],
                             **p.details) for p in probes]}
 
 
-def max_probes(grid_steps: int, num_targets: int) -> int:
-    """At most this many probes for one server judged against `num_targets` targets."""
-    return min(grid_steps, num_targets * math.ceil(math.log2(grid_steps + 1)))
+def max_probes(grid_steps: int, num_targets: int, start: int = 0) -> int:
+    """At most this many probes for one server judged against `num_targets` targets, from
+    grid index `start`: the galloping probes sit on every GALLOP-th index from `start` (and
+    perhaps an end of the grid), then each target's bracket of GALLOP steps takes one more."""
+    on_stride = len(range(start % GALLOP, grid_steps, GALLOP))
+    return min(grid_steps, on_stride + 2 + num_targets)
 
 
 # --------------------------------------------------------------------------- servers
@@ -191,57 +223,77 @@ def target_key(itl_ms: float) -> str:
 
 def compare(specs: list[ServerSpec], searches: dict[str, dict]) -> list[dict]:
     """Per target: each server's capacity and whether the latency target's is at least the best
-    fixed budget's (None when no server meets the target at any probed rate: nothing to compare).
-    `searches[name]` is search_server()'s result for the server `name`."""
+    fixed budget's (None when no server meets the target at any probed rate, or when both reach
+    the grid's top: nothing to compare). `searches[name]` is search_server()'s result for the
+    server `name`."""
     rows = []
     for target in sorted({t for s in specs for t in s.itl_targets_ms}):
+        key = target_key(target)
+
         def cap(spec: ServerSpec) -> float | None:
-            return searches[spec.name]["capacity"][target_key(target)]
+            return searches[spec.name]["capacity"][key]
+
+        def at_top(spec: ServerSpec) -> bool:
+            return searches[spec.name].get("capacity_is_grid_top", {}).get(key, False)
 
         own = [s for s in specs if s.step_latency_ms == target]
-        fixed = {s.budget: cap(s) for s in specs if s.budget is not None}
+        fixed_specs = [s for s in specs if s.budget is not None]
+        fixed = {s.budget: cap(s) for s in fixed_specs}
         latency_cap = cap(own[0]) if own else None
         row = {"itl_slo_ms": target, "latency_target_server": own[0].name if own else None,
                "latency_target_capacity": latency_cap, "fixed_budget_capacity": fixed,
+               "at_grid_top": [s.name for s in own[:1] + fixed_specs if at_top(s)],
                "best_fixed_budget": None, "best_fixed_capacity": None,
                "latency_target_ge_best_fixed": None}
         met = {b: c for b, c in fixed.items() if c is not None}
         if met:  # the smallest of the budgets that tie
             best = max(met, key=lambda b: (met[b], -b))
             row["best_fixed_budget"], row["best_fixed_capacity"] = best, met[best]
-        if own and fixed and (latency_cap is not None or met):
+        best_at_top = any(at_top(s) for s in fixed_specs)
+        if own and fixed and (latency_cap is not None or met) and not (at_top(own[0]) and best_at_top):
             row["latency_target_ge_best_fixed"] = (latency_cap or 0.0) >= (row["best_fixed_capacity"] or 0.0)
         rows.append(row)
     return rows
 
 
 def format_table(rows: list[dict], min_rate: float) -> str:
-    """The comparison as a text table, capacities in requests per second."""
+    """The comparison as a text table, capacities in requests per second (">=": the grid's top)."""
     budgets = sorted({b for r in rows for b in r["fixed_budget_capacity"]})
 
-    def cap(value: float | None) -> str:
-        return f"{value:.2f}" if value is not None else f"<{min_rate:g}"
+    def cap(value: float | None, top: bool) -> str:
+        return f"{'>=' if top else ''}{value:.2f}" if value is not None else f"<{min_rate:g}"
 
     header = (["P99 ITL target", "latency target"] + [f"budget {b}" for b in budgets]
               + ["best fixed", "target >= best"])
     lines = [header]
     for r in rows:
         verdict = r["latency_target_ge_best_fixed"]
-        lines.append([f"{r['itl_slo_ms']:g} ms", cap(r["latency_target_capacity"])]
-                     + [cap(r["fixed_budget_capacity"][b]) for b in budgets]
+        top = set(r.get("at_grid_top", []))
+        lines.append([f"{r['itl_slo_ms']:g} ms", cap(r["latency_target_capacity"], r["latency_target_server"] in top)]
+                     + [cap(r["fixed_budget_capacity"][b], f"budget-{b}" in top) for b in budgets]
                      + [f"{r['best_fixed_budget']}" if r["best_fixed_budget"] is not None else "-",
                         {True: "yes", False: "NO", None: "n/a"}[verdict]])
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     return "\n".join(" | ".join(c.rjust(w) for c, w in zip(line, widths)) for line in lines)
 
 
-def estimate_seconds(specs: list[ServerSpec], grid: list[float], num_prompts: int,
-                     startup_s: float = 60.0, drain_s: float = 10.0) -> tuple[float, float]:
-    """(typical, upper bound) wall time of a search: each server's start-up, then its probes, each
-    the arrival window num_prompts / rate at the grid's middle rate plus a drain. Typical: one
-    bisection per server plus one probe per further target; upper bound: max_probes()."""
-    probe_s = num_prompts / grid[len(grid) // 2] + drain_s
-    steps = math.ceil(math.log2(len(grid) + 1))
-    typical = sum(startup_s + probe_s * min(len(grid), steps + len(s.itl_targets_ms) - 1) for s in specs)
-    upper = sum(startup_s + probe_s * max_probes(len(grid), len(s.itl_targets_ms)) for s in specs)
+def estimate_seconds(specs: list[ServerSpec], grid: list[float], probe_seconds: Callable[[float], float],
+                     start: int = 0, fail_rate: float = 4.0, startup_s: float = 60.0) -> tuple[float, float]:
+    """(typical, upper bound) wall time of a search: each server's start-up, then its probes,
+    `probe_seconds(rate)` each. Typical: every server meets its targets up to the grid's start
+    and misses them all from `fail_rate` on, so it gallops from the start to the first rate at or
+    past `fail_rate`, and each target bisects one bracket. Upper bound: max_probes() probes of the
+    slowest kind."""
+    typical = upper = 0.0
+    for spec in specs:
+        i, galloped = start, []
+        while True:
+            galloped.append(grid[i])
+            if grid[i] >= fail_rate or i == len(grid) - 1:
+                break
+            i = min(i + GALLOP, len(grid) - 1)
+        between = [grid[j] for j in range(start + 1, i) if grid[j] not in galloped]
+        bisected = between[-len(spec.itl_targets_ms):] if between else []
+        typical += startup_s + sum(probe_seconds(r) for r in galloped + bisected)
+        upper += startup_s + max_probes(len(grid), len(spec.itl_targets_ms), start) * max(map(probe_seconds, grid))
     return typical, upper

@@ -342,6 +342,7 @@ def test_serving_capacity_search_against_a_running_server(tiny_checkpoints, tmp_
                           "--random-input-len", "48", "--random-output-len", "4", "--random-range-ratio",
                           "0.5", "--max-concurrency", "2",
                           "--capacity-search", "--itl-slo-ms", "600000", "--ttft-slo-ms", "0.001",
+                          "--probe-min-prompts", "5", "--probe-seconds", "0.05", "--start-rate", "10",
                           "--rate-steps", "3", "--min-rate", "1", "--max-rate", "100", "--output-json", str(out))
     check_ok(proc)
     result = json.loads(out.read_text())
@@ -350,8 +351,12 @@ def test_serving_capacity_search_against_a_running_server(tiny_checkpoints, tmp_
     assert result["capacity_search"]["rate_grid"] == [1, 10, 100]
     # No TTFT is under a microsecond: every probe misses, down to the lowest rate.
     assert search["capacity"] == {"600000": None}
+    # From the start rate down to the lowest: 5 requests each (the minimum over 10 x 0.05 s).
     assert [p["request_rate"] for p in search["probes"]] == [1, 10]
     assert all(p["completed"] == 5 and p["meets_itl_targets_ms"] == [] for p in search["probes"])
+    definition = result["capacity_search"]["probe_workload"]
+    assert definition["dataset_name"] == "random" and definition["probe_seconds"] == 0.05
+    assert definition["per_rate"]["10"]["num_prompts"] == 5 and result["capacity_search"]["start_rate"] == 10
     # Each probe sends prompts of its own: the prefix cache serves nothing from the one before
     # (random token ids; a chat template would share its first tokens).
     assert all(p["server"]["prefix_cache_hits"] == 0 for p in search["probes"])
@@ -366,11 +371,13 @@ def test_serving_capacity_latency_targets_against_fixed_budgets(tiny_checkpoints
                       "--dataset-name", "random", "--random-input-len", "16", "--random-output-len", "4",
                       "--endpoint", "/v1/chat/completions",
                       "--capacity-search", "--itl-slo-ms", "600000", "900000", "--compare-budgets", "32",
-                      "--rate-steps", "2", "--min-rate", "1", "--max-rate", "100", *ENGINE,
+                      "--rate-steps", "2", "--min-rate", "1", "--max-rate", "100", "--start-rate", "100",
+                      "--probe-seconds", "0.03", "--probe-min-prompts", "3", *ENGINE,
                       "--output-json", str(out))
     check_ok(proc)
-    assert re.search(r"^Capacity search: 3 server\(s\), rates 1, 100 req/s; estimated [0-9.]+ min", proc.stdout, re.M)
-    assert re.search(r"^\s*600000 ms \|\s+100.00 \|\s+100.00 \|\s+32 \|\s+yes$", proc.stdout, re.M), proc.stdout
+    assert re.search(r"^Capacity search: 3 server\(s\), rates 1, 100 req/s from 100; .* estimated [0-9.]+ min", proc.stdout, re.M)
+    # Both meet the targets at the grid's top rate: lower bounds, nothing to compare.
+    assert re.search(r"^\s*600000 ms \|\s+>=100.00 \|\s+>=100.00 \|\s+32 \|\s+n/a$", proc.stdout, re.M), proc.stdout
     result = json.loads(out.read_text())
     flags = {name: server["flags"] for name, server in result["servers"].items()}
     assert flags["target-600000ms"][-4:] == ["--max-num-batched-tokens", "32", "--max-step-latency-ms", "600000"]
@@ -383,7 +390,7 @@ def test_serving_capacity_latency_targets_against_fixed_budgets(tiny_checkpoints
     rows = result["capacity_by_target"]
     assert [r["latency_target_server"] for r in rows] == ["target-600000ms", "target-900000ms"]
     assert all(r["latency_target_capacity"] == r["best_fixed_capacity"] == 100 for r in rows)
-    assert all(r["latency_target_ge_best_fixed"] is True for r in rows)
+    assert all(r["latency_target_ge_best_fixed"] is None and len(r["at_grid_top"]) == 2 for r in rows)
 
 
 def test_serving_helpers():
@@ -426,6 +433,24 @@ def test_serving_helpers():
 
     work = [{"prompt_token_ids": [5] * 30, "prompt_len": 30, "output_len": 3, "kind": "long"},
             {"prompt_token_ids": [7, 8], "prompt_len": 2, "output_len": 1, "kind": "dataset"}]
+    # Capacity probes: rate x --probe-seconds requests, at least --probe-min-prompts, a quarter
+    # of them long by default; each rate's prompts its own; cut short past the TTFT bound.
+    parser = bs.make_parser()
+    args = parser.parse_args(["--capacity-search", "--itl-slo-ms", "50"])
+    bs.check_args(parser, args, [])
+    assert (bs.probe_size(args, 0.25), bs.probe_size(args, 2.0)) == (16, 48) and args.long_fraction == 0.25
+    grid, start = bs.capacity_grid(args)
+    assert grid[0] == 0.25 and grid[-1] == 16 and grid[start] == 1.0 and len(grid) == 13
+    lengths = {"short_input_len": (3, 5), "long_input_len": (20, 30), "output_len_range": (2, 4)}
+    vars(args).update(lengths)
+    probe, gaps = bs.probe_workload(args, Tokenizer(), start, 1.0, chat=False)
+    assert len(probe) == len(gaps) == 24 and sum(w["kind"] == "long" for w in probe) == 6
+    other, _ = bs.probe_workload(args, Tokenizer(), start + 1, 1.414, chat=False)
+    assert other[0]["prompt_token_ids"] != probe[0]["prompt_token_ids"]
+    assert bs.probe_timeout(args, [0.0, 20.0]) == 20.0 + 10.0 + bs.PROBE_DRAIN_S
+    plain = parser.parse_args([])
+    bs.check_args(parser, plain, [])
+    assert plain.long_fraction == 0.1
     a, b = bs.fresh_prompts(work, Tokenizer(), 1, chat=True), bs.fresh_prompts(work, Tokenizer(), 2, chat=False)
     assert [len(w["prompt_token_ids"]) for w in a] == [30, 2] and a[1] is work[1]
     assert a[0]["prompt_token_ids"] != b[0]["prompt_token_ids"] != work[0]["prompt_token_ids"]
@@ -454,8 +479,11 @@ def test_capacity_search_reuses_each_probe_for_every_target():
     slos = [sc.Slo(t, ttft_ms=10000.0) for t in (50.0, 100.0, 200.0)]
     found = sc.search_server("budget-512", grid, slos, run_at)
     assert found["capacity"] == {"50": 1.0, "100": 2.0, "200": pytest.approx(4.0)}
-    # The 200 ms target is decided by the probes the tighter targets ran: 6 runs, none repeated.
-    assert len(calls) == len(set(calls)) == 6 <= sc.max_probes(len(grid), 3)
+    assert found["capacity_is_grid_top"] == {"50": False, "100": False, "200": False}
+    # Upward, the rate doubles until the 50 ms target misses (0.5, 1, 2), then one bisection
+    # (1.41); the looser targets go on from there: 8 runs, none repeated.
+    assert calls[:4] == [0.5, 1.0, 2.0, 1.414]
+    assert len(calls) == len(set(calls)) == 8 <= sc.max_probes(len(grid), 3)
     probe = {p["request_rate"]: p for p in found["probes"]}[2.0]
     assert probe["p99_itl_ms"] == pytest.approx(80.0) and probe["meets_itl_targets_ms"] == [100.0, 200.0]
     # The TTFT bound (P99, 10 s by default) binds first when the server queues: 3 s per req/s.
@@ -464,6 +492,15 @@ def test_capacity_search_reuses_each_probe_for_every_target():
     # A run with failed requests misses every target; nothing meeting a target is None.
     found = sc.search_server("failing", grid, slos, lambda r: _fake_run(1.0, 1.0, failed=1))
     assert found["capacity"] == {"50": None, "100": None, "200": None}
+    # From a start in the middle the rate halves while the probes miss, then bisects.
+    calls.clear()
+    found = sc.search_server("slow", grid, slos[:1], lambda r: calls.append(r) or _fake_run(80.0 * r, 1.0), start=6)
+    assert calls == [4.0, 2.0, 1.0, 0.5, 0.7071] and found["capacity"] == {"50": 0.5}
+    assert len(calls) <= sc.max_probes(len(grid), 1, start=6)
+    # A server that meets the target at the top rate has a capacity of at least that: flagged.
+    found = sc.search_server("fast", grid, slos[:1], lambda r: _fake_run(1.0, 1.0), start=4)
+    assert found["capacity"] == {"50": 8.0} and found["capacity_is_grid_top"] == {"50": True}
+    assert [p["request_rate"] for p in found["probes"]] == [2.0, 4.0, 8.0]
 
 
 def test_capacity_bracket_ignores_a_pass_above_a_miss():
@@ -473,8 +510,11 @@ def test_capacity_bracket_ignores_a_pass_above_a_miss():
     noisy = [sc.Probe(1.0, 50, 0), sc.Probe(2.0, 150, 0), sc.Probe(4.0, 90, 0)]
     assert sc.capacity(grid, noisy, slo) == 1.0
     assert sc.next_rate(grid, noisy, slo) is None
-    assert sc.next_rate(grid, [], slo) == 4.0  # the upper middle of the open bracket
-    assert sc.next_rate(grid, [sc.Probe(4.0, 50, 0)], slo) == 8.0
+    assert sc.next_rate(grid, [], slo) == 1.0 and sc.next_rate(grid, [], slo, start=2) == 4.0
+    assert sc.next_rate(grid, [sc.Probe(1.0, 50, 0)], slo) == 4.0  # up two grid steps
+    assert sc.next_rate(grid, [sc.Probe(4.0, 50, 0)], slo) == 8.0  # up to the grid's top
+    assert sc.next_rate(grid, [sc.Probe(4.0, 150, 0)], slo) == 1.0  # down two
+    assert sc.next_rate(grid, [sc.Probe(1.0, 50, 0), sc.Probe(4.0, 150, 0)], slo) == 2.0  # bisect
     with pytest.raises(ValueError):
         sc.rate_grid(2.0, 1.0, 4)
 
@@ -510,9 +550,11 @@ def test_capacity_compare_budgets_verdict_per_target():
     assert [r["latency_target_ge_best_fixed"] for r in rows] == [True, True, False]
     table = sc.format_table(rows, 0.5)
     assert "budget 512" in table and table.count(" yes") == 2 and table.count(" NO") == 1
-    # Start-up plus probes of 24 / 2 req/s + 10 s: 4 per target server, 6 typical (9 at most) per budget one.
-    assert sc.estimate_seconds(specs, grid, 24) == (3 * (60 + 22 * 4) + 2 * (60 + 22 * 6),
-                                                    3 * (60 + 22 * 4) + 2 * (60 + 22 * 9))
+    assert rows[2]["at_grid_top"] == ["budget-512"] and "|     >=8.00 |" in table  # a lower bound
+    # Start-up plus probes of 10 s: up from 0.5 to 4 req/s (4 probes), then one bisection per
+    # target (1 per target server, 3 per budget one); at most 8 and 9.
+    assert sc.estimate_seconds(specs, grid, lambda r: 10.0) == (3 * (60 + 10 * 5) + 2 * (60 + 10 * 7),
+                                                                3 * (60 + 10 * 8) + 2 * (60 + 10 * 9))
     # No server meets a target at any rate: nothing to compare.
     none = {name: {"capacity": {"50": None}} for name in ("target-50ms", "budget-128")}
     row, = sc.compare(sc.budget_servers([], [50.0], [128]), none)

@@ -30,8 +30,8 @@ def test_a_latency_target_keeps_greedy_tokens_and_reports_its_budgets(tiny_check
     reference, plain_its, _ = _run(tiny_checkpoints["llama"])
     assert not any(i.step_token_budgets for i in plain_its)  # no target: nothing sized
 
-    # A target of a fraction of the largest step's predicted time: some steps are cut short.
-    tokens, its, llm = _run(tiny_checkpoints["llama"], max_step_latency_ms=1e-3)
+    # A target below any step's predicted time.
+    tokens, its, llm = _run(tiny_checkpoints["llama"], max_step_latency_ms=1e-3, enable_prefix_caching=False)
     assert tokens == reference
     model = llm.llm_engine.scheduler.step_time_model
     assert model.is_fitted and model.predict(StepShape(64, 0)) > 0
@@ -41,11 +41,32 @@ def test_a_latency_target_keeps_greedy_tokens_and_reports_its_budgets(tiny_check
     measured = [t for i in its for t in i.measured_step_seconds]
     predicted = [t for i in its for t in i.predicted_step_seconds]
     assert budgets and len(budgets) == len(measured) == len(predicted)
-    # Far below any step: every sized step is the minimum chunk (16 tokens beside its decodes).
-    assert all(16 <= b < 64 for b in budgets)
+    # Far below any step: a step without decodes has nobody waiting on it, and one with decodes
+    # misses the target whatever its chunk, so every sized step takes the whole budget.
+    assert all(b == 64 for b in budgets)
     assert all(t > 0 for t in measured)
-    steps = [n for i in its for n in i.step_num_tokens]
-    assert max(steps) < 64
+
+    # Steps cut short beside decodes give the same tokens: a model that fits 40 tokens in the
+    # target (no prefix cache, so that the same prompts run again from their first token).
+    class FortyTokens:
+        is_fitted, tail_factor = True, 1.0
+
+        def predict(self, shape: StepShape) -> float:
+            return 1e-6 * shape.num_tokens / 40
+
+        def observe(self, shape: StepShape, seconds: float) -> None:
+            pass
+
+    llm.llm_engine.scheduler.step_time_model = FortyTokens()
+    cut = Recorder()
+    llm.llm_engine.add_logger("cut", cut)
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(LENGTHS, seed=5)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    llm.llm_engine.do_log_stats()
+    llm.llm_engine.remove_logger("cut")
+    assert [o.outputs[0].token_ids for o in outs] == reference
+    cut_budgets = [b for st in cut.stats for b in st.iteration.step_token_budgets]
+    assert 64 in cut_budgets and any(16 <= b <= 40 for b in cut_budgets)
 
     # The log line and Prometheus carry them.
     registry = CollectorRegistry()

@@ -22,6 +22,7 @@ whose logprobs it already has (after a preemption), as vLLM's requests with prom
 skip the cache: the other positions are computed to score them.
 """
 
+import math
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -35,6 +36,12 @@ from vllm.logger import init_logger
 from vllm.sequence import Sequence, SequenceStatus
 
 logger = init_logger(__name__)
+
+# Under max_step_latency_ms a step's prefill part is at least DRAIN_MARGIN times the prompt tokens
+# queued per step over the last DRAIN_WINDOW_STEPS steps: a backlog a burst leaves drains in
+# about the time the burst took to arrive.
+DRAIN_MARGIN = 2.0
+DRAIN_WINDOW_STEPS = 256
 
 
 @dataclass(slots=True)
@@ -100,6 +107,11 @@ class Scheduler:
         # step may be padded to (the warmed buckets; empty: any count).
         self.step_time_model: StepTimeModel | None = None
         self.token_buckets: list[int] = []
+        # Prompt tokens queued since the last step, and per step over the last DRAIN_WINDOW_STEPS
+        # (the steps before the first count as none): the rate the prefill keeps up with under
+        # max_step_latency_ms.
+        self._tokens_queued = 0
+        self._tokens_queued_per_step: deque[int] = deque(maxlen=DRAIN_WINDOW_STEPS)
 
     # ---------------------------------------------------------------- requests in and out
 
@@ -112,6 +124,7 @@ class Scheduler:
             seq.status = SequenceStatus.FINISHED_IGNORED
             return
         self.waiting.append(seq)
+        self._tokens_queued += seq.num_prompt_tokens
 
     def _why_unschedulable(self, seq: Sequence) -> str | None:
         if seq.num_seats > self.config.max_num_seqs:
@@ -279,26 +292,33 @@ class Scheduler:
         if chosen is not None:
             budget = min(budget, chosen.num_tokens - len(decodes))
         prefills = self._schedule_prefills(budget, scheduled_ids, preempted)
-        return SchedulerOutput(decodes + prefills, num_decodes=len(decodes),
-                               preempted_request_ids=preempted,
-                               token_budget=None if chosen is None else chosen.num_tokens,
-                               predicted_seconds=None if chosen is None else chosen.predicted_seconds)
+        out = SchedulerOutput(decodes + prefills, num_decodes=len(decodes), preempted_request_ids=preempted)
+        if chosen is not None:  # the prediction of the step as scheduled, which its measured time answers
+            out.token_budget = chosen.num_tokens
+            out.predicted_seconds = self.step_time_model.predict(self.step_shape(out))
+        return out
 
     def _latency_budget(self, decodes: list[ScheduledSequence]) -> StepBudget | None:
         """The step's token budget under `max_step_latency_ms`, when a prompt waits or is
         mid-prefill and the step-time model has data; else None (the budget is
-        max_num_batched_tokens)."""
+        max_num_batched_tokens). Its prefill part is at least DRAIN_MARGIN times the prompt
+        tokens queued per step of late: under the target, the prompts keep up with arrivals
+        (else their queue, and the time to the first token, grow without bound)."""
         target_ms = self.config.max_step_latency_ms
         model = self.step_time_model
+        self._tokens_queued_per_step.append(self._tokens_queued)
+        self._tokens_queued = 0
         if target_ms is None or model is None or not model.is_fitted:
             return None
         partial = [s for s in self.running if s.is_prefill]
         if not partial and not self.waiting:
             return None
+        queued = self._tokens_queued_per_step
         return latency_budget(
             model, target_ms / 1000, decode_pairs=attended_pairs((1, d.start_position) for d in decodes),
             num_decodes=len(decodes), prefill_context=max((s.num_computed_tokens for s in partial), default=0),
-            sizes=self.token_buckets, max_num_batched_tokens=self.config.max_num_batched_tokens)
+            sizes=self.token_buckets, max_num_batched_tokens=self.config.max_num_batched_tokens,
+            min_prefill_tokens=math.ceil(DRAIN_MARGIN * sum(queued) / DRAIN_WINDOW_STEPS))
 
     def step_shape(self, step: SchedulerOutput) -> StepShape:
         """What the step-time model reads of a scheduled step (padded as the runner pads it)."""

@@ -2,18 +2,24 @@
 
 A step's time is modelled as linear in three features of the step:
 
-    t = c0 + c1 * tokens + c2 * attended pairs
+    t = c0 + c1 * tokens + c2 * attended pairs + overhead
 
 `tokens` is the step's batched token count (the linear layers, padding included); `attended
 pairs` is the number of (query, key) pairs attention computes: a chunk of n tokens after a
 context of c reads c + 1 ... c + n keys, n * c + n * (n + 1) / 2 pairs; a decode reads c + 1.
-The coefficients are fitted by least squares, none negative (so the predicted time grows with
-the step), on the timed warm-up runs of every token bucket (padding only: `tokens` alone) and on
-the latest measured steps, which bring in attention.
+The coefficients are fitted by least squares on the relative error (a step's error over its
+time, so that the small steps a tight target allows are fitted as well as the largest bucket),
+none negative (so the predicted time grows with the step), on the timed warm-up runs of every
+token bucket (padding only: `tokens` alone) and on the latest measured steps, which bring in
+attention and `overhead`: what an engine step costs beyond the forward pass the warm-up times
+(scheduling, inputs, sampling, outputs), a coefficient of its own so that it does not bend the
+slope the warm-up runs give.
 
 A target bounds the slow steps, not the average one: the budget is sized for the prediction
-times `tail_factor`, the TAIL_QUANTILE of how much longer than predicted the recent steps ran
-(contention, the server's own threads, what the features leave out). Imports no torch.
+times `tail_factor`, the TAIL_QUANTILE of how much longer than the current fit predicts the
+recent steps ran (contention, the server's own threads, what the features leave out). It is read
+against the current fit, not the fits of the past: an early misfit, corrected since, does not
+stay in it for a window's length. Imports no torch.
 """
 
 from collections import deque
@@ -39,23 +45,26 @@ class StepShape:
         return (1.0, float(self.num_tokens), float(self.attended_pairs))
 
 
-TAIL_QUANTILE = 0.95
+# The target bounds a P99 over tokens, and a step's gaps are all its decodes': the steps' own
+# 99th percentile is what must be within it.
+TAIL_QUANTILE = 0.99
 MIN_TAIL_SAMPLES = 16  # measured steps before the tail factor departs from 1
 
 
 class StepTimeModel:
     """Least-squares step times from warm-up runs (kept) and the last `window` measured steps.
 
-    Invariants: the coefficients are never negative, so `predict` grows with both features;
-    `tail_factor` is at least 1.
+    Invariants: the coefficients and the overhead are never negative, so `predict` grows with
+    both features; `tail_factor` is at least 1.
     """
 
     def __init__(self, window: int = 256) -> None:
         self._warmup: list[tuple[tuple[float, float, float], float]] = []
         self._recent: deque[tuple[tuple[float, float, float], float]] = deque(maxlen=window)
-        self._ratios: deque[float] = deque(maxlen=window)  # measured / predicted, before refitting
-        self.coefficients: tuple[float, float, float] = (0.0, 0.0, 0.0)
+        self.coefficients: tuple[float, float, float] = (0.0, 0.0, 0.0)  # of the forward pass
+        self.overhead = 0.0  # seconds a measured step takes beyond its forward pass
         self.num_observations = 0
+        self._tail_factor = 1.0
 
     @property
     def is_fitted(self) -> bool:
@@ -68,37 +77,46 @@ class StepTimeModel:
 
     def observe(self, shape: StepShape, seconds: float) -> None:
         """A measured step: refits with it."""
-        predicted = self.predict(shape)
-        if predicted > 0:
-            self._ratios.append(seconds / predicted)
         self._recent.append((shape.features(), seconds))
         self._refit()
 
     def predict(self, shape: StepShape) -> float:
-        """Seconds; 0 before any sample."""
-        return float(np.dot(self.coefficients, shape.features()))
+        """Seconds of an engine step; 0 before any sample."""
+        return float(np.dot(self.coefficients, shape.features())) + self.overhead
 
     @property
     def tail_factor(self) -> float:
-        """The TAIL_QUANTILE of measured over predicted time of the recent steps, at least 1;
-        1 until MIN_TAIL_SAMPLES steps were measured."""
-        if len(self._ratios) < MIN_TAIL_SAMPLES:
-            return 1.0
-        return max(1.0, float(np.quantile(np.fromiter(self._ratios, dtype=np.float64), TAIL_QUANTILE)))
+        """The TAIL_QUANTILE of measured over predicted time of the recent steps under the
+        current fit, at least 1; 1 until MIN_TAIL_SAMPLES steps were measured."""
+        return self._tail_factor
 
     def _refit(self) -> None:
         rows = self._warmup + list(self._recent)
         self.num_observations = len(rows)
         if not rows:
             return
-        x = np.array([f for f, _ in rows], dtype=np.float64)   # (N, 3)
+        measured = np.zeros((len(rows), 1))                    # (N, 1) 1 for a measured step
+        measured[len(self._warmup):] = 1.0
+        x = np.hstack([np.array([f for f, _ in rows], dtype=np.float64), measured])  # (N, 4)
         y = np.array([t for _, t in rows], dtype=np.float64)   # (N,)
-        self.coefficients = tuple(float(c) for c in _non_negative_lstsq(x, y))
+        # Each row over its time: least squares on the relative error. (A zero time, which no
+        # real step takes, keeps its absolute error.)
+        weight = 1.0 / np.where(y > 0, y, 1.0)                 # (N,)
+        coefficients = _non_negative_lstsq(x * weight[:, None], y * weight)
+        self.coefficients = tuple(float(c) for c in coefficients[:3])
+        self.overhead = float(coefficients[3])
+        self._tail_factor = 1.0
+        num_recent = len(self._recent)
+        if num_recent >= MIN_TAIL_SAMPLES:
+            predicted = x[-num_recent:] @ coefficients         # (num_recent,)
+            ratios = y[-num_recent:][predicted > 0] / predicted[predicted > 0]
+            if ratios.size:
+                self._tail_factor = max(1.0, float(np.quantile(ratios, TAIL_QUANTILE)))
 
 
 def _non_negative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     """argmin |x c - y| over c >= 0, for a few columns: least squares on every subset of the
-    columns whose solution is non-negative, keeping the best (3 columns: 7 subsets)."""
+    columns whose solution is non-negative, keeping the best (4 columns: 15 subsets)."""
     num_cols = x.shape[1]
     # Columns scaled to unit norm, so that pairs (up to ~1e8) and the constant compare.
     scale = np.linalg.norm(x, axis=0)
@@ -140,39 +158,52 @@ class StepBudget:
 
 def latency_budget(model: StepTimeModel, target_seconds: float, *, decode_pairs: int,
                    num_decodes: int, prefill_context: int, sizes: Sequence[int],
-                   max_num_batched_tokens: int) -> StepBudget:
-    """The largest step whose predicted time, times the model's tail factor, is within
-    `target_seconds`: the decodes plus one prefill chunk of the rest after `prefill_context`
-    cached tokens (several chunks with less context attend fewer pairs, so this bounds them).
+                   max_num_batched_tokens: int, min_prefill_tokens: int = 0) -> StepBudget:
+    """The token budget of a step holding `num_decodes` decodes and one prefill chunk of the
+    rest after `prefill_context` cached tokens (several chunks with less context attend fewer
+    pairs, so this bounds them). The target is on the gaps between a request's tokens, so only
+    the decodes wait on the step:
+
+    - without decodes nobody waits: the whole `max_num_batched_tokens`;
+    - else the largest step whose predicted time, times the model's tail factor, is within
+      `target_seconds`, with at least `min_prefill_tokens` (the waiting prompts' drain rate)
+      and MIN_PREFILL_CHUNK prefill tokens;
+    - and when even that smallest step is over the target, its decodes miss it whatever the
+      chunk: the whole `max_num_batched_tokens`, so that the prompts finish in as few such
+      steps as possible (the target being a percentile over tokens, each miss counts once
+      per decode, however long).
 
     With `sizes` (the warmed token buckets, ascending) the step is one of them: the chunk then
-    fills its bucket, with no padding. Without, any count. Never above `max_num_batched_tokens`;
-    at least `MIN_PREFILL_CHUNK` prefill tokens (or the budget's end) even over the target.
+    fills its bucket, with no padding. Without, any count. Never above `max_num_batched_tokens`.
     """
     def predict(total: int) -> float:
         chunk = total - num_decodes
         return model.predict(StepShape(padded_size(sizes, total),
                                        decode_pairs + attended_pairs([(chunk, prefill_context)])))
 
+    def chosen(total: int) -> StepBudget:
+        return StepBudget(total, predict(total))
+
+    if num_decodes == 0:
+        return chosen(max_num_batched_tokens)
     target_seconds /= model.tail_factor  # the slow steps, not the average one, within target
 
-    floor = min(num_decodes + MIN_PREFILL_CHUNK, max_num_batched_tokens)
+    floor = min(num_decodes + max(MIN_PREFILL_CHUNK, min_prefill_tokens), max_num_batched_tokens)
     if sizes:
         candidates = [s for s in sizes if s <= max_num_batched_tokens]
         if not candidates or candidates[-1] < max_num_batched_tokens:
             candidates.append(max_num_batched_tokens)
         smallest = next(s for s in candidates if s >= floor)
         fitting = [s for s in candidates if s >= smallest and predict(s) <= target_seconds]
-        total = fitting[-1] if fitting else smallest
-        return StepBudget(total, predict(total))
+        return chosen(fitting[-1] if fitting else max_num_batched_tokens)
     # Any count: the prediction grows with it, so bisect for the largest within target.
     lo, hi = floor, max_num_batched_tokens
     if predict(lo) > target_seconds:
-        return StepBudget(lo, predict(lo))
+        return chosen(max_num_batched_tokens)
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if predict(mid) <= target_seconds:
             lo = mid
         else:
             hi = mid - 1
-    return StepBudget(lo, predict(lo))
+    return chosen(lo)

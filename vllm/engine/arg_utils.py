@@ -116,10 +116,11 @@ class EngineArgs:
         0, "prompts with more tokens left than this are long, and no chunk is larger (0: 4%% of "
         "max_model_len with several partial prefills, not a cap on chunks; else no prompt is long)")
     max_step_latency_ms: float | None = arg(
-        None, "time-between-tokens target: each step's prefill chunk is sized so that the step's "
-        "predicted time (a model fitted at start-up on timed token buckets, refined on measured "
-        "steps) stays under it; max_num_batched_tokens stays the upper bound (default: none, "
-        "every step may use max_num_batched_tokens)")
+        None, "time-between-tokens target: the prefill chunk of a step with decodes is sized so that "
+        "the step's predicted time (a model fitted at start-up on timed token buckets, refined on "
+        "measured steps) stays under it; a step without decodes, or over it whatever the chunk, "
+        "takes max_num_batched_tokens, the upper bound (default: none, every step may use "
+        "max_num_batched_tokens)")
     disable_chunked_mm_input: bool = arg(
         False, "keep multimodal items in one chunk (accepted; no multimodal model is supported)")
 
