@@ -5,6 +5,8 @@ How a prompt is cut into chunks and which other sequences share its steps change
 whatever the step holds, greedy tokens and their logprobs are the same bits in every case:
 - prefill attention: a query's running softmax maximum moves with its own scores only, not
   with the other queries of its 16-query task (which depend on where the chunk starts);
+- decode attention: a long sequence is split into parts of a fixed key count, not a share of
+  the step's keys, so its partial sums merge in the same order whatever the batch;
 - products: on the AVX512-BF16 tile GEMM every row count, decodes included, sums a row in
   the same order (cpu_tile_gemm.takes_decode_rows); on AMX the GEMV takes 1-4 rows, so there
   the engine-level check is skipped.
@@ -14,7 +16,7 @@ import pytest
 import torch
 
 from vllm import LLM, SamplingParams
-from vllm.attention.ops import cpu_paged_prefill
+from vllm.attention.ops import cpu_paged_decode, cpu_paged_prefill
 from vllm.model_executor.layers import cpu_tile_gemm
 from vllm.model_executor.layers.linear import Linear, PACKED_MAX_ROWS, can_pack
 from tests.utils import build_tiny_checkpoint, on_tile_gemm_copy, random_prompts
@@ -58,6 +60,43 @@ def test_prefill_attention_does_not_depend_on_the_chunk_split(prefill_copy):
     whole = attend(0)
     for context in (1, 15, 31, 100, 137, 299):
         assert torch.equal(attend(context), whole[context:]), f"chunk from position {context}"
+
+
+@pytest.fixture(params=["amx", "avx512"])
+def decode_copy(request):
+    """Runs the decode kernel on its AMX or AVX512-BF16 copy, skipping where absent."""
+    if not cpu_paged_decode.is_available(torch.device("cpu"), torch.bfloat16, HEADS, KV_HEADS, HEAD_DIM):
+        pytest.skip("no C decode kernel here")
+    if cpu_paged_decode.use_amx(request.param == "amx") != (request.param == "amx"):
+        pytest.skip(f"no {request.param} copy of the decode kernel here")
+    yield request.param
+    cpu_paged_decode.use_amx(True)
+
+
+def test_decode_attention_does_not_depend_on_the_batch(decode_copy):
+    """A sequence's decode attention is the same bits alone and beside seven others (whose keys
+    change how a share of the step's keys would split it), over a wide range of scores."""
+    torch.manual_seed(0)
+    seqs, length = 8, 850
+    blocks = (length + BLOCK - 1) // BLOCK
+    key_cache = torch.randn(seqs * blocks, BLOCK, KV_HEADS, HEAD_DIM).bfloat16()  # (blocks, B, KVH, D)
+    value_cache = torch.randn_like(key_cache)
+    key_cache[..., 0] += 8
+    tables = torch.randperm(seqs * blocks).view(seqs, blocks)                    # (S, blocks)
+    query = torch.randn(seqs, HEADS, HEAD_DIM) * 6                               # (S, H, D)
+    query[..., 0] += torch.linspace(-3, 5, seqs)[:, None]
+    query = query.bfloat16()
+    seq_lens = torch.tensor([length - 37 * i for i in range(seqs)])
+
+    def attend(n: int) -> torch.Tensor:  # the first n sequences
+        out = torch.empty(n, HEADS, HEAD_DIM, dtype=torch.bfloat16)
+        cpu_paged_decode.paged_decode(query[:n].contiguous(), key_cache, value_cache, tables[:n].contiguous(),
+                                      seq_lens[:n].contiguous(), 0.125, None, out)
+        return out
+
+    batch = attend(seqs)
+    for n in (1, 2, 5):
+        assert torch.equal(attend(n), batch[:n]), f"{n} sequences"
 
 
 @pytest.fixture(params=["amx", "avx512"])

@@ -9,7 +9,7 @@
  *
  * A task attends all heads of one sequence with an online softmax over tiles of keys, and
  * prefetches the next tile's rows while it computes: no gather of the blocks, no padding to
- * the longest sequence, no mask. A sequence with more keys than a task takes (task_range) is
+ * the longest sequence, no mask. A sequence with more keys than a task takes (TASK_KEYS) is
  * split over several tasks and the parts merged. Scores, softmax and the weighted sum of
  * values stay in float32. Decode attention is bound by reading the cache, and this reads each
  * key and value row once, where gathering the blocks for SDPA reads them, writes a padded copy
@@ -214,17 +214,13 @@ static inline int64_t attended_keys(int64_t seq_len, int64_t window) {
     return window > 0 && seq_len > window ? window : seq_len;
 }
 
-/* The most keys one task attends: whole tiles, at least two, and at most a quarter of a thread's
- * share of the step's keys. A long sequence among short ones (or alone, as in batch-1 decode) is
- * then split over several tasks instead of keeping one thread busy while the others wait. */
-static int64_t task_range(const int64_t *seq_lens, int64_t num_seqs, int64_t window, int64_t threads) {
-    int64_t total = 0;
-    for (int64_t s = 0; s < num_seqs; ++s) total += attended_keys(seq_lens[s], window);
-    const int64_t range = ((total + 2 * threads - 1) / (2 * threads) + TILE - 1) / TILE * TILE;
-    return range > 2 * TILE ? range : 2 * TILE;
-}
+/* The most keys one task attends: a long sequence (or one alone, as in batch-1 decode) is split
+ * over several tasks instead of keeping one thread busy while the others wait. A fixed count, not
+ * a share of the step's keys: a sequence's parts, and so the order its partial sums merge in,
+ * depend on its own length only, so its attention is the same bits whatever else the step holds. */
+#define TASK_KEYS (4 * TILE)
 
-/* Each sequence's keys in tasks of at most task_range() keys, attended in parallel, then each
+/* Each sequence's keys in tasks of at most TASK_KEYS keys, attended in parallel, then each
  * sequence's parts merged by their maxima and total weights. */
 #define DEFINE_PAGED_DECODE(NAME, ATTEND, T, STORE)                                                \
 int NAME(const T *query, const T *key_cache, const T *value_cache, const int64_t *block_tables,   \
@@ -233,7 +229,7 @@ int NAME(const T *query, const T *key_cache, const T *value_cache, const int64_t
          int64_t window, float scale) {                                                           \
     if (num_heads > MAX_HEADS || head_dim > MAX_HEAD_DIM || num_heads % num_kv_heads) return 1;   \
     const int64_t group = num_heads / num_kv_heads, stride = head_dim + 2;                        \
-    const int64_t range = task_range(seq_lens, num_seqs, window, omp_get_max_threads());          \
+    const int64_t range = TASK_KEYS;                                                              \
     int64_t *first_task = malloc(sizeof(int64_t) * (num_seqs + 1)), num_tasks = 0;               \
     if (first_task == NULL) return 2;                                                             \
     for (int64_t s = 0; s < num_seqs; ++s) {                                                      \
