@@ -120,7 +120,7 @@ def run_hf(requests: list[dict], args: argparse.Namespace, tokenizer) -> dict:
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     dtype_name = engine_setup.resolve_dtype_name(args.dtype)
-    directory, kwargs = engine_setup.hf_load_kwargs(engine_setup.resolve_model_path(args.model))
+    directory, kwargs = engine_setup.hf_model_kwargs(engine_setup.resolve_model_path(args.model))
     t0 = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=getattr(torch, dtype_name),
                                                  local_files_only=True, **kwargs).eval()

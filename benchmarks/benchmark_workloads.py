@@ -38,7 +38,9 @@ def _size(n: int, scale: float) -> int:
 
 
 class Engine:
-    """The workloads on this engine: `vllm.LLM` and its `LLMEngine` step loop."""
+    """The workloads on this engine: `vllm.LLM` and its `LLMEngine` step loop. Each timed run
+    starts from an empty prefix cache, so it computes every prompt (a repeat, or a prompt of the
+    warm-up, would otherwise find its blocks cached)."""
 
     def __init__(self, args: argparse.Namespace, **overrides) -> None:
         self.llm, self.init_seconds = engine_setup.build_llm(args, **overrides)
@@ -52,6 +54,7 @@ class Engine:
     def generate(self, prompts: list[list[int]], output_len: int) -> float:
         from vllm import SamplingParams
         params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+        assert self.llm.reset_prefix_cache()
         start = time.perf_counter()
         self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         return time.perf_counter() - start
@@ -59,6 +62,7 @@ class Engine:
     def token_times(self, prompt: list[int], output_len: int) -> list[float]:
         """Runs one request alone; the time each of its tokens arrived (first = TTFT)."""
         from vllm import SamplingParams
+        assert self.llm.reset_prefix_cache()
         start = time.perf_counter()
         self.engine.add_request("single", {"prompt_token_ids": prompt},
                                 SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True))
@@ -101,7 +105,7 @@ class HF:
     def __init__(self, args: argparse.Namespace) -> None:
         import torch
         from transformers import AutoModelForCausalLM
-        directory, kwargs = engine_setup.hf_load_kwargs(engine_setup.resolve_model_path(args.model))
+        directory, kwargs = engine_setup.hf_model_kwargs(engine_setup.resolve_model_path(args.model))
         dtype = getattr(torch, engine_setup.resolve_dtype_name(args.dtype))
         self.model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, local_files_only=True,
                                                           **kwargs).eval()

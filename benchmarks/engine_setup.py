@@ -60,6 +60,17 @@ def hf_load_kwargs(path: str) -> tuple[str, dict]:
     return path, {}
 
 
+def hf_model_kwargs(path: str) -> tuple[str, dict]:
+    """`hf_load_kwargs` for loading the model itself: a GGUF file is dequantized at load (recent
+    transformers otherwise keeps its blocks and multiplies them in float32 kernels), so the
+    transformers baseline runs the same bf16 or float32 weights as this engine's runs."""
+    directory, kwargs = hf_load_kwargs(path)
+    if "gguf_file" in kwargs:
+        from transformers import GgufConfig
+        kwargs["quantization_config"] = GgufConfig(gguf_file=kwargs["gguf_file"], dequantize=True)
+    return directory, kwargs
+
+
 def load_hf_tokenizer(model: str | None, tokenizer: str | None = None):
     """The transformers tokenizer of the model (or of --tokenizer), loaded from local files."""
     from transformers import AutoTokenizer
