@@ -141,9 +141,9 @@ def test_the_drain_rate_raises_the_smallest_chunk():
     args = dict(decode_pairs=8, num_decodes=8, prefill_context=0, sizes=[], max_num_batched_tokens=4096)
     plain = latency_budget(model, target, **args)
     assert latency_budget(model, target, min_prefill_tokens=plain.num_tokens - 8 - 10, **args) == plain
-    # A drain rate above what fits the target: the smallest step that keeps the prompts draining.
+    # A drain rate above what fits the target: the step misses it anyway, so it takes it all.
     over = latency_budget(model, target, min_prefill_tokens=plain.num_tokens, **args)
-    assert over.num_tokens == 8 + plain.num_tokens and over.predicted_seconds > target
+    assert over.num_tokens == 4096
 
 
 BUCKETS = generate_buckets(BucketConfig(min=16, step=128, max=512))  # 16, 32, ..., 512
@@ -171,10 +171,9 @@ def test_the_chosen_step_is_the_largest_within_target_on_a_warmed_size(target_ms
         list(range(num_decodes + MIN_PREFILL_CHUNK, 513))
     if warmed:
         assert chosen.num_tokens in BUCKETS  # never a size without a graph
-    if num_decodes == 0:
-        assert chosen.num_tokens == 512  # nobody waits on the step: all of it
-    elif predicted(allowed[0]) > target:
-        assert chosen.num_tokens == allowed[0]  # over the target whatever the chunk: the smallest
+    if num_decodes == 0 or predicted(allowed[0]) > target:
+        # Nobody waits on the step, or its decodes miss the target whatever the chunk: all of it.
+        assert chosen.num_tokens == 512
     else:
         assert chosen.predicted_seconds <= target  # within target when a smaller chunk is
         larger = [s for s in allowed if s > chosen.num_tokens]
@@ -204,8 +203,7 @@ def test_the_scheduler_sizes_steps_under_the_target_and_always_progresses():
         if out.num_decodes == 0:
             assert out.token_budget == 512  # nobody waits between tokens: the whole budget
         else:
-            smallest = next(b for b in BUCKETS if b >= out.num_decodes + MIN_PREFILL_CHUNK)
-            assert out.predicted_seconds <= 7e-3 or out.token_budget == smallest
+            assert out.predicted_seconds <= 7e-3 or out.token_budget == 512
     assert sized[0].num_decodes == 0 and sized[0].num_batched_tokens > 256
     # Later chunks of the long prompt attend more context: the budget shrinks as it proceeds.
     long_budgets = [out.token_budget for out in sized
@@ -225,17 +223,15 @@ def test_without_a_target_or_a_model_the_budget_is_max_num_batched_tokens():
     assert out.num_batched_tokens == 512 and out.token_budget is None
 
 
-def test_a_target_below_any_step_with_decodes_takes_the_smallest_step():
+def test_a_target_below_any_step_with_decodes_takes_the_whole_budget():
     eng = _latency_engine(0.01)
     eng.add("a", 100, max_tokens=50)
     assert eng.step().num_batched_tokens == 100  # no decodes yet: the whole prompt
     eng.add("b", 1000, max_tokens=1)
     out = eng.step()
-    # Its decode misses the target whatever the chunk: b's prefill still progresses, in the
-    # smallest warmed step, so the decode waits no longer than it must.
-    smallest = next(b for b in BUCKETS if b >= 1 + MIN_PREFILL_CHUNK)
-    assert out.num_decodes == 1 and out.token_budget == smallest and out.predicted_seconds > 1e-5
-    assert out.num_prefill_tokens == smallest - 1
+    # Its decode misses the target whatever the chunk: b's prefill goes as fast as it may.
+    assert out.num_decodes == 1 and out.token_budget == 512 and out.predicted_seconds > 1e-5
+    assert out.num_prefill_tokens == min(511, eng.sched.config.long_prefill_token_threshold or 511)
 
 
 def test_the_prefill_keeps_up_with_arrivals_under_a_tight_target():

@@ -168,10 +168,10 @@ def latency_budget(model: StepTimeModel, target_seconds: float, *, decode_pairs:
     - else the largest step whose predicted time, times the model's tail factor, is within
       `target_seconds`, with at least `min_prefill_tokens` (the waiting prompts' drain rate)
       and MIN_PREFILL_CHUNK prefill tokens;
-    - and when even that smallest step is predicted over the target, that smallest step: the
-      prompts still drain, and the decodes wait no longer than they must (the prediction
-      includes the tail factor, so the step often meets the target all the same; a larger one
-      would miss it for certain, by a whole prefill's worth).
+    - and when even that smallest step is over the target, its decodes miss it whatever the
+      chunk: the whole `max_num_batched_tokens`, so that the prompts finish in as few such
+      steps as possible (the target being a percentile over tokens, each miss counts once
+      per decode, however long).
 
     With `sizes` (the warmed token buckets, ascending) the step is one of them: the chunk then
     fills its bucket, with no padding. Without, any count. Never above `max_num_batched_tokens`.
@@ -195,11 +195,11 @@ def latency_budget(model: StepTimeModel, target_seconds: float, *, decode_pairs:
             candidates.append(max_num_batched_tokens)
         smallest = next(s for s in candidates if s >= floor)
         fitting = [s for s in candidates if s >= smallest and predict(s) <= target_seconds]
-        return chosen(fitting[-1] if fitting else smallest)
+        return chosen(fitting[-1] if fitting else max_num_batched_tokens)
     # Any count: the prediction grows with it, so bisect for the largest within target.
     lo, hi = floor, max_num_batched_tokens
     if predict(lo) > target_seconds:
-        return chosen(lo)
+        return chosen(max_num_batched_tokens)
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if predict(mid) <= target_seconds:
