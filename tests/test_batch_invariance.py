@@ -24,15 +24,21 @@ from tests.utils import build_tiny_checkpoint, on_tile_gemm_copy, random_prompts
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4, 2, 64, 16
 
 
+def _on_attention_copy(kernel, available: bool, copy: str):
+    """Runs an attention kernel module on its `copy`, "amx" or "avx512", skipping where this CPU
+    has no such copy; back to AMX-where-present afterwards."""
+    if not available:
+        pytest.skip(f"no {kernel.__name__} here (it needs AVX512-BF16)")
+    if kernel.use_amx(copy == "amx") != (copy == "amx"):
+        pytest.skip(f"no {copy} copy of {kernel.__name__} here")
+    yield copy
+    kernel.use_amx(True)
+
+
 @pytest.fixture(params=["amx", "avx512"])
 def prefill_copy(request):
-    """Runs the prefill kernel on its AMX or AVX512-BF16 copy, skipping where absent."""
-    if not cpu_paged_prefill.is_available(torch.device("cpu"), torch.bfloat16, HEADS, KV_HEADS, HEAD_DIM, BLOCK):
-        pytest.skip("no C prefill kernel here (it needs AVX512-BF16)")
-    if cpu_paged_prefill.use_amx(request.param == "amx") != (request.param == "amx"):
-        pytest.skip(f"no {request.param} copy of the prefill kernel here")
-    yield request.param
-    cpu_paged_prefill.use_amx(True)
+    available = cpu_paged_prefill.is_available(torch.device("cpu"), torch.bfloat16, HEADS, KV_HEADS, HEAD_DIM, BLOCK)
+    yield from _on_attention_copy(cpu_paged_prefill, available, request.param)
 
 
 def test_prefill_attention_does_not_depend_on_the_chunk_split(prefill_copy):
@@ -64,13 +70,8 @@ def test_prefill_attention_does_not_depend_on_the_chunk_split(prefill_copy):
 
 @pytest.fixture(params=["amx", "avx512"])
 def decode_copy(request):
-    """Runs the decode kernel on its AMX or AVX512-BF16 copy, skipping where absent."""
-    if not cpu_paged_decode.is_available(torch.device("cpu"), torch.bfloat16, HEADS, KV_HEADS, HEAD_DIM):
-        pytest.skip("no C decode kernel here")
-    if cpu_paged_decode.use_amx(request.param == "amx") != (request.param == "amx"):
-        pytest.skip(f"no {request.param} copy of the decode kernel here")
-    yield request.param
-    cpu_paged_decode.use_amx(True)
+    available = cpu_paged_decode.is_available(torch.device("cpu"), torch.bfloat16, HEADS, KV_HEADS, HEAD_DIM)
+    yield from _on_attention_copy(cpu_paged_decode, available, request.param)
 
 
 def test_decode_attention_does_not_depend_on_the_batch(decode_copy):
