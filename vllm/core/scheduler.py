@@ -305,10 +305,12 @@ class Scheduler:
         tokens queued per step of late: under the target, the prompts keep up with arrivals
         (else their queue, and the time to the first token, grow without bound)."""
         target_ms = self.config.max_step_latency_ms
-        model = self.step_time_model
+        if target_ms is None:
+            return None
         self._tokens_queued_per_step.append(self._tokens_queued)
         self._tokens_queued = 0
-        if target_ms is None or model is None or not model.is_fitted:
+        model = self.step_time_model
+        if model is None or not model.is_fitted:
             return None
         partial = [s for s in self.running if s.is_prefill]
         if not partial and not self.waiting:

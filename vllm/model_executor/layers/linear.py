@@ -1,4 +1,5 @@
 """Linear layer with packed weight copies for decodes and prefill chunks on CPU (bf16).
+
 Up to PACKED_MAX_ROWS rows (decodes, the lm_head's sampled rows, prefill chunks of the default
 budget) the tile GEMM (cpu_tile_gemm.c: on AMX tiles, or on AVX512-BF16 dot products where
 there is no AMX) runs on a copy of the weight packed once in AMX's tile layout: the weights then
@@ -9,6 +10,7 @@ is bound by compute, x no longer fits in L2 beside the tiles, and oneDNN's GEMM 
 weight is the better kernel. On CPUs with neither AMX nor AVX512-BF16 a oneDNN-blocked copy
 takes the tile copy's place: oneDNN reads its own blocked layout without the reordering a plain
 weight needs.
+
 Inside a captured graph the packed copies (the oneDNN one an opaque MKLDNN tensor) cannot be
 traced, so there the layer calls the `vllm::packed_linear` custom op on the plain weight; the
 op finds the packed copy of that weight at run time. Keying by the weight's storage, not by
