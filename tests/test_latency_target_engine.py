@@ -49,7 +49,7 @@ def test_a_latency_target_keeps_greedy_tokens_and_reports_its_budgets(tiny_check
     # Steps cut short beside decodes give the same tokens: a model that fits 40 tokens in the
     # target (no prefix cache, so that the same prompts run again from their first token).
     class FortyTokens:
-        is_fitted, tail_factor = True, 1.0
+        is_fitted, tail_seconds = True, 0.0
 
         def predict(self, shape: StepShape) -> float:
             return 1e-6 * shape.num_tokens / 40

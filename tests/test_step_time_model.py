@@ -17,7 +17,7 @@ class FakeStepTimes:
 
     is_fitted = True
     coefficients = (1e-3, 2e-5, 5e-9)
-    tail_factor = 1.0
+    tail_seconds = 0.0
 
     def predict(self, shape: StepShape) -> float:
         return float(np.dot(self.coefficients, shape.features()))
@@ -68,21 +68,21 @@ def test_the_fit_weighs_small_steps_as_much_as_large_ones():
 
 def test_a_steps_cost_beyond_its_forward_pass_is_fitted_apart():
     # The warm-up times forward passes alone; the engine's steps cost 30 ms more. The overhead
-    # takes the difference, the slope stays the warm-up's, and the tail factor, read against the
+    # takes the difference, the slope stays the warm-up's, and the tail, read against the
     # current fit, does not keep the misses of the first steps after warm-up.
     model = StepTimeModel()
     model.fit_warmup([(StepShape(n, 0), 6e-4 * n) for n in (16, 64, 256, 1024, 2048)])
     rng = np.random.default_rng(0)
     first = None
     for _ in range(100):
-        shape = StepShape(int(rng.integers(1, 64)), 0)
+        shape = StepShape(int(rng.integers(1, 64)), 0, num_decodes=1)
         seconds = 0.030 + 6e-4 * shape.num_tokens
         first = first or seconds / model.predict(shape)
         model.observe(shape, seconds)
     assert first > 1.8  # the warm-up fit alone misses a small step by far
     assert model.overhead == pytest.approx(0.030, rel=1e-3)
     assert model.coefficients[1] == pytest.approx(6e-4, rel=1e-3)
-    assert model.tail_factor == pytest.approx(1.0)
+    assert model.tail_seconds == pytest.approx(0.0, abs=1e-9)
     assert model.predict(StepShape(2048, 0)) == pytest.approx(0.030 + 6e-4 * 2048, rel=1e-3)
 
 
@@ -93,37 +93,54 @@ def test_the_recent_window_follows_a_change():
     assert model.predict(StepShape(100, 0)) == pytest.approx(3e-3, rel=1e-3)
 
 
-def test_the_tail_factor_is_the_slow_steps_over_their_prediction():
+def test_the_tail_is_the_slow_steps_time_beyond_their_prediction_per_decode():
     model = StepTimeModel()
     model.fit_warmup([(StepShape(t, 0), 1e-3 + 1e-5 * t) for t in (16, 64, 256, 512)])
-    assert model.tail_factor == 1.0
-    # Every tenth step runs 1.5x its prediction, the others as predicted: the 99th percentile
-    # of the ratios is a slow step's.
-    shapes = [StepShape(16 * (1 + i % 32), 0) for i in range(100)]
-    for i, shape in enumerate(shapes[:MIN_TAIL_SAMPLES - 1]):
+    assert model.tail_seconds == 0.0
+    shapes = [StepShape(16 * (1 + i % 32), 0, num_decodes=4) for i in range(100)]
+    for shape in shapes[:MIN_TAIL_SAMPLES - 1]:
         model.observe(shape, model.predict(shape))
-    assert model.tail_factor == 1.0  # too few measured steps yet
+    assert model.tail_seconds == 0.0  # too few measured steps yet
+    # Every tenth step runs 2 ms late, whatever its size, the others as predicted: the 99th
+    # percentile is a late step's 2 ms (a ratio would have charged the large steps the small
+    # ones' jitter).
     for i, shape in enumerate(shapes):
-        model.observe(shape, model.predict(shape) * (1.5 if i % 10 == 0 else 1.0))
-    assert model.tail_factor == pytest.approx(1.5, rel=0.05)
-    # Faster than predicted never lowers it below 1.
+        model.observe(shape, model.predict(shape) + (2e-3 if i % 10 == 0 else 0.0))
+    assert model.tail_seconds == pytest.approx(2e-3, rel=0.05)
+    # Steps without decodes, however late, are no gap's wait: they do not count. Faster than
+    # predicted never takes it below 0.
+    for i, shape in enumerate(shapes):
+        late = 50e-3 if i % 10 == 0 else 0.0
+        model.observe(StepShape(shape.num_tokens, 0), model.predict(shape) + late)
+    assert model.tail_seconds == pytest.approx(2e-3, rel=0.05)
     fast = StepTimeModel()
     fast.fit_warmup([(StepShape(t, 0), 1e-3 + 1e-5 * t) for t in (16, 64, 256, 512)])
     for shape in shapes:
         fast.observe(shape, 0.5 * (1e-3 + 1e-5 * shape.num_tokens))
-    assert fast.tail_factor == 1.0
+    assert fast.tail_seconds == 0.0
 
 
-def test_a_tail_factor_shrinks_the_chosen_step():
+def test_the_tail_counts_each_step_once_per_decode():
+    # One step of 100 decodes runs 3 ms late, 149 steps of 1 decode on time: under 1% of the
+    # steps, but 100 of 249 gaps waited 3 ms longer, so the 99th percentile over gaps is late.
+    model = StepTimeModel()
+    model.fit_warmup([(StepShape(t, 0), 1e-3 + 1e-5 * t) for t in (16, 64, 256, 512)])
+    for i in range(150):
+        shape = StepShape(128, 0, num_decodes=100 if i == 75 else 1)
+        model.observe(shape, model.predict(shape) + (3e-3 if i == 75 else 0.0))
+    assert model.tail_seconds == pytest.approx(3e-3, rel=0.05)
+
+
+def test_the_tail_shrinks_the_chosen_step():
     model = FakeStepTimes()
     args = dict(decode_pairs=1, num_decodes=1, prefill_context=0, sizes=[], max_num_batched_tokens=4096)
     plain = latency_budget(model, 5e-3, **args)
-    model.tail_factor = 1.25
+    model.tail_seconds = 1e-3
     slow = latency_budget(model, 5e-3, **args)
     assert slow.num_tokens < plain.num_tokens < 4096
     one_more = slow.num_tokens + 1
-    assert 1.25 * slow.predicted_seconds <= 5e-3
-    assert 1.25 * model.predict(StepShape(one_more, 1 + attended_pairs([(one_more - 1, 0)]))) > 5e-3
+    assert slow.predicted_seconds + 1e-3 <= 5e-3
+    assert model.predict(StepShape(one_more, 1 + attended_pairs([(one_more - 1, 0)]))) + 1e-3 > 5e-3
 
 
 def test_a_step_without_decodes_takes_the_whole_budget():
@@ -237,7 +254,7 @@ def test_a_target_below_any_step_with_decodes_takes_the_whole_budget():
 def test_the_prefill_keeps_up_with_arrivals_under_a_tight_target():
     # A 120-token prompt arrives every step, while each step fits about 30 prefill tokens under
     # 2 ms beside its decodes: sized by the target alone, the queue would grow by a prompt every
-    # few steps. The drain rate lifts the chunk to twice the arrivals.
+    # few steps. The drain rate lifts the chunk to the arrivals.
     eng = _latency_engine(2.0, max_num_partial_prefills=8)
     for i in range(600):
         eng.add(f"r{i}", 120, max_tokens=4)

@@ -37,10 +37,10 @@ from vllm.sequence import Sequence, SequenceStatus
 
 logger = init_logger(__name__)
 
-# Under max_step_latency_ms a step's prefill part is at least DRAIN_MARGIN times the prompt tokens
-# queued per step over the last DRAIN_WINDOW_STEPS steps: a backlog a burst leaves drains in
-# about the time the burst took to arrive.
-DRAIN_MARGIN = 2.0
+# Under max_step_latency_ms a step's prefill part is at least the prompt tokens queued per step
+# over the last DRAIN_WINDOW_STEPS steps: the prompts keep up with arrivals. The step is the
+# largest within the target, which drains a burst's backlog as fast as the target allows, so
+# this floor only decides when the target gives way: where no step within it keeps up.
 DRAIN_WINDOW_STEPS = 256
 
 
@@ -301,9 +301,9 @@ class Scheduler:
     def _latency_budget(self, decodes: list[ScheduledSequence]) -> StepBudget | None:
         """The step's token budget under `max_step_latency_ms`, when a prompt waits or is
         mid-prefill and the step-time model has data; else None (the budget is
-        max_num_batched_tokens). Its prefill part is at least DRAIN_MARGIN times the prompt
-        tokens queued per step of late: under the target, the prompts keep up with arrivals
-        (else their queue, and the time to the first token, grow without bound)."""
+        max_num_batched_tokens). Its prefill part is at least the prompt tokens queued per step
+        of late: under the target, the prompts keep up with arrivals (else their queue, and the
+        time to the first token, grow without bound)."""
         target_ms = self.config.max_step_latency_ms
         if target_ms is None:
             return None
@@ -320,12 +320,13 @@ class Scheduler:
             model, target_ms / 1000, decode_pairs=attended_pairs((1, d.start_position) for d in decodes),
             num_decodes=len(decodes), prefill_context=max((s.num_computed_tokens for s in partial), default=0),
             sizes=self.token_buckets, max_num_batched_tokens=self.config.max_num_batched_tokens,
-            min_prefill_tokens=math.ceil(DRAIN_MARGIN * sum(queued) / DRAIN_WINDOW_STEPS))
+            min_prefill_tokens=math.ceil(sum(queued) / DRAIN_WINDOW_STEPS))
 
     def step_shape(self, step: SchedulerOutput) -> StepShape:
         """What the step-time model reads of a scheduled step (padded as the runner pads it)."""
         return StepShape(padded_size(self.token_buckets, step.num_batched_tokens),
-                         attended_pairs((s.num_tokens, s.context_len) for s in step.scheduled))
+                         attended_pairs((s.num_tokens, s.context_len) for s in step.scheduled),
+                         step.num_decodes)
 
     def _schedule_prefills(self, budget: int, scheduled_ids: set[str],
                            preempted: list[str]) -> list[ScheduledSequence]:

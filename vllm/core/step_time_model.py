@@ -16,10 +16,14 @@ attention and `overhead`: what an engine step costs beyond the forward pass the 
 slope the warm-up runs give.
 
 A target bounds the slow steps, not the average one: the budget is sized for the prediction
-times `tail_factor`, the TAIL_QUANTILE of how much longer than the current fit predicts the
-recent steps ran (contention, the server's own threads, what the features leave out). It is read
-against the current fit, not the fits of the past: an early misfit, corrected since, does not
-stay in it for a window's length. Imports no torch.
+plus `tail_seconds`, the TAIL_QUANTILE over the recent steps' tokens of how much longer than the
+current fit predicts they ran (contention, the server's own threads, what the features leave
+out). It is a time, not a ratio: such delays come on top of a step whatever its size, so a
+small step's jitter must not scale a large one's budget. Each step counts once per decode it
+carried, as its gaps count in the target's percentile: steps without decodes, whose time no
+gap waits on, do not count. It is read against the current fit, not the fits of the past: an
+early misfit, corrected since, does not stay in it for a window's length.
+Imports no torch.
 """
 
 from collections import deque
@@ -40,31 +44,32 @@ class StepShape:
 
     num_tokens: int       # batched tokens, as run (a padded bucket, or the real count)
     attended_pairs: int
+    num_decodes: int = 0  # the gaps between tokens that wait on the step (its weight in the tail)
 
     def features(self) -> tuple[float, float, float]:
         return (1.0, float(self.num_tokens), float(self.attended_pairs))
 
 
-# The target bounds a P99 over tokens, and a step's gaps are all its decodes': the steps' own
-# 99th percentile is what must be within it.
+# The target bounds a P99 over tokens, and a step's gaps are all its decodes'.
 TAIL_QUANTILE = 0.99
-MIN_TAIL_SAMPLES = 16  # measured steps before the tail factor departs from 1
+MIN_TAIL_SAMPLES = 16  # measured steps with decodes before the tail departs from 0
 
 
 class StepTimeModel:
     """Least-squares step times from warm-up runs (kept) and the last `window` measured steps.
 
     Invariants: the coefficients and the overhead are never negative, so `predict` grows with
-    both features; `tail_factor` is at least 1.
+    both features; `tail_seconds` is never negative.
     """
 
     def __init__(self, window: int = 256) -> None:
         self._warmup: list[tuple[tuple[float, float, float], float]] = []
-        self._recent: deque[tuple[tuple[float, float, float], float]] = deque(maxlen=window)
+        # (features, seconds, decodes) of the measured steps
+        self._recent: deque[tuple[tuple[float, float, float], float, int]] = deque(maxlen=window)
         self.coefficients: tuple[float, float, float] = (0.0, 0.0, 0.0)  # of the forward pass
         self.overhead = 0.0  # seconds a measured step takes beyond its forward pass
         self.num_observations = 0
-        self._tail_factor = 1.0
+        self._tail_seconds = 0.0
 
     @property
     def is_fitted(self) -> bool:
@@ -77,7 +82,7 @@ class StepTimeModel:
 
     def observe(self, shape: StepShape, seconds: float) -> None:
         """A measured step: refits with it."""
-        self._recent.append((shape.features(), seconds))
+        self._recent.append((shape.features(), seconds, shape.num_decodes))
         self._refit()
 
     def predict(self, shape: StepShape) -> float:
@@ -85,13 +90,14 @@ class StepTimeModel:
         return float(np.dot(self.coefficients, shape.features())) + self.overhead
 
     @property
-    def tail_factor(self) -> float:
-        """The TAIL_QUANTILE of measured over predicted time of the recent steps under the
-        current fit, at least 1; 1 until MIN_TAIL_SAMPLES steps were measured."""
-        return self._tail_factor
+    def tail_seconds(self) -> float:
+        """The TAIL_QUANTILE over the decodes of the recent steps of their measured time beyond
+        the current fit's prediction, at least 0; 0 until MIN_TAIL_SAMPLES steps with decodes
+        were measured."""
+        return self._tail_seconds
 
     def _refit(self) -> None:
-        rows = self._warmup + list(self._recent)
+        rows = self._warmup + [(features, seconds) for features, seconds, _ in self._recent]
         self.num_observations = len(rows)
         if not rows:
             return
@@ -105,13 +111,20 @@ class StepTimeModel:
         coefficients = _non_negative_lstsq(x * weight[:, None], y * weight)
         self.coefficients = tuple(float(c) for c in coefficients[:3])
         self.overhead = float(coefficients[3])
-        self._tail_factor = 1.0
-        num_recent = len(self._recent)
-        if num_recent >= MIN_TAIL_SAMPLES:
-            predicted = x[-num_recent:] @ coefficients         # (num_recent,)
-            ratios = y[-num_recent:][predicted > 0] / predicted[predicted > 0]
-            if ratios.size:
-                self._tail_factor = max(1.0, float(np.quantile(ratios, TAIL_QUANTILE)))
+        decodes = np.array([d for _, _, d in self._recent], dtype=np.float64)  # (num_recent,)
+        self._tail_seconds = 0.0
+        if np.count_nonzero(decodes) >= MIN_TAIL_SAMPLES:
+            num_recent = len(self._recent)
+            excess = y[-num_recent:] - x[-num_recent:] @ coefficients           # (num_recent,)
+            self._tail_seconds = max(0.0, _weighted_quantile(excess, decodes, TAIL_QUANTILE))
+
+
+def _weighted_quantile(values: np.ndarray, weights: np.ndarray, q: float) -> float:
+    """The smallest of `values` (n,) with at least the fraction q of the total `weights` (n,),
+    none negative, on or below it."""
+    order = np.argsort(values)
+    cumulative = np.cumsum(weights[order])
+    return float(values[order][np.searchsorted(cumulative, q * cumulative[-1])])
 
 
 def _non_negative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -165,7 +178,7 @@ def latency_budget(model: StepTimeModel, target_seconds: float, *, decode_pairs:
     the decodes wait on the step:
 
     - without decodes nobody waits: the whole `max_num_batched_tokens`;
-    - else the largest step whose predicted time, times the model's tail factor, is within
+    - else the largest step whose predicted time, plus the model's tail, is within
       `target_seconds`, with at least `min_prefill_tokens` (the waiting prompts' drain rate)
       and MIN_PREFILL_CHUNK prefill tokens;
     - and when even that smallest step is over the target, its decodes miss it whatever the
@@ -186,7 +199,7 @@ def latency_budget(model: StepTimeModel, target_seconds: float, *, decode_pairs:
 
     if num_decodes == 0:
         return chosen(max_num_batched_tokens)
-    target_seconds /= model.tail_factor  # the slow steps, not the average one, within target
+    target_seconds -= model.tail_seconds  # the slow steps, not the average one, within target
 
     floor = min(num_decodes + max(MIN_PREFILL_CHUNK, min_prefill_tokens), max_num_batched_tokens)
     if sizes:
