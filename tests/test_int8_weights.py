@@ -90,7 +90,9 @@ def test_rows_are_per_channel_int8_of_the_checkpoint(checkpoint):
 
 def test_quantize_rows_edge_cases():
     """An all-zero row (codes 0), a row whose scale is subnormal in fp16 (rounded up by up to a
-    few percent: no code clipped, the error still within scale / 2), bf16 input, and the error naming a tensor whose input features are not whole blocks."""
+    few percent: no code clipped, the error still within scale / 2), bf16 input; the errors
+    naming a tensor whose largest weight has no fp16 scale or whose input features are not whole
+    blocks."""
     weight = torch.zeros(3, 64)
     weight[1] = torch.linspace(-1e-4, 3e-4, 64)
     weight[2] = torch.linspace(-2.0, 1.0, 64)
@@ -102,6 +104,9 @@ def test_quantize_rows_edge_cases():
         assert torch.all(codes[0] == 0) and codes[2].abs().max() == 127 and codes.abs().max() <= 127
         error = (dense.float() - scales.repeat_interleave(32, dim=1) * codes.float()).abs()
         assert torch.all(error <= scales[:, :1] / 2 * (1 + 1e-6))
+    for bad in (torch.full((2, 32), torch.inf), torch.full((2, 32), 1e7)):  # 1e7 / 127: past fp16's range
+        with pytest.raises(ValueError, match=r"cannot quantize w: a row's largest weight is not finite or is beyond"):
+            int8_weights.quantize_rows(bad, "w")
     with pytest.raises(ValueError, match=r"model.layers.0.mlp.down_proj.weight: its 48 input features are "
                                          r"not a multiple of 32"):
         int8_weights.quantize_rows(torch.ones(4, 48), "model.layers.0.mlp.down_proj.weight")

@@ -44,7 +44,7 @@ def quantize_rows(weight: torch.Tensor, name: str) -> GGUFBlocks:
     if in_features % BLOCK_SIZE:
         raise ValueError(f"quantization='int8' cannot quantize {name}: its {in_features} input features "
                          f"are not a multiple of {BLOCK_SIZE} (rows are stored as blocks of {BLOCK_SIZE})")
-    exact = weight.abs().amax(dim=1).float() / _MAX_CODE                       # (rows,)
+    exact = torch.linalg.vector_norm(weight, torch.inf, dim=1, dtype=torch.float32) / _MAX_CODE  # (rows,)
     scale = exact.half()
     # Rounded up, never down, so that no code passes 127: the error stays within d / 2.
     scale = torch.where(scale.float() < exact, torch.nextafter(scale, scale.new_tensor(torch.inf)), scale)
@@ -52,10 +52,11 @@ def quantize_rows(weight: torch.Tensor, name: str) -> GGUFBlocks:
         raise ValueError(f"quantization='int8' cannot quantize {name}: a row's largest weight is not "
                          f"finite or is beyond 127 times fp16's largest scale")
     divisor = torch.where(scale > 0, scale.float(), 1.0).unsqueeze(1)         # (rows, 1); all-zero rows: codes 0
-    codes = torch.div(weight.float(), divisor).round_().clamp_(-_MAX_CODE, _MAX_CODE).to(torch.int8)  # (rows, in)
+    codes = torch.div(weight, divisor).round_().clamp_(-_MAX_CODE, _MAX_CODE)  # (rows, in) float32
     blocks = in_features // BLOCK_SIZE
-    data = torch.cat([scale.view(torch.uint8).view(rows, 1, 2).expand(rows, blocks, 2),       # d, little-endian
-                      codes.view(torch.uint8).view(rows, blocks, BLOCK_SIZE)], dim=2)         # (rows, blocks, 34)
+    data = torch.empty(rows, blocks, 2 + BLOCK_SIZE, dtype=torch.uint8)        # [d][32 codes] per block
+    data[..., :2] = scale.view(torch.uint8).view(rows, 1, 2)                   # fp16 d, little-endian
+    data[..., 2:].view(torch.int8).copy_(codes.view(rows, blocks, BLOCK_SIZE))
     return GGUFBlocks(data.view(rows, -1), Q8_0, in_features)
 
 
