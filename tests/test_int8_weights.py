@@ -89,12 +89,12 @@ def test_rows_are_per_channel_int8_of_the_checkpoint(checkpoint):
 
 
 def test_quantize_rows_edge_cases():
-    """An all-zero row (codes 0), a row whose scale is subnormal in fp16 (rounded up by up to a
-    few percent: no code clipped, the error still within scale / 2), bf16 input; the errors
+    """An all-zero row (codes 0), a row whose scale is a tiny fp16 subnormal (rounded up, by a
+    third here: no code clipped, the error still within scale / 2), bf16 input; the errors
     naming a tensor whose largest weight has no fp16 scale or whose input features are not whole
     blocks."""
     weight = torch.zeros(3, 64)
-    weight[1] = torch.linspace(-1e-4, 3e-4, 64)
+    weight[1] = torch.linspace(-1e-6, 1e-5, 64)  # d: 1.3 steps of fp16's smallest subnormal
     weight[2] = torch.linspace(-2.0, 1.0, 64)
     for dense in (weight, weight.bfloat16()):
         blocks = int8_weights.quantize_rows(dense, "w")
