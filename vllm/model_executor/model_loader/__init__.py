@@ -62,8 +62,8 @@ def load_model(source: ModelSource, hf_config, dtype: torch.dtype, max_position:
     one tensor at a time: host memory peaks at the model in `dtype` plus one checkpoint tensor.
     With quantization="gguf" the GGUF file's quantized matrices stay in their blocks; with
     "int8" each product weight becomes Q8_0 blocks of per-channel scales as it is read (a .gguf
-    file's tensors dequantized first). Either way the model's dense weights are created but
-    never written (so never resident) before the blocks replace them."""
+    file's tensors dequantized first). Either way the dense tensors of the weights kept in
+    blocks are created but never written (so never resident) before the blocks replace them."""
     model_class = resolve_model_class(hf_config)
     model = model_class(hf_config, max_position=max_position, dtype=dtype)
     if source.gguf_file:
