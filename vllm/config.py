@@ -50,7 +50,9 @@ class ModelConfig:
     max_model_len: int
     seed: int = 0
     gguf_file: str | None = None  # set when `model` is a single .gguf file
-    quantization: str | None = None  # "gguf": the file's quantized tensors stay in their blocks
+    # "gguf": the file's quantized tensors stay in their blocks; "int8": linear weights quantized
+    # per output channel at load (vllm/model_executor/layers/quantization/int8_weights.py).
+    quantization: str | None = None
     max_logprobs: int = 20  # largest `logprobs` / `prompt_logprobs` a request may ask for
     trust_remote_code: bool = False  # transformers may run the checkpoint's own code
     # "auto": the model's generation_config.json gives the default sampling parameters; "vllm":

@@ -80,8 +80,9 @@ class CpuPlatform(Platform):
     # than oneDNN at larger padded sizes, so small buckets pay; 2, not 1, because dynamo gives
     # size 1 a graph of its own while 2 shares the symbolic one.
     min_token_bucket = 2
-    # GGUF blocks kept quantized (vllm/model_executor/layers/quantization/).
-    supported_quantization = ("gguf",)
+    # GGUF blocks kept quantized, and int8 weights made at load in Q8_0 blocks
+    # (vllm/model_executor/layers/quantization/).
+    supported_quantization = ("gguf", "int8")
 
     def __init__(self) -> None:
         super().__init__()

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from vllm.logger import init_logger
+from vllm.model_executor.layers.quantization import int8_weights
 from vllm.model_executor.model_loader.gguf_weights import iter_gguf_weights
 from vllm.model_executor.model_loader.hf_weights import iter_hf_weights
 from vllm.model_executor.model_loader.source import ModelSource, resolve_model_source
@@ -59,9 +60,10 @@ def load_model(source: ModelSource, hf_config, dtype: torch.dtype, max_position:
                device: torch.device, quantization: str | None = None) -> nn.Module:
     """Instantiates the model class for `hf_config` in `dtype` and fills it from the checkpoint,
     one tensor at a time: host memory peaks at the model in `dtype` plus one checkpoint tensor.
-    With quantization="gguf" the GGUF file's quantized matrices stay in their blocks: the
-    model's dense weights are created but never written (so never resident) before the blocks
-    replace them."""
+    With quantization="gguf" the GGUF file's quantized matrices stay in their blocks; with
+    "int8" each product weight becomes Q8_0 blocks of per-channel scales as it is read (a .gguf
+    file's tensors dequantized first). Either way the dense tensors of the weights kept in
+    blocks are created but never written (so never resident) before the blocks replace them."""
     model_class = resolve_model_class(hf_config)
     model = model_class(hf_config, max_position=max_position, dtype=dtype)
     if source.gguf_file:
@@ -69,9 +71,13 @@ def load_model(source: ModelSource, hf_config, dtype: torch.dtype, max_position:
                                     hf_config.num_attention_heads, hf_config.num_key_value_heads,
                                     keep_quantized=quantization == "gguf")
     else:
-        assert quantization is None, "quantization is checked against the checkpoint by EngineArgs"
+        assert quantization in (None, "int8"), "quantization is checked against the checkpoint by EngineArgs"
         weights = iter_hf_weights(source.directory)
+    if quantization == "int8":
+        weights = int8_weights.quantize_linear_weights(weights, model)
     model.load_weights(weights)
+    if quantization == "int8":
+        int8_weights.check_quantized(model)
     model = model.to(device=device, dtype=dtype).eval()  # weights of blocks keep their uint8
     logger.info("Model weights: %.1f MiB resident (%s)", resident_weight_bytes(model) / 2**20,
                 quantization or "unquantized")
