@@ -115,15 +115,35 @@ static inline void dequantize_block(const uint8_t *b, int type, float *out) {
     }
 }
 
+/* A Q4_K super-block's scale bytes unpacked: byte s of `sc` and `m` is its sub-block s's 6-bit
+ * scale sc_s and minimum m_s (see the layout above: 4 sub-blocks a 32-bit word). */
+struct q4_k_scales {
+    uint64_t sc, m;
+    float d, dmin;
+};
+
+static inline struct q4_k_scales q4_k_scales(const uint8_t *sb) {
+    uint32_t u[3];
+    memcpy(u, sb + 4, sizeof u);
+    struct q4_k_scales s;
+    s.sc = (uint64_t)(u[0] & 0x3f3f3f3fu) | (uint64_t)((u[2] & 0x0f0f0f0fu) | (u[0] >> 2 & 0x30303030u)) << 32;
+    s.m = (uint64_t)(u[1] & 0x3f3f3f3fu) | (uint64_t)((u[2] >> 4 & 0x0f0f0f0fu) | (u[1] >> 2 & 0x30303030u)) << 32;
+    s.d = half_to_float(sb);
+    s.dmin = half_to_float(sb + 2);
+    return s;
+}
+
+/* Sub-block s's scale d * sc_s and minimum dmin * m_s: exact in float32 (11-bit by 6-bit
+ * products), as the gguf package forms them. */
+static inline float q4_k_scale(const struct q4_k_scales *u, int s) { return u->d * (float)(u->sc >> 8 * s & 63); }
+static inline float q4_k_min(const struct q4_k_scales *u, int s) { return u->dmin * (float)(u->m >> 8 * s & 63); }
+
 /* Sub-block s of the Q4_K super-block sb: its codes (in the low halves of q's 32 bytes where
- * *shift is 0, the high halves where 4), its scale d * sc_s and its minimum dmin * m_s (both
- * exact in float32: 11-bit by 6-bit products). */
+ * *shift is 0, the high halves where 4), its scale and its minimum. */
 static inline const uint8_t *q4_k_sub_block(const uint8_t *sb, int s, int *shift, float *scale, float *min) {
-    const uint8_t *p = sb + 4;
-    const int sc = s < 4 ? p[s] & 63 : (p[s + 4] & 15) | (p[s - 4] >> 6) << 4;
-    const int m = s < 4 ? p[s + 4] & 63 : (p[s + 4] >> 4) | (p[s] >> 6) << 4;
-    *scale = half_to_float(sb) * (float)sc;
-    *min = half_to_float(sb + 2) * (float)m;
+    const struct q4_k_scales u = q4_k_scales(sb);
+    *scale = q4_k_scale(&u, s);
+    *min = q4_k_min(&u, s);
     *shift = 4 * (s % 2);
     return sb + 16 + 32 * (s / 2);
 }
@@ -206,32 +226,40 @@ static inline void dequantize_block16(const uint8_t *b, int type, __m512 *lo, __
     }
 }
 
+/* Sub-block s of the Q4_K super-block sb (its scales unpacked in u) as 2 x 16 float32, with
+ * dequantize_row_block's roundings (a multiply, then a subtraction). */
+static inline __attribute__((always_inline)) void q4_k_sub_block16(const uint8_t *sb, const struct q4_k_scales *u,
+                                                                   int s, __m512 *lo, __m512 *hi) {
+    const uint8_t *q = sb + 16 + 32 * (s / 2);
+    const __m512i count = _mm512_set1_epi32(4 * (s % 2)), low = _mm512_set1_epi32(15);
+    const __m512i qlo = _mm512_and_si512(_mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q)), count), low);
+    const __m512i qhi = _mm512_and_si512(_mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + 16))), count), low);
+    const __m512 d = _mm512_set1_ps(q4_k_scale(u, s)), m = _mm512_set1_ps(q4_k_min(u, s));
+    *lo = _mm512_sub_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(qlo), d), m);
+    *hi = _mm512_sub_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(qhi), d), m);
+}
+
 /* Block b of a row of `type` as 2 x 16 float32, as dequantize_row_block. */
-static inline void dequantize_row_block16(const uint8_t *row, int64_t b, int type, __m512 *lo, __m512 *hi) {
+static inline __attribute__((always_inline)) void dequantize_row_block16(const uint8_t *row, int64_t b, int type,
+                                                                         __m512 *lo, __m512 *hi) {
     if (type != TYPE_Q4_K) {
         dequantize_block16(row + b * block_bytes(type), type, lo, hi);
         return;
     }
-    int shift;
-    float scale, min;
-    const uint8_t *q = q4_k_sub_block(row + b / 8 * block_bytes(type), (int)(b % 8), &shift, &scale, &min);
-    const __m512i qlo = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q));
-    const __m512i qhi = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + 16)));
-    const __m512i count = _mm512_set1_epi32(shift), low = _mm512_set1_epi32(15);
-    const __m512 d = _mm512_set1_ps(scale), m = _mm512_set1_ps(min);
-    *lo = _mm512_sub_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(qlo, count), low)), d), m);
-    *hi = _mm512_sub_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(qhi, count), low)), d), m);
+    const uint8_t *sb = row + b / 8 * block_bytes(type);
+    const struct q4_k_scales u = q4_k_scales(sb);
+    q4_k_sub_block16(sb, &u, (int)(b % 8), lo, hi);
 }
 
 static inline __attribute__((always_inline)) void row_float(
         const uint8_t *row, int type, const float *xf, float b0, void *y, int bf16, int64_t j,
         int64_t t0, int tm, int64_t n, int64_t k) {
-    const int64_t nb = k / QK;
+    const int64_t bb = block_bytes(type), nb = k / QK;
     __m512 acc[TILE];
     for (int t = 0; t < TILE; ++t) acc[t] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
         __m512 lo, hi;
-        dequantize_row_block16(row, b, type, &lo, &hi);
+        dequantize_block16(row + b * bb, type, &lo, &hi);
         for (int t = 0; t < tm; ++t) {
             const float *xt = xf + (t0 + t) * k + b * QK;
             acc[t] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xt), acc[t]);
@@ -239,6 +267,39 @@ static inline __attribute__((always_inline)) void row_float(
         }
     }
     for (int t = 0; t < tm; ++t) store(y, bf16, (t0 + t) * n + j, _mm512_reduce_add_ps(acc[t]) + b0);
+}
+
+/* row_float for Q4_K, a super-block at a time (its scales unpacked once for its 8 sub-blocks),
+ * with tm a constant in each caller (the sums then stay in registers). */
+static inline __attribute__((always_inline)) void rows_float_q4_k(
+        const uint8_t *row, const float *xf, float b0, void *y, int bf16, int64_t j, int64_t t0, const int tm,
+        int64_t n, int64_t k) {
+    __m512 acc[TILE];
+    for (int t = 0; t < tm; ++t) acc[t] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < k; i += QK_K) {
+        const uint8_t *sb = row + i / QK_K * block_bytes(TYPE_Q4_K);
+        const struct q4_k_scales u = q4_k_scales(sb);
+        for (int s = 0; s < 8; ++s) {
+            __m512 lo, hi;
+            q4_k_sub_block16(sb, &u, s, &lo, &hi);
+            for (int t = 0; t < tm; ++t) {
+                const float *xt = xf + (t0 + t) * k + i + s * QK;
+                acc[t] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xt), acc[t]);
+                acc[t] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xt + 16), acc[t]);
+            }
+        }
+    }
+    for (int t = 0; t < tm; ++t) store(y, bf16, (t0 + t) * n + j, _mm512_reduce_add_ps(acc[t]) + b0);
+}
+
+static void row_float_q4_k(const uint8_t *row, const float *xf, float b0, void *y, int bf16, int64_t j,
+                           int64_t t0, int tm, int64_t n, int64_t k) {
+    switch (tm) {
+    case 1: rows_float_q4_k(row, xf, b0, y, bf16, j, t0, 1, n, k); break;
+    case 2: rows_float_q4_k(row, xf, b0, y, bf16, j, t0, 2, n, k); break;
+    case 3: rows_float_q4_k(row, xf, b0, y, bf16, j, t0, 3, n, k); break;
+    default: rows_float_q4_k(row, xf, b0, y, bf16, j, t0, TILE, n, k); break;
+    }
 }
 #endif
 
@@ -259,7 +320,7 @@ int gguf_matmul_float(const void *x, int bf16, const uint8_t *w, int type, const
             switch (type) {
             case TYPE_Q8_0: row_float(row, TYPE_Q8_0, xf, b0, y, bf16, j, t0, tm, n, k); break;
             case TYPE_Q4_0: row_float(row, TYPE_Q4_0, xf, b0, y, bf16, j, t0, tm, n, k); break;
-            case TYPE_Q4_K: row_float(row, TYPE_Q4_K, xf, b0, y, bf16, j, t0, tm, n, k); break;
+            case TYPE_Q4_K: row_float_q4_k(row, xf, b0, y, bf16, j, t0, tm, n, k); break;
             default: row_float(row, TYPE_Q4_1, xf, b0, y, bf16, j, t0, tm, n, k); break;
             }
             continue;
@@ -318,23 +379,6 @@ static inline __m256i weight_codes(const uint8_t *b, int type) {
     return type == TYPE_Q4_0 ? _mm256_sub_epi8(q, _mm256_set1_epi8(8)) : q;
 }
 
-/* Block b of a row of `type`: its 32 codes as bytes (as weight_codes; Q4_K's unsigned), its
- * scale *dw and the offset *mw of unsigned codes (Q4_1's m, Q4_K's -dmin * m_s; else 0). */
-static inline __m256i row_block_codes(const uint8_t *row, int64_t b, int type, float *dw, float *mw) {
-    if (type != TYPE_Q4_K) {
-        const uint8_t *blk = row + b * block_bytes(type);
-        *dw = half_to_float(blk);
-        *mw = type == TYPE_Q4_1 ? half_to_float(blk + 2) : 0.0f;
-        return weight_codes(blk, type);
-    }
-    int shift;
-    float min;
-    const uint8_t *q = q4_k_sub_block(row + b / 8 * block_bytes(type), (int)(b % 8), &shift, dw, &min);
-    *mw = -min;
-    const __m256i bytes = _mm256_srl_epi16(_mm256_loadu_si256((const __m256i *)q), _mm_cvtsi32_si128(shift));
-    return _mm256_and_si256(bytes, _mm256_set1_epi8(15));
-}
-
 static inline float reduce(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -346,26 +390,67 @@ static inline float reduce(__m256 v) {
 static inline __attribute__((always_inline)) void row_int8(
         const uint8_t *row, int type, const int8_t *qx, const float *dx, const int32_t *sx,
         float b0, void *y, int bf16, int64_t j, int64_t t0, int tm, int64_t n, int64_t k) {
-    const int64_t nb = k / QK;
-    const int offset = type == TYPE_Q4_1 || type == TYPE_Q4_K;  /* unsigned codes plus an offset */
+    const int64_t bb = block_bytes(type), nb = k / QK;
     __m256 acc[TILE];
-    float shift[TILE] = {0};  /* Q4_1, Q4_K: sum over blocks of mw * dx * sum(qx) */
+    float shift[TILE] = {0};  /* Q4_1: sum over blocks of m * dx * sum(qx) */
     for (int t = 0; t < TILE; ++t) acc[t] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
-        float dw, mw;
-        const __m256i q = row_block_codes(row, b, type, &dw, &mw);
+        const uint8_t *blk = row + b * bb;
+        const float dw = half_to_float(blk), mw = type == TYPE_Q4_1 ? half_to_float(blk + 2) : 0.0f;
+        const __m256i q = weight_codes(blk, type);
         /* vpdpbusd multiplies unsigned by signed bytes: signed weight codes give their sign to x. */
-        const __m256i wu = offset ? q : _mm256_sign_epi8(q, q);
+        const __m256i wu = type == TYPE_Q4_1 ? q : _mm256_sign_epi8(q, q);
         for (int t = 0; t < tm; ++t) {
             const int64_t xb = (t0 + t) * nb + b;
             __m256i xs = _mm256_loadu_si256((const __m256i *)(qx + xb * QK));
-            if (!offset) xs = _mm256_sign_epi8(xs, q);
+            if (type != TYPE_Q4_1) xs = _mm256_sign_epi8(xs, q);
             const __m256i dot = DPBUSD(_mm256_setzero_si256(), wu, xs);
             acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dw * dx[xb]), acc[t]);
-            if (offset) shift[t] += mw * dx[xb] * (float)sx[xb];
+            if (type == TYPE_Q4_1) shift[t] += mw * dx[xb] * (float)sx[xb];
         }
     }
     for (int t = 0; t < tm; ++t) store(y, bf16, (t0 + t) * n + j, reduce(acc[t]) + shift[t] + b0);
+}
+
+/* row_int8 for Q4_K, a super-block at a time (its scales unpacked once for its 8 sub-blocks,
+ * each a Q4_1 block of scale d * sc_s and offset -dmin * m_s), with tm a constant in each caller
+ * (the sums then stay in registers). */
+static inline __attribute__((always_inline)) void rows_int8_q4_k(
+        const uint8_t *row, const int8_t *qx, const float *dx, const int32_t *sx, float b0, void *y, int bf16,
+        int64_t j, int64_t t0, const int tm, int64_t n, int64_t k) {
+    const int64_t nb = k / QK;
+    __m256 acc[TILE];
+    float shift[TILE];  /* sum over sub-blocks of -dmin * m_s * dx * sum(qx) */
+    for (int t = 0; t < tm; ++t) {
+        acc[t] = _mm256_setzero_ps();
+        shift[t] = 0.0f;
+    }
+    for (int64_t b = 0; b < nb; b += 8) {
+        const uint8_t *sb = row + b / 8 * block_bytes(TYPE_Q4_K);
+        const struct q4_k_scales u = q4_k_scales(sb);
+        for (int s = 0; s < 8; ++s) {
+            const __m256i bytes = _mm256_loadu_si256((const __m256i *)(sb + 16 + 32 * (s / 2)));
+            const __m256i q = _mm256_and_si256(s % 2 ? _mm256_srli_epi16(bytes, 4) : bytes, _mm256_set1_epi8(15));
+            const float dw = q4_k_scale(&u, s), mw = q4_k_min(&u, s);
+            for (int t = 0; t < tm; ++t) {
+                const int64_t xb = (t0 + t) * nb + b + s;
+                const __m256i dot = DPBUSD(_mm256_setzero_si256(), q, _mm256_loadu_si256((const __m256i *)(qx + xb * QK)));
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dw * dx[xb]), acc[t]);
+                shift[t] -= mw * dx[xb] * (float)sx[xb];
+            }
+        }
+    }
+    for (int t = 0; t < tm; ++t) store(y, bf16, (t0 + t) * n + j, reduce(acc[t]) + shift[t] + b0);
+}
+
+static void row_int8_q4_k(const uint8_t *row, const int8_t *qx, const float *dx, const int32_t *sx, float b0,
+                          void *y, int bf16, int64_t j, int64_t t0, int tm, int64_t n, int64_t k) {
+    switch (tm) {
+    case 1: rows_int8_q4_k(row, qx, dx, sx, b0, y, bf16, j, t0, 1, n, k); break;
+    case 2: rows_int8_q4_k(row, qx, dx, sx, b0, y, bf16, j, t0, 2, n, k); break;
+    case 3: rows_int8_q4_k(row, qx, dx, sx, b0, y, bf16, j, t0, 3, n, k); break;
+    default: rows_int8_q4_k(row, qx, dx, sx, b0, y, bf16, j, t0, TILE, n, k); break;
+    }
 }
 
 int gguf_matmul_int8(const void *x, int bf16, const uint8_t *w, int type, const void *bias, void *y,
@@ -392,7 +477,7 @@ int gguf_matmul_int8(const void *x, int bf16, const uint8_t *w, int type, const 
             switch (type) {
             case TYPE_Q8_0: row_int8(row, TYPE_Q8_0, qx, dx, sx, b0, y, bf16, j, t0, tm, n, k); break;
             case TYPE_Q4_0: row_int8(row, TYPE_Q4_0, qx, dx, sx, b0, y, bf16, j, t0, tm, n, k); break;
-            case TYPE_Q4_K: row_int8(row, TYPE_Q4_K, qx, dx, sx, b0, y, bf16, j, t0, tm, n, k); break;
+            case TYPE_Q4_K: row_int8_q4_k(row, qx, dx, sx, b0, y, bf16, j, t0, tm, n, k); break;
             default: row_int8(row, TYPE_Q4_1, qx, dx, sx, b0, y, bf16, j, t0, tm, n, k); break;
             }
         }
