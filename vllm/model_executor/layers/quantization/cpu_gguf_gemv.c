@@ -21,8 +21,9 @@
  *         bytes 4-7  [hi2(m_4..7)  | m_0..3]       holds q_j of sub-block 2 p in its low half and
  *         bytes 8-11 [lo4(m_4..7)  | lo4(sc_4..7)] q_j of sub-block 2 p + 1 in its high half
  *
- * The products see every type as blocks of 32 weights: a Q4_K sub-block is one, its scale and
- * minimum decoded where it is used.
+ * Dequantizing sees every type as blocks of 32 weights (a Q4_K sub-block is one, its scale and
+ * minimum unpacked from its super-block's); the weight-stationary products on Q4_K walk a row
+ * a super-block at a time, unpacking its scales once for its 8 sub-blocks.
  *
  * Two weight-stationary products, both with float32 sums (a bias, in x's dtype, added to them):
  *   gguf_matmul_float  x in float32 (bf16 x widened): each block dequantized to float32 exactly
@@ -525,12 +526,13 @@ int gguf_use_tile_gemm(void *gemm) {
 /* The fewest rows of x for which the tiled product of `type` is used, where it can be: where it
  * overtakes the int8 product on the default model's shapes (benchmarks/benchmark_gguf_products.py:
  * the shapes move it by a row at most; Q4_1's int8 product also sums its blocks' minimums, and
- * Q8_0's needs no unpacking). */
+ * Q8_0's needs no unpacking; Q4_K is measured on those shapes with K rounded up to whole
+ * super-blocks, benchmarks/results/gguf_products_q4_k.json). */
 int gguf_tiled_min_rows(int type) {
     switch (type) {
     case TYPE_Q4_1: return 4;
     case TYPE_Q4_0: return 5;
-    case TYPE_Q4_K: return 4;
+    case TYPE_Q4_K: return 5;
     default: return 6;
     }
 }
