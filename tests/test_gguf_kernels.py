@@ -23,7 +23,8 @@ pytestmark = pytest.mark.skipif(shutil.which("cc") is None or not cpu_gguf_gemv.
                                 reason="the GGUF kernels need a C compiler")
 
 TYPES = {"Q8_0": 8, "Q4_0": 2, "Q4_1": 3, "Q4_K": Q4_K}
-# (tokens, output rows, K): K not a multiple of 256 (but for Q4_K, below), odd row counts, 1 to 8 tokens.
+# (tokens, output rows, K): odd row counts, 1 to 8 tokens; K not a multiple of 256 (CASES rounds it
+# up to whole super-blocks for Q4_K: 1 to 3 of them).
 SHAPES = [(1, 1, 32), (1, 7, 96), (2, 33, 160), (3, 64, 576), (5, 17, 288), (8, 65, 544)]
 X_BLOCK = 32  # the int8 product quantizes x per 32 columns
 _EPS32 = 2.0 ** -24  # float32 unit roundoff
@@ -40,7 +41,8 @@ CASES = [(name, m, n, _whole_blocks(name, k)) for name in TYPES for m, n, k in S
 
 
 def _blocks(quant_type: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, np.ndarray]:
-    """Random weights in GGUF blocks: ((n, row bytes) uint8, the gguf package's (n, k) float32)."""
+    """Random weights in GGUF blocks (Q4_K: random super-blocks): ((n, row bytes) uint8, the gguf
+    package's (n, k) float32)."""
     rng = np.random.default_rng(seed)
     if quant_type == Q4_K:
         data = random_q4_k(n, k, rng)
