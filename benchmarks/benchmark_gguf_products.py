@@ -2,7 +2,8 @@
 (int8 activations where the CPU has them) against the tiled one (each weight dequantized into
 bf16 tiles for cpu_tile_gemm.c), per weight shape and row count, on random GGUF blocks.
 cpu_gguf_gemv.c's gguf_tiled_min_rows(type) is the row count from which the tiled product wins
-on these shapes (the default model's: q|k|v, o, gate|up, down) for each type.
+on these shapes (the default model's: q|k|v, o, gate|up, down; for Q4_K, whose rows are
+super-blocks of 256, K rounded up to 768 and 1536) for each type.
 
     PYTHONPATH=$PWD python benchmarks/benchmark_gguf_products.py --output-json benchmarks/results/gguf_products.json
 """
@@ -17,7 +18,20 @@ import result_files
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (N, K) of SmolLM2-135M's products
 ROWS = [1, 2, 3, 4, 5, 6, 8, 12, 16, 32]
-TYPES = {"Q8_0": 8, "Q4_0": 2, "Q4_1": 3}
+TYPES = {"Q8_0": 8, "Q4_0": 2, "Q4_1": 3, "Q4_K": 12}
+
+
+def _random_blocks(quant_type: int, n: int, k: int, rng: np.random.Generator) -> torch.Tensor:
+    """(n, row bytes) uint8: the gguf package's blocks of random weights; Q4_K, which it cannot
+    quantize, random bytes with d and dmin of 2^-10."""
+    import gguf
+
+    if quant_type != TYPES["Q4_K"]:
+        data = gguf.quants.quantize(rng.standard_normal((n, k)).astype(np.float32), gguf.GGMLQuantizationType(quant_type))
+        return torch.from_numpy(np.ascontiguousarray(data))
+    blocks = rng.integers(0, 256, (n, k // 256, 144), dtype=np.uint8)
+    blocks[..., 0:4] = np.full(2, 2.0 ** -10, dtype=np.float16).view(np.uint8)
+    return torch.from_numpy(blocks.reshape(n, -1))
 
 
 def _best_us(fn, repeats: int) -> float:
@@ -32,11 +46,10 @@ def _best_us(fn, repeats: int) -> float:
 
 
 def main() -> None:
-    import gguf
     from vllm.model_executor.layers.quantization import cpu_gguf_gemv
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--types", default="Q4_1,Q8_0", help="comma-separated subset of Q8_0,Q4_0,Q4_1")
+    parser.add_argument("--types", default="Q4_1,Q8_0", help="comma-separated subset of Q8_0,Q4_0,Q4_1,Q4_K")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args()
@@ -47,9 +60,9 @@ def main() -> None:
     for name in args.types.split(","):
         quant_type = TYPES[name]
         for n, k in SHAPES:
-            data = gguf.quants.quantize(rng.standard_normal((n, k)).astype(np.float32),
-                                        gguf.GGMLQuantizationType(quant_type))
-            blocks = torch.from_numpy(np.ascontiguousarray(data))
+            if name == "Q4_K":
+                k = -(-k // 256) * 256
+            blocks = _random_blocks(quant_type, n, k, rng)
             crossover = None
             for m in ROWS:
                 x = torch.randn(m, k).bfloat16()

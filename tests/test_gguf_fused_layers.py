@@ -14,19 +14,33 @@ import numpy as np
 import pytest
 import torch
 
+from tests.q4_k_blocks import Q4_K, quantize_q4_k
 from tests.test_fused_layers import _assert_fused_matches_op_by_op
 from tests.utils import avx2_only_env, build_tiny_checkpoint, random_prompts, tokens_op_by_op_then_fused
 from vllm import LLM, SamplingParams
 from vllm.model_executor.layers.linear import PACKED_MAX_ROWS, Linear
 from vllm.model_executor.layers.quantization import cpu_gguf_gemv, gguf_linear
-from vllm.model_executor.layers.quantization.gguf_blocks import GGUFBlocks
+from vllm.model_executor.layers.quantization.gguf_blocks import GGUFBlocks, block_size
 from vllm.model_executor.models.llama_cpu_layers import FusedLayers
 from vllm.platforms.cpu import cpu_flags
 
 gguf = pytest.importorskip("gguf")
 
-TYPES = {"Q8_0": 8, "Q4_0": 2, "Q4_1": 3}
+TYPES = {"Q8_0": 8, "Q4_0": 2, "Q4_1": 3, "Q4_K": Q4_K}
 BLOCK = 16
+
+
+def _quantize(quant_type: int, weights: np.ndarray) -> torch.Tensor:
+    """(n, k) float32 -> (n, row bytes) uint8 blocks of `quant_type` (Q4_K by tests/q4_k_blocks.py)."""
+    if quant_type == Q4_K:
+        return torch.from_numpy(quantize_q4_k(weights))
+    return torch.from_numpy(np.ascontiguousarray(gguf.quants.quantize(weights, gguf.GGMLQuantizationType(quant_type))))
+
+
+def _cases(shapes: list[tuple[int, int, int]]) -> list[tuple[str, int, int, int]]:
+    """(type, m, n, k) for each type and shape, k rounded up to whole blocks (Q4_K: 256)."""
+    return [(name, m, n, -(-k // block_size(TYPES[name])) * block_size(TYPES[name]))
+            for name in TYPES for m, n, k in shapes]
 
 
 def _product(quant_type: int, x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -44,15 +58,13 @@ def _product(quant_type: int, x: torch.Tensor, blocks: torch.Tensor, bias: torch
 
 @pytest.mark.skipif(not cpu_gguf_gemv.available(), reason="the GGUF kernels need a C compiler")
 @pytest.mark.parametrize("with_bias", [False, True])
-@pytest.mark.parametrize("m,n,k", [(1, 7, 64), (3, 33, 160), (5, 64, 576), (16, 64, 576)])
-@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("name,m,n,k", _cases([(1, 7, 64), (3, 33, 160), (5, 64, 576), (16, 64, 576)]))
 def test_layer_product_is_the_op_by_op_product(name, m, n, k, with_bias):
     """The layer's entry point for a type is `product` on that type: below tiled_min_rows (or
     where the tiled product does not run) that is matmul on bf16 x, int8 activations where the
     ISA has them, the bias added to the float32 sums before the one rounding to bf16."""
     rng = np.random.default_rng(m + n + k)
-    data = gguf.quants.quantize(rng.standard_normal((n, k)).astype(np.float32), gguf.GGMLQuantizationType(TYPES[name]))
-    blocks = torch.from_numpy(np.ascontiguousarray(data))
+    blocks = _quantize(TYPES[name], rng.standard_normal((n, k)).astype(np.float32))
     x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32)).bfloat16()
     bias = torch.from_numpy(rng.standard_normal(n).astype(np.float32)).bfloat16() if with_bias else None
     got = _product(TYPES[name], x, blocks, bias)
@@ -64,15 +76,13 @@ def test_layer_product_is_the_op_by_op_product(name, m, n, k, with_bias):
 
 
 @pytest.mark.skipif(not cpu_gguf_gemv.tiled_fits(64), reason="no tile GEMM here")
-@pytest.mark.parametrize("m,n,k", [(1, 16, 64), (9, 48, 160), (40, 1040, 576)])
-@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("name,m,n,k", _cases([(1, 16, 64), (9, 48, 160), (40, 1040, 576)]))
 def test_tiled_product_is_bf16_dequantize_then_matmul(name, m, n, k):
     """The tiled product (from tiled_min_rows rows): the weights dequantized to bf16 (nearest
     even), their float32 products with x and the bias, rounded to bf16 once; 1040 rows are more
     than one panel."""
     rng = np.random.default_rng(m + n + k)
-    data = gguf.quants.quantize(rng.standard_normal((n, k)).astype(np.float32), gguf.GGMLQuantizationType(TYPES[name]))
-    blocks = torch.from_numpy(np.ascontiguousarray(data))
+    blocks = _quantize(TYPES[name], rng.standard_normal((n, k)).astype(np.float32))
     x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32)).bfloat16()
     bias = torch.from_numpy(rng.standard_normal(n).astype(np.float32)).bfloat16()
     got = cpu_gguf_gemv.product(x, blocks, TYPES[name], bias, tiled=True).double()
@@ -93,8 +103,7 @@ def _quantize_in_place(model: torch.nn.Module, quant_type: int, dense: dict[str,
     params = dict(model.named_parameters())
     for name, weight in dense.items():
         if (name, quant_type) not in cache:
-            data = gguf.quants.quantize(weight.float().numpy(), gguf.GGMLQuantizationType(quant_type))
-            cache[name, quant_type] = GGUFBlocks(torch.from_numpy(np.ascontiguousarray(data)), quant_type,
+            cache[name, quant_type] = GGUFBlocks(_quantize(quant_type, weight.float().numpy()), quant_type,
                                                  weight.shape[1])
         param = params[name]
         param.data = weight.clone()  # dense again, then blocks of this type
@@ -142,10 +151,11 @@ def _quantized(quantizable_llm, name: str) -> LLM:
 @pytest.mark.parametrize("contexts,chunks", [([37], []), ([5, 200, 16], []), ([11 * i % 170 for i in range(16)], []),
                                              ([130, 3], [(1, 0), (2, 200)]), ([7], [(100, 30)])])
 @pytest.mark.parametrize("quantizable_llm,name", [("llama", "Q8_0"), ("llama", "Q4_0"), ("llama", "Q4_1"),
-                                                  ("qwen2", "Q4_1")], indirect=["quantizable_llm"])
+                                                  ("llama", "Q4_K"), ("qwen2", "Q4_1")], indirect=["quantizable_llm"])
 def test_quantized_steps_match_op_by_op(quantizable_llm, name, contexts, chunks):
     """Same hidden states and cache writes from the C layers and the op-by-op layers on the
-    same blocks (each type on Llama; Qwen2's q/k/v biases on Q4_1), for 1-16 decodes and prefill chunks with and without decodes: products of 1-3
+    same blocks (each type on Llama, hidden size 256 for Q4_K's super-blocks; Qwen2's q/k/v
+    biases on Q4_1), for 1-16 decodes and prefill chunks with and without decodes: products of 1-3
     rows on the int8 (or float32) product, 16 and 101 rows on the tiled one where it runs."""
     runner = _quantized(quantizable_llm, name).llm_engine.runner
     assert runner.model.model.layers[0].mlp.down_proj.weight.dtype == torch.uint8

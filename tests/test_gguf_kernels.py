@@ -1,5 +1,6 @@
 """The C products on GGUF blocks (cpu_gguf_gemv.c) against the gguf package's dequantize followed
-by a float64 matmul, on blocks the gguf package quantizes from random weights."""
+by a float64 matmul, on blocks the gguf package quantizes from random weights (Q4_K: random
+super-blocks, tests/q4_k_blocks.py)."""
 
 import os
 import platform
@@ -11,26 +12,43 @@ import numpy as np
 import pytest
 import torch
 
+from tests.q4_k_blocks import Q4_K, random_q4_k
 from tests.utils import avx2_only_env
 from vllm.model_executor.layers.quantization import cpu_gguf_gemv
-from vllm.model_executor.layers.quantization.gguf_blocks import BLOCK_SIZE, row_bytes
+from vllm.model_executor.layers.quantization.gguf_blocks import block_size, row_bytes
 from vllm.platforms.cpu import cpu_flags
 
 gguf = pytest.importorskip("gguf")
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None or not cpu_gguf_gemv.available(),
                                 reason="the GGUF kernels need a C compiler")
 
-TYPES = {"Q8_0": 8, "Q4_0": 2, "Q4_1": 3}
-# (tokens, output rows, K): K not a multiple of 256, odd row counts, 1 to 8 tokens.
+TYPES = {"Q8_0": 8, "Q4_0": 2, "Q4_1": 3, "Q4_K": Q4_K}
+# (tokens, output rows, K): odd row counts, 1 to 8 tokens; K not a multiple of 256 (CASES rounds it
+# up to whole super-blocks for Q4_K: 1 to 3 of them).
 SHAPES = [(1, 1, 32), (1, 7, 96), (2, 33, 160), (3, 64, 576), (5, 17, 288), (8, 65, 544)]
+X_BLOCK = 32  # the int8 product quantizes x per 32 columns
 _EPS32 = 2.0 ** -24  # float32 unit roundoff
 
 
+def _whole_blocks(name: str, k: int) -> int:
+    """k rounded up to whole blocks of type `name` (Q4_K rows are super-blocks of 256)."""
+    size = block_size(TYPES[name])
+    return -(-k // size) * size
+
+
+# (type, tokens, output rows, K) for each type and shape.
+CASES = [(name, m, n, _whole_blocks(name, k)) for name in TYPES for m, n, k in SHAPES]
+
+
 def _blocks(quant_type: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, np.ndarray]:
-    """Random weights in GGUF blocks: ((n, row bytes) uint8, the gguf package's (n, k) float32)."""
+    """Random weights in GGUF blocks (Q4_K: random super-blocks): ((n, row bytes) uint8, the gguf
+    package's (n, k) float32)."""
     rng = np.random.default_rng(seed)
-    weights = (rng.standard_normal((n, k)) * rng.uniform(0.01, 2.0, (n, 1))).astype(np.float32)
-    data = gguf.quants.quantize(weights, gguf.GGMLQuantizationType(quant_type))
+    if quant_type == Q4_K:
+        data = random_q4_k(n, k, rng)
+    else:
+        weights = (rng.standard_normal((n, k)) * rng.uniform(0.01, 2.0, (n, 1))).astype(np.float32)
+        data = gguf.quants.quantize(weights, gguf.GGMLQuantizationType(quant_type))
     assert data.shape == (n, row_bytes(quant_type, k))
     dense = gguf.quants.dequantize(data, gguf.GGMLQuantizationType(quant_type)).astype(np.float32)
     return torch.from_numpy(np.ascontiguousarray(data)), dense
@@ -38,8 +56,8 @@ def _blocks(quant_type: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, n
 
 def _x(m: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(m, k, generator=g) * torch.rand(m, k // BLOCK_SIZE, 1, generator=g).mul(3).repeat_interleave(
-        BLOCK_SIZE, 1).view(m, k)  # block scales that differ, as the int8 path sees them
+    x = torch.randn(m, k, generator=g) * torch.rand(m, k // X_BLOCK, 1, generator=g).mul(3).repeat_interleave(
+        X_BLOCK, 1).view(m, k)  # block scales that differ, as the int8 path sees them
     return x.to(dtype)
 
 
@@ -52,16 +70,16 @@ def _float_bound(w: np.ndarray, x: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize("name", TYPES)
 def test_dequantize_is_the_gguf_packages(name):
-    data, dense = _blocks(TYPES[name], 9, 160, seed=1)
-    assert torch.equal(cpu_gguf_gemv.dequantize(data, TYPES[name], 160, torch.float32), torch.from_numpy(dense))
+    k = _whole_blocks(name, 160)
+    data, dense = _blocks(TYPES[name], 9, k, seed=1)
+    assert torch.equal(cpu_gguf_gemv.dequantize(data, TYPES[name], k, torch.float32), torch.from_numpy(dense))
     rows = torch.tensor([8, 0, 3, 3])
-    picked = cpu_gguf_gemv.dequantize(data, TYPES[name], 160, torch.bfloat16, rows)
+    picked = cpu_gguf_gemv.dequantize(data, TYPES[name], k, torch.bfloat16, rows)
     assert torch.equal(picked, torch.from_numpy(dense)[rows].bfloat16())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m,n,k", SHAPES)
-@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("name,m,n,k", CASES)
 def test_float_product_is_dequantize_then_matmul(name, m, n, k, dtype):
     data, dense = _blocks(TYPES[name], n, k, seed=m * n + k)
     x = _x(m, k, dtype, seed=k)
@@ -79,7 +97,7 @@ def _quantized_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """llama.cpp's Q8 activation blocks, as the C code forms them in float32: (x's codes times
     their scales (M, K), the scales (M, K / 32))."""
     m, k = x.shape
-    blocks = x.reshape(m, k // BLOCK_SIZE, BLOCK_SIZE)
+    blocks = x.reshape(m, k // X_BLOCK, X_BLOCK)
     d = (np.abs(blocks).max(axis=-1) / np.float32(127)).astype(np.float32)
     inv = np.where(d != 0, np.float32(1) / np.where(d != 0, d, 1), 0).astype(np.float32)
     codes = np.rint(blocks * inv[..., None])  # round half to even, as the C code's nearbyintf
@@ -89,8 +107,7 @@ def _quantized_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 @pytest.mark.skipif(not cpu_gguf_gemv.int8_available(), reason="the CPU has no int8 dot products")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m,n,k", SHAPES)
-@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("name,m,n,k", CASES)
 def test_int8_product_is_dequantize_then_matmul_of_quantized_activations(name, m, n, k, dtype):
     data, dense = _blocks(TYPES[name], n, k, seed=m * n + k)
     x = _x(m, k, dtype, seed=k)
@@ -104,7 +121,7 @@ def test_int8_product_is_dequantize_then_matmul_of_quantized_activations(name, m
     want = xq @ dense.astype(np.float64).T
     assert np.all(np.abs(out - want) <= _float_bound(dense, xq) + rounding)
     # Against x itself: each activation moved by at most half its block's scale.
-    half_step = np.repeat(scales / 2, BLOCK_SIZE, axis=1).astype(np.float64)   # (M, K)
+    half_step = np.repeat(scales / 2, X_BLOCK, axis=1).astype(np.float64)   # (M, K)
     exact = xf.astype(np.float64) @ dense.astype(np.float64).T
     bound = half_step @ np.abs(dense.astype(np.float64)).T + _float_bound(dense, xf) + rounding
     assert np.all(np.abs(out - exact) <= bound)

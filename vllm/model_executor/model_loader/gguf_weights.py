@@ -1,5 +1,5 @@
 """Reads a GGUF checkpoint's tensors under Hugging Face Llama parameter names: dequantized to
-float32, or, with `keep_quantized`, its Q8_0/Q4_0/Q4_1 matrices left in their blocks."""
+float32, or, with `keep_quantized`, its Q8_0/Q4_0/Q4_1/Q4_K matrices left in their blocks."""
 
 from collections.abc import Iterator
 
@@ -56,7 +56,10 @@ def iter_gguf_weights(path: str, num_heads: int, num_kv_heads: int, keep_quantiz
     kernels take (float tensors, such as norms, are float32 tensors either way)."""
     from gguf import GGMLQuantizationType, GGUFReader, dequantize
 
-    reader = GGUFReader(path)
+    try:
+        reader = GGUFReader(path)
+    except ValueError as e:  # e.g. a quantized tensor whose rows are not whole blocks of its type
+        raise ValueError(f"cannot read the GGUF file {path}: {e}") from e
     arch = reader.fields["general.architecture"].contents()
     if arch != "llama":
         raise ValueError(f"GGUF architecture {arch!r} is not supported (only 'llama')")

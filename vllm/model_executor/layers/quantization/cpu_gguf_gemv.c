@@ -6,13 +6,24 @@
  * contiguous range of W's rows (OpenMP over output rows) and multiplies up to TILE rows of x
  * into each one while its blocks are in L1.
  *
- * Block layouts (32 weights each, d and m fp16, little-endian), as the `gguf` package reads them:
+ * Block layouts (d, m and dmin fp16, little-endian), as the `gguf` package reads them:
  *
  *   Q8_0  [d][q0 .. q31]            int8 q         w_i = q_i * d
  *   Q4_0  [d][16 bytes]             nibbles 0..15  w_i = (q_i - 8) * d
  *   Q4_1  [d][m][16 bytes]          nibbles 0..15  w_i = q_i * d + m
  *
  *   nibble bytes: byte j holds q_j in its low half and q_{j+16} in its high half
+ *
+ *   Q4_K  [d][dmin][12 bytes: sc, m][128 bytes]    a super-block of 256 weights, 8 sub-blocks s
+ *         of 32, each with a 6-bit scale sc_s and minimum m_s:  w_i = (d * sc_s) * q_i - dmin * m_s
+ *
+ *   scale bytes 0-3  [hi2(sc_4..7) | sc_0..3]      code bytes 32 p .. 32 p + 31 (p = 0..3): byte j
+ *         bytes 4-7  [hi2(m_4..7)  | m_0..3]       holds q_j of sub-block 2 p in its low half and
+ *         bytes 8-11 [lo4(m_4..7)  | lo4(sc_4..7)] q_j of sub-block 2 p + 1 in its high half
+ *
+ * Dequantizing sees every type as blocks of 32 weights (a Q4_K sub-block is one, its scale and
+ * minimum unpacked from its super-block's); the weight-stationary products on Q4_K walk a row
+ * a super-block at a time, unpacking its scales once for its 8 sub-blocks.
  *
  * Two weight-stationary products, both with float32 sums (a bias, in x's dtype, added to them):
  *   gguf_matmul_float  x in float32 (bf16 x widened): each block dequantized to float32 exactly
@@ -27,8 +38,8 @@
  * tile GEMM of cpu_tile_gemm.c (below). gguf_product_bf16 chooses among them by the row count;
  * the C decoder layers (llama_cpu_layers.c) call it through one entry point per type.
  *
- * Layouts (contiguous): x (m, k) float32 or bf16; W n rows of k / 32 blocks; y (m, n) in x's
- * dtype. k must be a multiple of 32 (GGUF rows are whole blocks).
+ * Layouts (contiguous): x (m, k) float32 or bf16; W n rows of whole blocks; y (m, n) in x's
+ * dtype. k must be a multiple of the type's block (32 weights, 256 for Q4_K), as GGUF rows are.
  */
 #include <math.h>
 #include <stdint.h>
@@ -41,9 +52,10 @@
 #include <immintrin.h>
 #endif
 
-enum { TYPE_Q4_0 = 2, TYPE_Q4_1 = 3, TYPE_Q8_0 = 8 };  /* GGMLQuantizationType values */
+enum { TYPE_Q4_0 = 2, TYPE_Q4_1 = 3, TYPE_Q8_0 = 8, TYPE_Q4_K = 12 };  /* GGMLQuantizationType values */
 
-#define QK 32    /* weights per block */
+#define QK 32    /* weights per block (per sub-block of Q4_K) */
+#define QK_K 256 /* weights per Q4_K super-block */
 #define TILE 4   /* rows of x multiplied into a weight row per pass over it */
 
 static int64_t block_bytes(int type) {
@@ -51,8 +63,15 @@ static int64_t block_bytes(int type) {
     case TYPE_Q4_0: return 18;
     case TYPE_Q4_1: return 20;
     case TYPE_Q8_0: return 34;
+    case TYPE_Q4_K: return 144;
     default: return 0;
     }
+}
+
+/* Bytes of a row of k weights of `type`; 0 for an unknown type or k not whole blocks. */
+static int64_t row_bytes(int type, int64_t k) {
+    const int64_t weights = type == TYPE_Q4_K ? QK_K : QK;
+    return k % weights ? 0 : k / weights * block_bytes(type);
 }
 
 static inline float half_to_float(const uint8_t *p) {
@@ -97,6 +116,52 @@ static inline void dequantize_block(const uint8_t *b, int type, float *out) {
     }
 }
 
+/* A Q4_K super-block's scale bytes unpacked: byte s of `sc` and `m` is its sub-block s's 6-bit
+ * scale sc_s and minimum m_s (see the layout above: 4 sub-blocks a 32-bit word). */
+struct q4_k_scales {
+    uint64_t sc, m;
+    float d, dmin;
+};
+
+static inline struct q4_k_scales q4_k_scales(const uint8_t *sb) {
+    uint32_t u[3];
+    memcpy(u, sb + 4, sizeof u);
+    struct q4_k_scales s;
+    s.sc = (uint64_t)(u[0] & 0x3f3f3f3fu) | (uint64_t)((u[2] & 0x0f0f0f0fu) | (u[0] >> 2 & 0x30303030u)) << 32;
+    s.m = (uint64_t)(u[1] & 0x3f3f3f3fu) | (uint64_t)((u[2] >> 4 & 0x0f0f0f0fu) | (u[1] >> 2 & 0x30303030u)) << 32;
+    s.d = half_to_float(sb);
+    s.dmin = half_to_float(sb + 2);
+    return s;
+}
+
+/* Sub-block s's scale d * sc_s and minimum dmin * m_s: exact in float32 (11-bit by 6-bit
+ * products), as the gguf package forms them. */
+static inline float q4_k_scale(const struct q4_k_scales *u, int s) { return u->d * (float)(u->sc >> 8 * s & 63); }
+static inline float q4_k_min(const struct q4_k_scales *u, int s) { return u->dmin * (float)(u->m >> 8 * s & 63); }
+
+/* Sub-block s of the Q4_K super-block sb: its codes (in the low halves of q's 32 bytes where
+ * *shift is 0, the high halves where 4), its scale and its minimum. */
+static inline const uint8_t *q4_k_sub_block(const uint8_t *sb, int s, int *shift, float *scale, float *min) {
+    const struct q4_k_scales u = q4_k_scales(sb);
+    *scale = q4_k_scale(&u, s);
+    *min = q4_k_min(&u, s);
+    *shift = 4 * (s % 2);
+    return sb + 16 + 32 * (s / 2);
+}
+
+/* Block b (weights 32 b .. 32 b + 31) of a row of `type` -> 32 float32, as dequantize_block;
+ * for Q4_K, sub-block b % 8 of super-block b / 8, with the gguf package's roundings. */
+static inline void dequantize_row_block(const uint8_t *row, int64_t b, int type, float *out) {
+    if (type != TYPE_Q4_K) {
+        dequantize_block(row + b * block_bytes(type), type, out);
+        return;
+    }
+    int shift;
+    float scale, min;
+    const uint8_t *q = q4_k_sub_block(row + b / 8 * block_bytes(type), (int)(b % 8), &shift, &scale, &min);
+    for (int i = 0; i < QK; ++i) out[i] = (float)((q[i] >> shift) & 15) * scale - min;
+}
+
 static inline void store(void *y, int bf16, int64_t index, float value) {
     if (bf16) ((uint16_t *)y)[index] = float_to_bf16(value);
     else ((float *)y)[index] = value;
@@ -122,16 +187,16 @@ static const float *float_rows(const void *x, int bf16, int64_t count, float **o
  * float32 or bf16. Returns 3, writing nothing, if a row is not in [0, n). */
 int gguf_dequantize(const uint8_t *w, int type, const int64_t *rows, int64_t num_rows, int64_t n,
                     int64_t k, void *out, int out_bf16) {
-    const int64_t bb = block_bytes(type), nb = k / QK;
-    if (bb == 0 || k % QK) return 1;
+    const int64_t rb = row_bytes(type, k), nb = k / QK;
+    if (rb == 0) return 1;
     for (int64_t r = 0; r < num_rows; ++r)
         if ((rows ? rows[r] : r) < 0 || (rows ? rows[r] : r) >= n) return 3;
     #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < num_rows; ++r) {
-        const uint8_t *row = w + (rows ? rows[r] : r) * nb * bb;
+        const uint8_t *row = w + (rows ? rows[r] : r) * rb;
         float block[QK];
         for (int64_t b = 0; b < nb; ++b) {
-            dequantize_block(row + b * bb, type, block);
+            dequantize_row_block(row, b, type, block);
             for (int i = 0; i < QK; ++i) store(out, out_bf16, r * k + b * QK + i, block[i]);
         }
     }
@@ -162,6 +227,31 @@ static inline void dequantize_block16(const uint8_t *b, int type, __m512 *lo, __
     }
 }
 
+/* Sub-block s of the Q4_K super-block sb (its scales unpacked in u) as 2 x 16 float32, with
+ * dequantize_row_block's roundings (a multiply, then a subtraction). */
+static inline __attribute__((always_inline)) void q4_k_sub_block16(const uint8_t *sb, const struct q4_k_scales *u,
+                                                                   int s, __m512 *lo, __m512 *hi) {
+    const uint8_t *q = sb + 16 + 32 * (s / 2);
+    const __m512i count = _mm512_set1_epi32(4 * (s % 2)), low = _mm512_set1_epi32(15);
+    const __m512i qlo = _mm512_and_si512(_mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q)), count), low);
+    const __m512i qhi = _mm512_and_si512(_mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + 16))), count), low);
+    const __m512 d = _mm512_set1_ps(q4_k_scale(u, s)), m = _mm512_set1_ps(q4_k_min(u, s));
+    *lo = _mm512_sub_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(qlo), d), m);
+    *hi = _mm512_sub_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(qhi), d), m);
+}
+
+/* Block b of a row of `type` as 2 x 16 float32, as dequantize_row_block. */
+static inline __attribute__((always_inline)) void dequantize_row_block16(const uint8_t *row, int64_t b, int type,
+                                                                         __m512 *lo, __m512 *hi) {
+    if (type != TYPE_Q4_K) {
+        dequantize_block16(row + b * block_bytes(type), type, lo, hi);
+        return;
+    }
+    const uint8_t *sb = row + b / 8 * block_bytes(type);
+    const struct q4_k_scales u = q4_k_scales(sb);
+    q4_k_sub_block16(sb, &u, (int)(b % 8), lo, hi);
+}
+
 static inline __attribute__((always_inline)) void row_float(
         const uint8_t *row, int type, const float *xf, float b0, void *y, int bf16, int64_t j,
         int64_t t0, int tm, int64_t n, int64_t k) {
@@ -179,18 +269,51 @@ static inline __attribute__((always_inline)) void row_float(
     }
     for (int t = 0; t < tm; ++t) store(y, bf16, (t0 + t) * n + j, _mm512_reduce_add_ps(acc[t]) + b0);
 }
+
+/* row_float for Q4_K, a super-block at a time (its scales unpacked once for its 8 sub-blocks),
+ * with tm a constant in each caller (the sums then stay in registers). */
+static inline __attribute__((always_inline)) void rows_float_q4_k(
+        const uint8_t *row, const float *xf, float b0, void *y, int bf16, int64_t j, int64_t t0, const int tm,
+        int64_t n, int64_t k) {
+    __m512 acc[TILE];
+    for (int t = 0; t < tm; ++t) acc[t] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < k; i += QK_K) {
+        const uint8_t *sb = row + i / QK_K * block_bytes(TYPE_Q4_K);
+        const struct q4_k_scales u = q4_k_scales(sb);
+        for (int s = 0; s < 8; ++s) {
+            __m512 lo, hi;
+            q4_k_sub_block16(sb, &u, s, &lo, &hi);
+            for (int t = 0; t < tm; ++t) {
+                const float *xt = xf + (t0 + t) * k + i + s * QK;
+                acc[t] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xt), acc[t]);
+                acc[t] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xt + 16), acc[t]);
+            }
+        }
+    }
+    for (int t = 0; t < tm; ++t) store(y, bf16, (t0 + t) * n + j, _mm512_reduce_add_ps(acc[t]) + b0);
+}
+
+static void row_float_q4_k(const uint8_t *row, const float *xf, float b0, void *y, int bf16, int64_t j,
+                           int64_t t0, int tm, int64_t n, int64_t k) {
+    switch (tm) {
+    case 1: rows_float_q4_k(row, xf, b0, y, bf16, j, t0, 1, n, k); break;
+    case 2: rows_float_q4_k(row, xf, b0, y, bf16, j, t0, 2, n, k); break;
+    case 3: rows_float_q4_k(row, xf, b0, y, bf16, j, t0, 3, n, k); break;
+    default: rows_float_q4_k(row, xf, b0, y, bf16, j, t0, TILE, n, k); break;
+    }
+}
 #endif
 
 int gguf_matmul_float(const void *x, int bf16, const uint8_t *w, int type, const void *bias, void *y,
                       int64_t m, int64_t n, int64_t k) {
-    const int64_t bb = block_bytes(type), nb = k / QK;
-    if (bb == 0 || k % QK) return 1;
+    const int64_t rb = row_bytes(type, k), nb = k / QK;
+    if (rb == 0) return 1;
     float *owned;
     const float *xf = float_rows(x, bf16, m * k, &owned);
     if (xf == NULL) return 2;
     #pragma omp parallel for schedule(static)
     for (int64_t j = 0; j < n; ++j) {
-        const uint8_t *row = w + j * nb * bb;
+        const uint8_t *row = w + j * rb;
         const float b0 = bias_at(bias, bf16, j);
         for (int64_t t0 = 0; t0 < m; t0 += TILE) {
             const int tm = m - t0 < TILE ? (int)(m - t0) : TILE;
@@ -198,6 +321,7 @@ int gguf_matmul_float(const void *x, int bf16, const uint8_t *w, int type, const
             switch (type) {
             case TYPE_Q8_0: row_float(row, TYPE_Q8_0, xf, b0, y, bf16, j, t0, tm, n, k); break;
             case TYPE_Q4_0: row_float(row, TYPE_Q4_0, xf, b0, y, bf16, j, t0, tm, n, k); break;
+            case TYPE_Q4_K: row_float_q4_k(row, xf, b0, y, bf16, j, t0, tm, n, k); break;
             default: row_float(row, TYPE_Q4_1, xf, b0, y, bf16, j, t0, tm, n, k); break;
             }
             continue;
@@ -205,7 +329,7 @@ int gguf_matmul_float(const void *x, int bf16, const uint8_t *w, int type, const
             float acc[TILE][QK] = {{0}};
             float block[QK];
             for (int64_t b = 0; b < nb; ++b) {
-                dequantize_block(row + b * bb, type, block);
+                dequantize_row_block(row, b, type, block);
                 for (int t = 0; t < tm; ++t) {
                     const float *xt = xf + (t0 + t) * k + b * QK;
                     for (int i = 0; i < QK; ++i) acc[t][i] += block[i] * xt[i];
@@ -289,10 +413,51 @@ static inline __attribute__((always_inline)) void row_int8(
     for (int t = 0; t < tm; ++t) store(y, bf16, (t0 + t) * n + j, reduce(acc[t]) + shift[t] + b0);
 }
 
+/* row_int8 for Q4_K, a super-block at a time (its scales unpacked once for its 8 sub-blocks,
+ * each a Q4_1 block of scale d * sc_s and offset -dmin * m_s), with tm a constant in each caller
+ * (the sums then stay in registers). */
+static inline __attribute__((always_inline)) void rows_int8_q4_k(
+        const uint8_t *row, const int8_t *qx, const float *dx, const int32_t *sx, float b0, void *y, int bf16,
+        int64_t j, int64_t t0, const int tm, int64_t n, int64_t k) {
+    const int64_t nb = k / QK;
+    __m256 acc[TILE];
+    float shift[TILE];  /* sum over sub-blocks of -dmin * m_s * dx * sum(qx) */
+    for (int t = 0; t < tm; ++t) {
+        acc[t] = _mm256_setzero_ps();
+        shift[t] = 0.0f;
+    }
+    for (int64_t b = 0; b < nb; b += 8) {
+        const uint8_t *sb = row + b / 8 * block_bytes(TYPE_Q4_K);
+        const struct q4_k_scales u = q4_k_scales(sb);
+        for (int s = 0; s < 8; ++s) {
+            const __m256i bytes = _mm256_loadu_si256((const __m256i *)(sb + 16 + 32 * (s / 2)));
+            const __m256i q = _mm256_and_si256(s % 2 ? _mm256_srli_epi16(bytes, 4) : bytes, _mm256_set1_epi8(15));
+            const float dw = q4_k_scale(&u, s), mw = q4_k_min(&u, s);
+            for (int t = 0; t < tm; ++t) {
+                const int64_t xb = (t0 + t) * nb + b + s;
+                const __m256i dot = DPBUSD(_mm256_setzero_si256(), q, _mm256_loadu_si256((const __m256i *)(qx + xb * QK)));
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dw * dx[xb]), acc[t]);
+                shift[t] -= mw * dx[xb] * (float)sx[xb];
+            }
+        }
+    }
+    for (int t = 0; t < tm; ++t) store(y, bf16, (t0 + t) * n + j, reduce(acc[t]) + shift[t] + b0);
+}
+
+static void row_int8_q4_k(const uint8_t *row, const int8_t *qx, const float *dx, const int32_t *sx, float b0,
+                          void *y, int bf16, int64_t j, int64_t t0, int tm, int64_t n, int64_t k) {
+    switch (tm) {
+    case 1: rows_int8_q4_k(row, qx, dx, sx, b0, y, bf16, j, t0, 1, n, k); break;
+    case 2: rows_int8_q4_k(row, qx, dx, sx, b0, y, bf16, j, t0, 2, n, k); break;
+    case 3: rows_int8_q4_k(row, qx, dx, sx, b0, y, bf16, j, t0, 3, n, k); break;
+    default: rows_int8_q4_k(row, qx, dx, sx, b0, y, bf16, j, t0, TILE, n, k); break;
+    }
+}
+
 int gguf_matmul_int8(const void *x, int bf16, const uint8_t *w, int type, const void *bias, void *y,
                      int64_t m, int64_t n, int64_t k) {
-    const int64_t bb = block_bytes(type), nb = k / QK;
-    if (bb == 0 || k % QK) return 1;
+    const int64_t rb = row_bytes(type, k), nb = k / QK;
+    if (rb == 0) return 1;
     float *owned;
     const float *xf = float_rows(x, bf16, m * k, &owned);
     int8_t *qx = malloc((size_t)(m * k));
@@ -306,13 +471,14 @@ int gguf_matmul_int8(const void *x, int bf16, const uint8_t *w, int type, const 
     for (int64_t i = 0; i < m * nb; ++i) quantize_block(xf + i * QK, qx + i * QK, dx + i, sx + i);
     #pragma omp parallel for schedule(static)
     for (int64_t j = 0; j < n; ++j) {
-        const uint8_t *row = w + j * nb * bb;
+        const uint8_t *row = w + j * rb;
         const float b0 = bias_at(bias, bf16, j);
         for (int64_t t0 = 0; t0 < m; t0 += TILE) {
             const int tm = m - t0 < TILE ? (int)(m - t0) : TILE;
             switch (type) {
             case TYPE_Q8_0: row_int8(row, TYPE_Q8_0, qx, dx, sx, b0, y, bf16, j, t0, tm, n, k); break;
             case TYPE_Q4_0: row_int8(row, TYPE_Q4_0, qx, dx, sx, b0, y, bf16, j, t0, tm, n, k); break;
+            case TYPE_Q4_K: row_int8_q4_k(row, qx, dx, sx, b0, y, bf16, j, t0, tm, n, k); break;
             default: row_int8(row, TYPE_Q4_1, qx, dx, sx, b0, y, bf16, j, t0, tm, n, k); break;
             }
         }
@@ -360,11 +526,13 @@ int gguf_use_tile_gemm(void *gemm) {
 /* The fewest rows of x for which the tiled product of `type` is used, where it can be: where it
  * overtakes the int8 product on the default model's shapes (benchmarks/benchmark_gguf_products.py:
  * the shapes move it by a row at most; Q4_1's int8 product also sums its blocks' minimums, and
- * Q8_0's needs no unpacking). */
+ * Q8_0's needs no unpacking; Q4_K is measured on those shapes with K rounded up to whole
+ * super-blocks, benchmarks/results/gguf_products_q4_k.json). */
 int gguf_tiled_min_rows(int type) {
     switch (type) {
     case TYPE_Q4_1: return 4;
     case TYPE_Q4_0: return 5;
+    case TYPE_Q4_K: return 5;
     default: return 6;
     }
 }
@@ -400,17 +568,17 @@ static inline void transpose16(__m512i r[16]) {
 
 /* Rows [j0, j0 + rows) of W (rows % 16 == 0) -> tiles, bf16, rounded to nearest even. */
 static void dequantize_tiles(const uint8_t *w, int type, int64_t j0, int64_t rows, int64_t k, uint16_t *tiles) {
-    const int64_t bb = block_bytes(type), nb = k / QK;
+    const int64_t rb = row_bytes(type, k), nb = k / QK;
     #pragma omp parallel for schedule(static)
     for (int64_t b = 0; b < rows / 16; ++b)
         for (int64_t kb = 0; kb < nb; ++kb) {
             uint32_t *tile = (uint32_t *)(tiles + (b * nb + kb) * 512);
-            const uint8_t *first = w + ((j0 + 16 * b) * nb + kb) * bb;  /* block kb of the tile's row 0 */
+            const uint8_t *first = w + (j0 + 16 * b) * rb;  /* the tile's row 0 */
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
             __m512i pairs[16];  /* row c: its block's 16 pairs (w_2r, w_2r+1); transposed: tile row r */
             for (int c = 0; c < 16; ++c) {
                 __m512 lo, hi;
-                dequantize_block16(first + c * nb * bb, type, &lo, &hi);
+                dequantize_row_block16(first + c * rb, kb, type, &lo, &hi);
                 pairs[c] = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
             }
             transpose16(pairs);
@@ -418,7 +586,7 @@ static void dequantize_tiles(const uint8_t *w, int type, int64_t j0, int64_t row
 #else
             for (int c = 0; c < 16; ++c) {
                 float block[QK];
-                dequantize_block(first + c * nb * bb, type, block);
+                dequantize_row_block(first + c * rb, kb, type, block);
                 for (int r = 0; r < 16; ++r)
                     tile[r * 16 + c] = (uint32_t)float_to_bf16(block[2 * r]) |
                                        (uint32_t)float_to_bf16(block[2 * r + 1]) << 16;
@@ -431,7 +599,7 @@ static void dequantize_tiles(const uint8_t *w, int type, int64_t j0, int64_t row
  * GEMM is not given or the shape does not fit it. */
 int gguf_tiled_product_bf16(const uint16_t *x, const uint8_t *w, int type, const uint16_t *bias, uint16_t *y,
                             int64_t m, int64_t n, int64_t k) {
-    if (block_bytes(type) == 0 || !tiled_fits(n, k)) return 1;
+    if (row_bytes(type, k) == 0 || !tiled_fits(n, k)) return 1;
     int64_t panel = PANEL_BYTES / (2 * k) / 16 * 16;
     panel = panel < 16 ? 16 : panel > n ? n : panel;
     uint16_t *tiles = malloc((size_t)(panel * k) * sizeof *tiles);
@@ -465,7 +633,7 @@ int gguf_tiled_product_bf16(const uint16_t *x, const uint8_t *w, int type, const
  */
 int gguf_product_bf16(const uint16_t *x, const uint8_t *w, int type, const uint16_t *bias, uint16_t *y,
                       int64_t m, int64_t n, int64_t k) {
-    if (block_bytes(type) == 0 || k % QK) return 1;
+    if (row_bytes(type, k) == 0) return 1;
     if (m >= gguf_tiled_min_rows(type) && tiled_fits(n, k)) return gguf_tiled_product_bf16(x, w, type, bias, y, m, n, k);
     if (gguf_int8_supported()) return gguf_matmul_int8(x, 1, w, type, bias, y, m, n, k);
     return gguf_matmul_float(x, 1, w, type, bias, y, m, n, k);
@@ -484,4 +652,9 @@ int gguf_layer_product_q4_0(const uint16_t *x, const void *w, const uint16_t *bi
 int gguf_layer_product_q4_1(const uint16_t *x, const void *w, const uint16_t *bias, uint16_t *y,
                             int64_t m, int64_t n, int64_t k) {
     return gguf_product_bf16(x, w, TYPE_Q4_1, bias, y, m, n, k);
+}
+
+int gguf_layer_product_q4_k(const uint16_t *x, const void *w, const uint16_t *bias, uint16_t *y,
+                            int64_t m, int64_t n, int64_t k) {
+    return gguf_product_bf16(x, w, TYPE_Q4_K, bias, y, m, n, k);
 }

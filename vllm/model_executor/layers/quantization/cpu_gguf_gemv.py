@@ -19,7 +19,8 @@ _ptr, _i64, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _MATMUL = CFunction([_ptr, _int, _ptr, _int, _ptr, _ptr, _i64, _i64, _i64])
 _PRODUCT_BF16 = CFunction([_ptr, _ptr, _int, _ptr, _ptr, _i64, _i64, _i64])
 # The decoder layer's products (llama_cpu_layers.c), one per type: GGMLQuantizationType -> name.
-_LAYER_PRODUCTS = {8: "gguf_layer_product_q8_0", 2: "gguf_layer_product_q4_0", 3: "gguf_layer_product_q4_1"}
+_LAYER_PRODUCTS = {8: "gguf_layer_product_q8_0", 2: "gguf_layer_product_q4_0", 3: "gguf_layer_product_q4_1",
+                   12: "gguf_layer_product_q4_k"}
 _LIBRARY = CLibrary(Path(__file__).with_name("cpu_gguf_gemv.c"),
                     "GGUF weights are dequantized with the gguf package for every product",
                     {"gguf_matmul_float": _MATMUL, "gguf_matmul_int8": _MATMUL,
@@ -78,7 +79,7 @@ def _tiled_available() -> bool:
 
 
 def tiled_fits(n: int) -> bool:
-    """Whether bf16 products of n output rows (K a multiple of 32, as GGUF rows are) take the
+    """Whether bf16 products of n output rows (K whole blocks, as GGUF rows are) take the
     tiled product (dequantized panels on cpu_tile_gemm.c) from `tiled_min_rows(type)` rows: the
     tile GEMM is available here and n is a multiple of 16."""
     return n % 16 == 0 and _tiled_available()

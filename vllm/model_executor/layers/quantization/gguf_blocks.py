@@ -1,22 +1,23 @@
 """GGUF's quantized block types that the engine keeps quantized in memory.
 
-A GGUF matrix of N rows of K weights is N rows of K / 32 blocks, each block a scale (and, for
-Q4_1, a minimum) plus 32 codes (see cpu_gguf_gemv.c for the layouts). The engine holds such a
-matrix as a uint8 tensor of shape (N, K / 32 * block bytes): rows stay whole, so slicing output
-rows (q/k/v, the vocabulary) is slicing tensor rows.
+A GGUF matrix of N rows of K weights is N rows of K / `block_size(type)` blocks: blocks of 32
+weights, a scale (and, for Q4_1, a minimum) plus 32 codes, or Q4_K's super-blocks of 256, two
+scales and the 6-bit scales and minimums of their eight 32-weight sub-blocks plus 256 codes
+(see cpu_gguf_gemv.c for the layouts). The engine holds such a matrix as a uint8 tensor of
+shape (N, K / block size * block bytes): rows stay whole, so slicing output rows (q/k/v, the
+vocabulary) is slicing tensor rows.
 """
 
 from dataclasses import dataclass
 
 import torch
 
-# GGMLQuantizationType value -> (name, bytes per block of BLOCK_SIZE weights).
-_TYPES = {8: ("Q8_0", 34), 2: ("Q4_0", 18), 3: ("Q4_1", 20)}
-BLOCK_SIZE = 32
+# GGMLQuantizationType value -> (name, weights per block, bytes per block).
+_TYPES = {8: ("Q8_0", 32, 34), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 12: ("Q4_K", 256, 144)}
 
 
 def supported_type_names() -> list[str]:
-    return [name for name, _ in _TYPES.values()]
+    return [name for name, _, _ in _TYPES.values()]
 
 
 def is_supported(quant_type: int) -> bool:
@@ -27,10 +28,16 @@ def type_name(quant_type: int) -> str:
     return _TYPES[quant_type][0]
 
 
+def block_size(quant_type: int) -> int:
+    """Weights per block of `quant_type`: a row's length must be a multiple of it."""
+    return _TYPES[quant_type][1]
+
+
 def row_bytes(quant_type: int, k: int) -> int:
-    """Bytes of one row of `k` weights of `quant_type` (k a multiple of BLOCK_SIZE)."""
-    assert k % BLOCK_SIZE == 0, f"a row of {k} weights is not whole blocks"
-    return k // BLOCK_SIZE * _TYPES[quant_type][1]
+    """Bytes of one row of `k` weights of `quant_type` (k a multiple of its block size)."""
+    _, size, nbytes = _TYPES[quant_type]
+    assert k % size == 0, f"a row of {k} weights is not whole {type_name(quant_type)} blocks"
+    return k // size * nbytes
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,104 @@
+"""quantization="gguf" on a Q4_K GGUF file: a tiny random Llama (hidden size 256, so every
+matrix is whole super-blocks) with every matrix written as Q4_K and SmolLM2's tokenizer, against
+the same file's weights dequantized when loaded (the unquantized path)."""
+
+import functools
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from tests.q4_k_blocks import Q4_K, quantize_q4_k
+from tests.utils import build_tiny_checkpoint, random_prompts, smollm2_path
+from vllm import LLM, SamplingParams
+from vllm.model_executor.layers.quantization import cpu_gguf_gemv
+
+gguf = pytest.importorskip("gguf")
+
+# Hugging Face name (after "model.layers.N.") -> GGUF name (after "blk.N.").
+_LAYER_NAMES = {"input_layernorm.weight": "attn_norm.weight", "self_attn.q_proj.weight": "attn_q.weight",
+                "self_attn.k_proj.weight": "attn_k.weight", "self_attn.v_proj.weight": "attn_v.weight",
+                "self_attn.o_proj.weight": "attn_output.weight",
+                "post_attention_layernorm.weight": "ffn_norm.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
+                "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight"}
+_GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                 "lm_head.weight": "output.weight"}
+
+
+def _gguf_name(hf_name: str) -> str:
+    if hf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[hf_name]
+    _, _, layer, rest = hf_name.split(".", 3)
+    return f"blk.{layer}.{_LAYER_NAMES[rest]}"
+
+
+def _write_q4_k_gguf(checkpoint: str, path: str) -> str:
+    """The Llama checkpoint's matrices as Q4_K (norms float32) in a GGUF file at `path`, with its
+    config as llama.* fields and the tokenizer fields of SmolLM2's GGUF (the checkpoint's
+    tokenizer). The weights are random, so q/k rows are written in their Hugging Face order."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(checkpoint)
+    writer = gguf.GGUFWriter(path, "llama")
+    for key, field in gguf.GGUFReader(smollm2_path()).fields.items():
+        if key.startswith("tokenizer."):
+            sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+            writer.add_key_value(key, field.contents(), field.types[0], sub_type)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(config.vocab_size)
+    for name, weight in load_file(os.path.join(checkpoint, "model.safetensors")).items():
+        weight = weight.float().numpy()
+        if weight.ndim == 2:
+            writer.add_tensor(_gguf_name(name), quantize_q4_k(weight), raw_dtype=gguf.GGMLQuantizationType.Q4_K)
+        else:
+            writer.add_tensor(_gguf_name(name), weight)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def q4_k_gguf(tokenizer_dir, tmp_path_factory) -> str:
+    root = tmp_path_factory.mktemp("q4_k")
+    checkpoint = build_tiny_checkpoint("llama", str(root / "hf"), tokenizer_dir, hidden_size=256)
+    return _write_q4_k_gguf(checkpoint, str(root / "tiny.Q4_K.gguf"))
+
+
+@functools.cache
+def _run(path: str, quantization: str | None) -> tuple[list[list[int]], LLM]:
+    """Greedy tokens of prompts of 3-90 tokens in 32-token steps: decodes (1-4 rows) and chunks."""
+    llm = LLM(path, quantization=quantization, dtype="float32", max_num_batched_tokens=32, max_num_seqs=4,
+              block_size=16, max_model_len=256, kv_cache_memory_bytes=16 << 20, enable_chunked_prefill=True)
+    prompts = [{"prompt_token_ids": p} for p in random_prompts([3, 40, 17, 90], seed=11)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs], llm
+
+
+@pytest.mark.skipif(not cpu_gguf_gemv.available(), reason="the GGUF kernels need a C compiler")
+def test_q4_k_weights_stay_in_their_blocks(q4_k_gguf):
+    model = _run(q4_k_gguf, "gguf")[1].llm_engine.runner.model
+    matrices = {name: p for name, p in model.named_parameters() if p.dim() == 2}
+    assert matrices and all(getattr(p, "quant_type", None) == Q4_K for p in matrices.values())
+    down = matrices["model.layers.0.mlp.down_proj.weight"]
+    assert down.dtype == torch.uint8 and down.shape == (256, 512 // 256 * 144)
+
+
+@pytest.mark.skipif(not cpu_gguf_gemv.available(), reason="the GGUF kernels need a C compiler")
+def test_q4_k_float32_greedy_identical_to_dequantized_weights(q4_k_gguf):
+    """dtype=float32 multiplies the Q4_K blocks' exact float32 values (as the gguf package
+    dequantizes them); only the order of the float32 sums differs from the unquantized path."""
+    ours, ref = _run(q4_k_gguf, "gguf")[0], _run(q4_k_gguf, None)[0]
+    assert ours == ref
+    assert len({tuple(t) for t in ours}) > 1 and len({*np.concatenate(ours).tolist()}) > 8  # not one token on repeat
