@@ -30,10 +30,11 @@ from torch import nn
 
 from vllm.model_executor.layers.linear import Linear
 from vllm.model_executor.layers.quantization import gguf_linear
-from vllm.model_executor.layers.quantization.gguf_blocks import BLOCK_SIZE, GGUFBlocks
+from vllm.model_executor.layers.quantization.gguf_blocks import GGUFBlocks, block_size
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
 Q8_0 = 8  # GGMLQuantizationType.Q8_0
+BLOCK_SIZE = block_size(Q8_0)  # weights per block
 _MAX_CODE = 127
 
 
