@@ -357,18 +357,6 @@ int gguf_use_tile_gemm(void *gemm) {
     return 0;
 }
 
-/* The fewest rows of x for which the tiled product of `type` is used, where it can be: where it
- * overtakes the int8 product on the default model's shapes (benchmarks/benchmark_gguf_products.py:
- * the shapes move it by a row at most; Q4_1's int8 product also sums its blocks' minimums, and
- * Q8_0's needs no unpacking). */
-int gguf_tiled_min_rows(int type) {
-    switch (type) {
-    case TYPE_Q4_1: return 4;
-    case TYPE_Q4_0: return 5;
-    default: return 6;
-    }
-}
-
 static int tiled_fits(int64_t n, int64_t k) { return tile_gemm != NULL && n % 16 == 0 && k % QK == 0; }
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
@@ -456,6 +444,245 @@ int gguf_tiled_product_bf16(const uint16_t *x, const uint8_t *w, int type, const
 }
 
 /*
+ * From a few rows of bf16 x on, the int8 GEMM: the int8 product's arithmetic with the weights
+ * unpacked once per call instead of once per row of x. Every type is, per block of 32,
+ *
+ *   w_i = D * (u_i - offset) + M      u_i its unsigned byte codes
+ *   Q8_0: u = q + 128, offset 128, M = 0     Q4_0: u = q, offset 8, M = 0     Q4_1: D = d, M = m
+ *
+ * and with x's block quantized as for gguf_matmul_int8 (dx, codes qx, sx = sum of qx):
+ *
+ *   sum_i w_i x_i ~= D * dx * (dot(u, qx) - offset * sx) + M * dx * sx
+ *
+ * the integer part exact in int32 (vpdpbusd: u8 times s8, from -offset * sx). A panel of 16
+ * output rows is unpacked per thread into vpdpbusd's layout, one zmm lane per output row:
+ *
+ *   codes[kb][g]  lane c: u_4g .. u_4g+3 of block kb of row j0 + c        (g = 0 .. 7)
+ *   D[kb], M[kb]  lane c: D and M of block kb of row j0 + c
+ *
+ * so that x's dword g (its codes 4g .. 4g + 3) broadcast against codes[kb][g] gives 16 rows'
+ * partial dot products at once. Every tile of up to 16 rows of x then multiplies into the
+ * panel: per block and row of x, 8 vpdpbusd, a conversion to float and one or two multiply-
+ * adds for 16 outputs. Which product serves which rows: gguf_product_path.
+ */
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define GEMM_TILE 16  /* rows of x per pass over a panel: their 16 accumulators stay in registers */
+
+int gguf_gemm_supported(void) { return 1; }
+
+/* The per-type part of the GEMM (a new type adds its case to these three). */
+static inline int code_offset(int type) { return type == TYPE_Q8_0 ? 128 : type == TYPE_Q4_0 ? 8 : 0; }
+static inline int has_minimum(int type) { return type == TYPE_Q4_1; }
+
+/* Block b's 32 codes u in order, one a byte; *D, *M as above. */
+static inline __m256i decode_block(const uint8_t *b, int type, float *D, float *M) {
+    *D = half_to_float(b);
+    *M = type == TYPE_Q4_1 ? half_to_float(b + 2) : 0.0f;
+    if (type == TYPE_Q8_0) return _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(b + 2)), _mm256_set1_epi8(-128));
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)(b + (type == TYPE_Q4_1 ? 4 : 2))), low = _mm_set1_epi8(15);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), low), _mm_and_si128(bytes, low));
+}
+
+/* v[r] = [row r's 8 dwords | row r + 8's] -> v[g] = dword g of rows 0 .. 15: an 8 x 8 transpose in
+ * each 256-bit half (unpacks within 128-bit lanes, then a permute of 128-bit lanes). */
+static inline void transpose_panel(__m512i v[8]) {
+    __m512i t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(v[i], v[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(v[i], v[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    /* u[g] (rows 0-3 and 8-11) and u[4 + g] (rows 4-7, 12-15) hold dword g in their 128-bit lanes
+     * 0 and 2, dword 4 + g in lanes 1 and 3 */
+    const __m512i even = _mm512_set_epi64(13, 12, 5, 4, 9, 8, 1, 0), odd = _mm512_set_epi64(15, 14, 7, 6, 11, 10, 3, 2);
+    for (int g = 0; g < 4; ++g) {
+        v[g] = _mm512_permutex2var_epi64(u[g], even, u[4 + g]);
+        v[4 + g] = _mm512_permutex2var_epi64(u[g], odd, u[4 + g]);
+    }
+}
+
+/* Rows [j0, j0 + rows) of W (rows <= 16; lanes past them repeat the last row) -> the panel. */
+static void unpack_panel(const uint8_t *w, int type, int64_t j0, int rows, int64_t nb, __m512i *codes,
+                         float *D, float *M) {
+    const int64_t bb = block_bytes(type);
+    const uint8_t *row[16];
+    for (int c = 0; c < 16; ++c) row[c] = w + (j0 + (c < rows ? c : rows - 1)) * nb * bb;
+    for (int64_t kb = 0; kb < nb; ++kb) {
+        __m512i v[8];
+        for (int r = 0; r < 8; ++r) {
+            const __m256i lo = decode_block(row[r] + kb * bb, type, D + kb * 16 + r, M + kb * 16 + r);
+            const __m256i hi = decode_block(row[r + 8] + kb * bb, type, D + kb * 16 + r + 8, M + kb * 16 + r + 8);
+            v[r] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+        }
+        transpose_panel(v);
+        for (int g = 0; g < 8; ++g) _mm512_store_si512(codes + kb * 8 + g, v[g]);
+    }
+}
+
+/* x's blocks as the GEMM reads them (each array (m, k / 32) but qx (m, k)). */
+typedef struct {
+    int8_t *qx;
+    float *dx, *dxsx;  /* dx * sx, for the minimums */
+    int32_t *start;    /* -offset * sx: where each block's integer dot product starts */
+} quantized_x;
+
+/* bf16 x (m, k) -> its blocks' codes, with gguf_matmul_int8's arithmetic (quantize_block). */
+static void quantize_x(const uint16_t *x, int type, int64_t m, int64_t k, quantized_x q) {
+    const int64_t blocks = m * (k / QK);
+    const int offset = code_offset(type);
+    #pragma omp parallel for schedule(static) if (blocks >= 256)
+    for (int64_t i = 0; i < blocks; ++i) {
+        const __m512 lo = bf16x16_to_float(x + i * QK), hi = bf16x16_to_float(x + i * QK + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+        const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        /* conversions round to nearest even, as nearbyintf does */
+        const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(id)));
+        const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(id)));
+        _mm_storeu_si128((__m128i *)(q.qx + i * QK), _mm512_cvtepi32_epi8(qlo));
+        _mm_storeu_si128((__m128i *)(q.qx + i * QK + 16), _mm512_cvtepi32_epi8(qhi));
+        const int32_t s = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+        q.dx[i] = d;
+        q.dxsx[i] = d * (float)s;
+        q.start[i] = -offset * s;
+    }
+}
+
+/* 16 float32 -> bf16 with float_to_bf16's rounding (nearest even, NaN kept quiet). */
+static inline __m256i bf16_of(__m512 v) {
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i half = _mm512_srli_epi32(bits, 16);
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                  _mm512_and_si512(half, _mm512_set1_epi32(1)))), 16);
+    r = _mm512_mask_or_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), half, _mm512_set1_epi32(0x40));
+    return _mm512_cvtepi32_epi16(r);
+}
+
+/* Rows [t0, t0 + TM) of x times the panel (output rows [j0, j0 + rows)) into y; TM and
+ * with_minimum are constants in each caller, so the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void panel_tile(
+        const __m512i *codes, const float *D, const float *M, quantized_x q, int64_t t0, const int TM,
+        const int with_minimum, const uint16_t *bias, uint16_t *y, int64_t j0, int rows, int64_t n, int64_t k) {
+    const int64_t nb = k / QK;
+    __m512 acc[GEMM_TILE];
+    for (int t = 0; t < TM; ++t) acc[t] = _mm512_setzero_ps();
+    for (int64_t kb = 0; kb < nb; ++kb) {
+        __m512i u[8];
+        for (int g = 0; g < 8; ++g) u[g] = _mm512_load_si512(codes + kb * 8 + g);
+        const __m512 d = _mm512_load_ps(D + kb * 16);
+        for (int t = 0; t < TM; ++t) {
+            const int64_t xb = (t0 + t) * nb + kb;
+            const int32_t *xs = (const int32_t *)(q.qx + xb * QK);
+            __m512i dot = _mm512_set1_epi32(q.start[xb]);
+            for (int g = 0; g < 8; ++g) dot = _mm512_dpbusd_epi32(dot, u[g], _mm512_set1_epi32(xs[g]));
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_set1_ps(q.dx[xb])), acc[t]);
+            if (with_minimum)
+                acc[t] = _mm512_fmadd_ps(_mm512_load_ps(M + kb * 16), _mm512_set1_ps(q.dxsx[xb]), acc[t]);
+        }
+    }
+    const __mmask16 lanes = (__mmask16)((1u << rows) - 1);
+    const __m512 b = bias == NULL ? _mm512_setzero_ps() : _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, bias + j0)), 16));
+    for (int t = 0; t < TM; ++t)
+        _mm256_mask_storeu_epi16(y + (t0 + t) * n + j0, lanes, bf16_of(_mm512_add_ps(acc[t], b)));
+}
+
+/* All m rows of x times the panel: tiles of 16, the rest in tiles of 8, 4, 2, 1. */
+static void panel_rows(const __m512i *codes, const float *D, const float *M, quantized_x q, int with_minimum,
+                       const uint16_t *bias, uint16_t *y, int64_t j0, int rows, int64_t m, int64_t n, int64_t k) {
+    int64_t t0 = 0;
+#define PANEL_TILES(TM)                                                                                   \
+    for (; m - t0 >= (TM); t0 += (TM)) {                                                                 \
+        if (with_minimum) panel_tile(codes, D, M, q, t0, (TM), 1, bias, y, j0, rows, n, k);             \
+        else panel_tile(codes, D, M, q, t0, (TM), 0, bias, y, j0, rows, n, k);                           \
+    }
+    PANEL_TILES(16) PANEL_TILES(8) PANEL_TILES(4) PANEL_TILES(2) PANEL_TILES(1)
+#undef PANEL_TILES
+}
+
+/* y (m, n) bf16 = x @ W^T + bias on the int8 GEMM: x (m, k) bf16, bias (n) bf16 or NULL. */
+int gguf_gemm_int8_bf16(const uint16_t *x, const uint8_t *w, int type, const uint16_t *bias, uint16_t *y,
+                        int64_t m, int64_t n, int64_t k) {
+    if (block_bytes(type) == 0 || k % QK) return 1;
+    const int64_t nb = k / QK, panels = (n + 15) / 16;
+    quantized_x q = {malloc((size_t)(m * k)), malloc((size_t)(m * nb) * sizeof(float)),
+                     malloc((size_t)(m * nb) * sizeof(float)), malloc((size_t)(m * nb) * sizeof(int32_t))};
+    int status = 0;
+    if (q.qx == NULL || q.dx == NULL || q.dxsx == NULL || q.start == NULL) {
+        free(q.qx); free(q.dx); free(q.dxsx); free(q.start);
+        return 2;
+    }
+    quantize_x(x, type, m, k, q);
+    #pragma omp parallel
+    {
+        /* this thread's panel: nb x (8 zmm of codes, 16 D, 16 M) */
+        __m512i *codes = aligned_alloc(64, (size_t)nb * (8 * sizeof(__m512i) + 32 * sizeof(float)));
+        float *D = (float *)(codes + nb * 8), *M = D + nb * 16;
+        if (codes == NULL) {
+            #pragma omp atomic write
+            status = 2;
+        }
+        #pragma omp for schedule(static)
+        for (int64_t p = 0; p < panels; ++p) {
+            if (codes == NULL) continue;
+            const int rows = n - 16 * p < 16 ? (int)(n - 16 * p) : 16;
+            unpack_panel(w, type, 16 * p, rows, nb, codes, D, M);
+            panel_rows(codes, D, M, q, has_minimum(type), bias, y, 16 * p, rows, m, n, k);
+        }
+        free(codes);
+    }
+    free(q.qx); free(q.dx); free(q.dxsx); free(q.start);
+    return status;
+}
+
+#else  /* no AVX512-VNNI: the products above serve */
+
+int gguf_gemm_supported(void) { return 0; }
+
+int gguf_gemm_int8_bf16(const uint16_t *x, const uint8_t *w, int type, const uint16_t *bias, uint16_t *y,
+                        int64_t m, int64_t n, int64_t k) {
+    (void)x; (void)w; (void)type; (void)bias; (void)y; (void)m; (void)n; (void)k;
+    return 1;
+}
+
+#endif
+
+/*
+ * Which product serves m rows of bf16 x, where each runs (benchmarks/benchmark_gguf_products.py
+ * measures them on the default model's shapes): the weight-stationary int8 product for a few
+ * rows; the int8 GEMM from gemm_min_rows(type) rows, where its unpacking of a panel pays for
+ * itself; the tiled product on the bf16 tile GEMM from tiled_min_rows(type) rows where there is
+ * no GEMM (or from TILED_OVER_GEMM_ROWS where ...).
+ */
+enum { PATH_FLOAT, PATH_INT8, PATH_GEMM, PATH_TILED };  /* cpu_gguf_gemv.PATHS */
+
+static int64_t gemm_min_rows(int type) {
+    switch (type) {
+    case TYPE_Q4_1: return 4;
+    case TYPE_Q4_0: return 4;
+    default: return 4;
+    }
+}
+
+static int64_t tiled_min_rows(int type) {
+    switch (type) {
+    case TYPE_Q4_1: return 4;
+    case TYPE_Q4_0: return 5;
+    default: return 6;
+    }
+}
+
+int gguf_product_path(int type, int64_t m, int64_t n, int64_t k) {
+    if (gguf_gemm_supported() && m >= gemm_min_rows(type)) return PATH_GEMM;
+    if (m >= tiled_min_rows(type) && tiled_fits(n, k)) return PATH_TILED;
+    return gguf_int8_supported() ? PATH_INT8 : PATH_FLOAT;
+}
+
+/*
  * The products of llama_cpu_layers.c's decoder layer (its gemv_fn), one entry point per type,
  * for any number of rows: x (m, k) bf16, W the rows of blocks (passed where the layer passes a
  * bf16 weight: the layer only hands it on), bias (n) bf16 or NULL, y (m, n) bf16. From
@@ -466,9 +693,12 @@ int gguf_tiled_product_bf16(const uint16_t *x, const uint8_t *w, int type, const
 int gguf_product_bf16(const uint16_t *x, const uint8_t *w, int type, const uint16_t *bias, uint16_t *y,
                       int64_t m, int64_t n, int64_t k) {
     if (block_bytes(type) == 0 || k % QK) return 1;
-    if (m >= gguf_tiled_min_rows(type) && tiled_fits(n, k)) return gguf_tiled_product_bf16(x, w, type, bias, y, m, n, k);
-    if (gguf_int8_supported()) return gguf_matmul_int8(x, 1, w, type, bias, y, m, n, k);
-    return gguf_matmul_float(x, 1, w, type, bias, y, m, n, k);
+    switch (gguf_product_path(type, m, n, k)) {
+    case PATH_GEMM: return gguf_gemm_int8_bf16(x, w, type, bias, y, m, n, k);
+    case PATH_TILED: return gguf_tiled_product_bf16(x, w, type, bias, y, m, n, k);
+    case PATH_INT8: return gguf_matmul_int8(x, 1, w, type, bias, y, m, n, k);
+    default: return gguf_matmul_float(x, 1, w, type, bias, y, m, n, k);
+    }
 }
 
 int gguf_layer_product_q8_0(const uint16_t *x, const void *w, const uint16_t *bias, uint16_t *y,
