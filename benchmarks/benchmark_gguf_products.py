@@ -1,8 +1,11 @@
-"""Where the quantized products of a bf16 step cross over: the weight-stationary product
-(int8 activations where the CPU has them) against the tiled one (each weight dequantized into
-bf16 tiles for cpu_tile_gemm.c), per weight shape and row count, on random GGUF blocks.
-cpu_gguf_gemv.c's gguf_tiled_min_rows(type) is the row count from which the tiled product wins
-on these shapes (the default model's: q|k|v, o, gate|up, down) for each type.
+"""Where the quantized products of a bf16 step cross over, per weight shape and row count, on
+random GGUF blocks: the weight-stationary int8 product ("int8"), the int8 GEMM ("gemm"), the
+tiled product (each weight dequantized into bf16 tiles for cpu_tile_gemm.c, "tiled"), and the
+bf16 tile GEMM on the dequantized weights as the unquantized model runs it ("bf16"). The paths
+of a shape are timed in turns, best of several rounds, so that a busy machine slows them alike.
+cpu_gguf_gemv.c's gemm_min_rows(type) is the row count from which the GEMM beats the int8
+product on these shapes (the default model's: q|k|v, o, gate|up, down; the Q8_0 lm_head), and
+the tiled product is chosen only where it beats the GEMM.
 
     PYTHONPATH=$PWD python benchmarks/benchmark_gguf_products.py --output-json benchmarks/results/gguf_products.json
 """
@@ -16,56 +19,73 @@ import torch
 import result_files
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (N, K) of SmolLM2-135M's products
-ROWS = [1, 2, 3, 4, 5, 6, 8, 12, 16, 32]
+LM_HEAD = (49152, 576)  # its tied Q8_0 embedding
+ROWS = [1, 2, 3, 4, 5, 6, 8, 12, 16, 32, 64, 128, 256]
 TYPES = {"Q8_0": 8, "Q4_0": 2, "Q4_1": 3}
 
 
-def _best_us(fn, repeats: int) -> float:
-    fn()  # warm-up
-    best = float("inf")
-    for _ in range(5):
-        start = time.perf_counter()
-        for _ in range(repeats):
-            fn()
-        best = min(best, (time.perf_counter() - start) / repeats)
-    return best * 1e6
+def _best_us(fns: dict, repeats: int, rounds: int) -> dict:
+    """Each of `fns` (name -> callable) timed `repeats` times in a row, the names in turns, for
+    `rounds` rounds: name -> the best round's microseconds per call."""
+    for fn in fns.values():
+        fn()  # warm-up
+    best = dict.fromkeys(fns, float("inf"))
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            for _ in range(repeats):
+                fn()
+            best[name] = min(best[name], (time.perf_counter() - start) / repeats)
+    return {name: t * 1e6 for name, t in best.items()}
 
 
 def main() -> None:
     import gguf
+    from vllm.model_executor.layers import cpu_tile_gemm
     from vllm.model_executor.layers.quantization import cpu_gguf_gemv
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--types", default="Q4_1,Q8_0", help="comma-separated subset of Q8_0,Q4_0,Q4_1")
-    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--types", default="Q4_1,Q8_0,Q4_0", help="comma-separated subset of Q8_0,Q4_0,Q4_1")
+    parser.add_argument("--rows", default=",".join(map(str, ROWS)), help="comma-separated row counts of x")
+    parser.add_argument("--lm-head", action="store_true", help=f"also the lm_head shape {LM_HEAD} (Q8_0 only)")
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args()
-    if not cpu_gguf_gemv.tiled_fits(16):
-        raise SystemExit("no tile GEMM on this machine: every row count takes the weight-stationary product")
+    if not cpu_gguf_gemv.int8_available():
+        raise SystemExit("no int8 dot products on this machine: the float32 product serves the few rows")
     rng = np.random.default_rng(0)
     results = []
     for name in args.types.split(","):
         quant_type = TYPES[name]
-        for n, k in SHAPES:
+        shapes = SHAPES + ([LM_HEAD] if args.lm_head and name == "Q8_0" else [])
+        for n, k in shapes:
             data = gguf.quants.quantize(rng.standard_normal((n, k)).astype(np.float32),
                                         gguf.GGMLQuantizationType(quant_type))
             blocks = torch.from_numpy(np.ascontiguousarray(data))
-            crossover = None
-            for m in ROWS:
+            packed = cpu_tile_gemm.pack(cpu_gguf_gemv.dequantize(blocks, quant_type, k, torch.bfloat16))
+            repeats = max(1, args.repeats * 3072 // n)
+            for m in map(int, args.rows.split(",")):
                 x = torch.randn(m, k).bfloat16()
-                times = {path: _best_us(lambda: cpu_gguf_gemv.product(x, blocks, quant_type, None, tiled=path),
-                                        args.repeats) for path in (False, True)}
-                if crossover is None and times[True] < times[False]:
-                    crossover = m
-                results.append({"type": name, "n": n, "k": k, "rows": m, "weight_stationary_us": times[False],
-                                "tiled_us": times[True]})
-                print(f"{name} n={n:5d} k={k:5d} rows={m:3d}  weight-stationary {times[False]:8.1f} us"
-                      f"  tiled {times[True]:8.1f} us", flush=True)
-            print(f"{name} n={n} k={k}: tiled from {crossover} rows", flush=True)
+                paths = {"int8": lambda: cpu_gguf_gemv.product(x, blocks, quant_type, None, path="int8")}
+                if cpu_gguf_gemv.gemm_available():
+                    paths["gemm"] = lambda: cpu_gguf_gemv.product(x, blocks, quant_type, None, path="gemm")
+                if cpu_gguf_gemv.tiled_fits(n):
+                    paths["tiled"] = lambda: cpu_gguf_gemv.product(x, blocks, quant_type, None, path="tiled")
+                if packed is not None:
+                    paths["bf16"] = lambda: cpu_tile_gemm.gemm(x, packed, None)
+                times = _best_us(paths, repeats, args.rounds)
+                chosen = cpu_gguf_gemv.product_path(quant_type, m, n, k)
+                results.append({"type": name, "n": n, "k": k, "rows": m, "chosen": chosen,
+                                **{f"{path}_us": t for path, t in times.items()}})
+                fastest = min((p for p in times if p != "bf16"), key=times.get)
+                line = "  ".join(f"{path} {t:9.1f}" for path, t in times.items())
+                ratio = f"  chosen/bf16 {times[chosen] / times['bf16']:5.2f}" if "bf16" in times else ""
+                print(f"{name} n={n:5d} k={k:5d} rows={m:3d}  {line} us  fastest {fastest:5s} chosen {chosen:5s}"
+                      f"{ratio}", flush=True)
     if args.output_json:
-        result = {"threads": torch.get_num_threads(),
-                  "tiled_min_rows": {name: cpu_gguf_gemv.tiled_min_rows(TYPES[name]) for name in TYPES},
-                  "results": results, "machine": result_files.machine_info(), "args": result_files.args_dict(args)}
+        result = {"threads": torch.get_num_threads(), "results": results, "machine": result_files.machine_info(),
+                  "args": result_files.args_dict(args)}
         print(f"Results written to {result_files.write_json(result, args.output_json)}")
 
 

@@ -470,58 +470,83 @@ int gguf_tiled_product_bf16(const uint16_t *x, const uint8_t *w, int type, const
 
 int gguf_gemm_supported(void) { return 1; }
 
+/* The panel's 16 rows (lanes past its last row repeat that row): row c starts at
+ * base + offset[c], also as the int32 lanes of `lanes`, for the gathers. */
+typedef struct {
+    const uint8_t *base;
+    int64_t offset[16];
+    __m512i lanes;
+} panel_rows_at;
+
+/* 16 bytes at `at` of each row's block -> v[g] (g = 0 .. 3), lane c: dword g of row c. Rows c,
+ * c + 4, c + 8, c + 12 go to the 128-bit lanes of r[c], then a 4 x 4 transpose in each lane. */
+static inline void load_dwords(const panel_rows_at *p, int64_t at, __m512i v[4]) {
+    __m512i r[4], t[4];
+    for (int c = 0; c < 4; ++c) {
+        r[c] = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(p->base + p->offset[c] + at)));
+        for (int l = 1; l < 4; ++l)
+            r[c] = _mm512_inserti32x4(r[c], _mm_loadu_si128((const __m128i *)(p->base + p->offset[c + 4 * l] + at)), l);
+    }
+    t[0] = _mm512_unpacklo_epi32(r[0], r[1]);
+    t[1] = _mm512_unpackhi_epi32(r[0], r[1]);
+    t[2] = _mm512_unpacklo_epi32(r[2], r[3]);
+    t[3] = _mm512_unpackhi_epi32(r[2], r[3]);
+    v[0] = _mm512_unpacklo_epi64(t[0], t[2]);
+    v[1] = _mm512_unpackhi_epi64(t[0], t[2]);
+    v[2] = _mm512_unpacklo_epi64(t[1], t[3]);
+    v[3] = _mm512_unpackhi_epi64(t[1], t[3]);
+}
+
+/* The 16 rows' float16 at `at` of their block, as float32 lanes. */
+static inline __m512 load_halves(const panel_rows_at *p, int64_t at) {
+    const __m512i words = _mm512_i32gather_epi32(p->lanes, p->base + at, 1);
+    return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(words));
+}
+
+/* Nibble bytes: the low halves of dword g are codes 4g .. 4g + 3, the high halves 16 + 4g ... */
+static inline void split_nibbles(__m512i codes[8]) {
+    const __m512i low = _mm512_set1_epi8(15);
+    for (int g = 0; g < 4; ++g) {
+        codes[4 + g] = _mm512_and_si512(_mm512_srli_epi16(codes[g], 4), low);
+        codes[g] = _mm512_and_si512(codes[g], low);
+    }
+}
+
 /* The per-type part of the GEMM (a new type adds its case to these three). */
 static inline int code_offset(int type) { return type == TYPE_Q8_0 ? 128 : type == TYPE_Q4_0 ? 8 : 0; }
 static inline int has_minimum(int type) { return type == TYPE_Q4_1; }
 
-/* Block b's 32 codes u in order, one a byte; *D, *M as above. */
-static inline __m256i decode_block(const uint8_t *b, int type, float *D, float *M) {
-    *D = half_to_float(b);
-    *M = type == TYPE_Q4_1 ? half_to_float(b + 2) : 0.0f;
-    if (type == TYPE_Q8_0) return _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(b + 2)), _mm256_set1_epi8(-128));
-    const __m128i bytes = _mm_loadu_si128((const __m128i *)(b + (type == TYPE_Q4_1 ? 4 : 2))), low = _mm_set1_epi8(15);
-    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), low), _mm_and_si128(bytes, low));
-}
-
-/* v[r] = [row r's 8 dwords | row r + 8's] -> v[g] = dword g of rows 0 .. 15: an 8 x 8 transpose in
- * each 256-bit half (unpacks within 128-bit lanes, then a permute of 128-bit lanes). */
-static inline void transpose_panel(__m512i v[8]) {
-    __m512i t[8], u[8];
-    for (int i = 0; i < 8; i += 2) {
-        t[i] = _mm512_unpacklo_epi32(v[i], v[i + 1]);
-        t[i + 1] = _mm512_unpackhi_epi32(v[i], v[i + 1]);
-    }
-    for (int i = 0; i < 8; i += 4) {
-        u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-        u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-        u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-        u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-    }
-    /* u[g] (rows 0-3 and 8-11) and u[4 + g] (rows 4-7, 12-15) hold dword g in their 128-bit lanes
-     * 0 and 2, dword 4 + g in lanes 1 and 3 */
-    const __m512i even = _mm512_set_epi64(13, 12, 5, 4, 9, 8, 1, 0), odd = _mm512_set_epi64(15, 14, 7, 6, 11, 10, 3, 2);
-    for (int g = 0; g < 4; ++g) {
-        v[g] = _mm512_permutex2var_epi64(u[g], even, u[4 + g]);
-        v[4 + g] = _mm512_permutex2var_epi64(u[g], odd, u[4 + g]);
+/* The block the rows of p start with -> codes[g] (lane c: u_4g .. u_4g+3 of row c), *D, *M. */
+static inline void decode_blocks(const panel_rows_at *p, int type, __m512i codes[8], __m512 *D, __m512 *M) {
+    *D = load_halves(p, 0);
+    *M = _mm512_setzero_ps();
+    switch (type) {
+    case TYPE_Q8_0:
+        load_dwords(p, 2, codes);
+        load_dwords(p, 18, codes + 4);
+        for (int g = 0; g < 8; ++g) codes[g] = _mm512_xor_si512(codes[g], _mm512_set1_epi8(-128));
+        break;
+    case TYPE_Q4_0:
+        load_dwords(p, 2, codes);
+        split_nibbles(codes);
+        break;
+    default:
+        *M = load_halves(p, 2);
+        load_dwords(p, 4, codes);
+        split_nibbles(codes);
+        break;
     }
 }
 
 /* Rows [j0, j0 + rows) of W (rows <= 16; lanes past them repeat the last row) -> the panel. */
 static void unpack_panel(const uint8_t *w, int type, int64_t j0, int rows, int64_t nb, __m512i *codes,
-                         float *D, float *M) {
+                         __m512 *D, __m512 *M) {
     const int64_t bb = block_bytes(type);
-    const uint8_t *row[16];
-    for (int c = 0; c < 16; ++c) row[c] = w + (j0 + (c < rows ? c : rows - 1)) * nb * bb;
-    for (int64_t kb = 0; kb < nb; ++kb) {
-        __m512i v[8];
-        for (int r = 0; r < 8; ++r) {
-            const __m256i lo = decode_block(row[r] + kb * bb, type, D + kb * 16 + r, M + kb * 16 + r);
-            const __m256i hi = decode_block(row[r + 8] + kb * bb, type, D + kb * 16 + r + 8, M + kb * 16 + r + 8);
-            v[r] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-        }
-        transpose_panel(v);
-        for (int g = 0; g < 8; ++g) _mm512_store_si512(codes + kb * 8 + g, v[g]);
-    }
+    panel_rows_at p = {.base = w + j0 * nb * bb};
+    int32_t lanes[16];
+    for (int c = 0; c < 16; ++c) lanes[c] = (int32_t)(p.offset[c] = (c < rows ? c : rows - 1) * nb * bb);
+    p.lanes = _mm512_loadu_si512(lanes);
+    for (int64_t kb = 0; kb < nb; ++kb, p.base += bb) decode_blocks(&p, type, codes + kb * 8, D + kb, M + kb);
 }
 
 /* x's blocks as the GEMM reads them (each array (m, k / 32) but qx (m, k)). */
@@ -565,7 +590,7 @@ static inline __m256i bf16_of(__m512 v) {
 /* Rows [t0, t0 + TM) of x times the panel (output rows [j0, j0 + rows)) into y; TM and
  * with_minimum are constants in each caller, so the accumulators stay in registers. */
 static inline __attribute__((always_inline)) void panel_tile(
-        const __m512i *codes, const float *D, const float *M, quantized_x q, int64_t t0, const int TM,
+        const __m512i *codes, const __m512 *D, const __m512 *M, quantized_x q, int64_t t0, const int TM,
         const int with_minimum, const uint16_t *bias, uint16_t *y, int64_t j0, int rows, int64_t n, int64_t k) {
     const int64_t nb = k / QK;
     __m512 acc[GEMM_TILE];
@@ -573,15 +598,13 @@ static inline __attribute__((always_inline)) void panel_tile(
     for (int64_t kb = 0; kb < nb; ++kb) {
         __m512i u[8];
         for (int g = 0; g < 8; ++g) u[g] = _mm512_load_si512(codes + kb * 8 + g);
-        const __m512 d = _mm512_load_ps(D + kb * 16);
         for (int t = 0; t < TM; ++t) {
             const int64_t xb = (t0 + t) * nb + kb;
             const int32_t *xs = (const int32_t *)(q.qx + xb * QK);
             __m512i dot = _mm512_set1_epi32(q.start[xb]);
             for (int g = 0; g < 8; ++g) dot = _mm512_dpbusd_epi32(dot, u[g], _mm512_set1_epi32(xs[g]));
-            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_set1_ps(q.dx[xb])), acc[t]);
-            if (with_minimum)
-                acc[t] = _mm512_fmadd_ps(_mm512_load_ps(M + kb * 16), _mm512_set1_ps(q.dxsx[xb]), acc[t]);
+            acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(q.dx[xb])), D[kb], acc[t]);
+            if (with_minimum) acc[t] = _mm512_fmadd_ps(M[kb], _mm512_set1_ps(q.dxsx[xb]), acc[t]);
         }
     }
     const __mmask16 lanes = (__mmask16)((1u << rows) - 1);
@@ -592,7 +615,7 @@ static inline __attribute__((always_inline)) void panel_tile(
 }
 
 /* All m rows of x times the panel: tiles of 16, the rest in tiles of 8, 4, 2, 1. */
-static void panel_rows(const __m512i *codes, const float *D, const float *M, quantized_x q, int with_minimum,
+static void panel_rows(const __m512i *codes, const __m512 *D, const __m512 *M, quantized_x q, int with_minimum,
                        const uint16_t *bias, uint16_t *y, int64_t j0, int rows, int64_t m, int64_t n, int64_t k) {
     int64_t t0 = 0;
 #define PANEL_TILES(TM)                                                                                   \
@@ -620,8 +643,8 @@ int gguf_gemm_int8_bf16(const uint16_t *x, const uint8_t *w, int type, const uin
     #pragma omp parallel
     {
         /* this thread's panel: nb x (8 zmm of codes, 16 D, 16 M) */
-        __m512i *codes = aligned_alloc(64, (size_t)nb * (8 * sizeof(__m512i) + 32 * sizeof(float)));
-        float *D = (float *)(codes + nb * 8), *M = D + nb * 16;
+        __m512i *codes = aligned_alloc(64, (size_t)nb * (8 * sizeof(__m512i) + 2 * sizeof(__m512)));
+        __m512 *D = (__m512 *)(codes + nb * 8), *M = D + nb;
         if (codes == NULL) {
             #pragma omp atomic write
             status = 2;
