@@ -470,12 +470,10 @@ int gguf_tiled_product_bf16(const uint16_t *x, const uint8_t *w, int type, const
 
 int gguf_gemm_supported(void) { return 1; }
 
-/* The panel's 16 rows (lanes past its last row repeat that row): row c starts at
- * base + offset[c], also as the int32 lanes of `lanes`, for the gathers. */
+/* The panel's 16 rows (lanes past its last row repeat that row): row c starts at base + offset[c]. */
 typedef struct {
     const uint8_t *base;
     int64_t offset[16];
-    __m512i lanes;
 } panel_rows_at;
 
 /* 16 bytes at `at` of each row's block -> v[g] (g = 0 .. 3), lane c: dword g of row c. Rows c,
@@ -497,10 +495,20 @@ static inline void load_dwords(const panel_rows_at *p, int64_t at, __m512i v[4])
     v[3] = _mm512_unpackhi_epi64(t[1], t[3]);
 }
 
-/* The 16 rows' float16 at `at` of their block, as float32 lanes. */
-static inline __m512 load_halves(const panel_rows_at *p, int64_t at) {
-    const __m512i words = _mm512_i32gather_epi32(p->lanes, p->base + at, 1);
-    return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(words));
+/* The dword at `at` of each row's block, lane c for row c (as load_dwords, one dword a row). */
+static inline __m512i load_words(const panel_rows_at *p, int64_t at) {
+    __m512i r[4];
+    for (int c = 0; c < 4; ++c) {
+        r[c] = _mm512_castsi128_si512(_mm_loadu_si32(p->base + p->offset[c] + at));
+        for (int l = 1; l < 4; ++l)
+            r[c] = _mm512_inserti32x4(r[c], _mm_loadu_si32(p->base + p->offset[c + 4 * l] + at), l);
+    }
+    return _mm512_unpacklo_epi64(_mm512_unpacklo_epi32(r[0], r[1]), _mm512_unpacklo_epi32(r[2], r[3]));
+}
+
+/* float16 in the low (high = 0) or high half of each lane -> float32. */
+static inline __m512 halves_to_float(__m512i words, int high) {
+    return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(high ? _mm512_srli_epi32(words, 16) : words));
 }
 
 /* Nibble bytes: the low halves of dword g are codes 4g .. 4g + 3, the high halves 16 + 4g ... */
@@ -518,7 +526,8 @@ static inline int has_minimum(int type) { return type == TYPE_Q4_1; }
 
 /* The block the rows of p start with -> codes[g] (lane c: u_4g .. u_4g+3 of row c), *D, *M. */
 static inline void decode_blocks(const panel_rows_at *p, int type, __m512i codes[8], __m512 *D, __m512 *M) {
-    *D = load_halves(p, 0);
+    const __m512i first = load_words(p, 0);  /* d, and m or codes */
+    *D = halves_to_float(first, 0);
     *M = _mm512_setzero_ps();
     switch (type) {
     case TYPE_Q8_0:
@@ -531,7 +540,7 @@ static inline void decode_blocks(const panel_rows_at *p, int type, __m512i codes
         split_nibbles(codes);
         break;
     default:
-        *M = load_halves(p, 2);
+        *M = halves_to_float(first, 1);
         load_dwords(p, 4, codes);
         split_nibbles(codes);
         break;
@@ -543,9 +552,7 @@ static void unpack_panel(const uint8_t *w, int type, int64_t j0, int rows, int64
                          __m512 *D, __m512 *M) {
     const int64_t bb = block_bytes(type);
     panel_rows_at p = {.base = w + j0 * nb * bb};
-    int32_t lanes[16];
-    for (int c = 0; c < 16; ++c) lanes[c] = (int32_t)(p.offset[c] = (c < rows ? c : rows - 1) * nb * bb);
-    p.lanes = _mm512_loadu_si512(lanes);
+    for (int c = 0; c < 16; ++c) p.offset[c] = (c < rows ? c : rows - 1) * nb * bb;
     for (int64_t kb = 0; kb < nb; ++kb, p.base += bb) decode_blocks(&p, type, codes + kb * 8, D + kb, M + kb);
 }
 
