@@ -24,18 +24,19 @@ ROWS = [1, 2, 3, 4, 5, 6, 8, 12, 16, 32, 64, 128, 256]
 TYPES = {"Q8_0": 8, "Q4_0": 2, "Q4_1": 3}
 
 
-def _best_us(fns: dict, repeats: int, rounds: int) -> dict:
-    """Each of `fns` (name -> callable) timed `repeats` times in a row, the names in turns, for
-    `rounds` rounds: name -> the best round's microseconds per call."""
+def _best_us(fns: dict, copies: int, rounds: int) -> dict:
+    """Each of `fns` (name -> callable of a copy's index) called once on each of `copies` copies
+    of the weight, the names in turns, for `rounds` rounds: name -> the best round's
+    microseconds per call."""
     for fn in fns.values():
-        fn()  # warm-up
+        fn(0)  # warm-up
     best = dict.fromkeys(fns, float("inf"))
     for _ in range(rounds):
         for name, fn in fns.items():
             start = time.perf_counter()
-            for _ in range(repeats):
-                fn()
-            best[name] = min(best[name], (time.perf_counter() - start) / repeats)
+            for i in range(copies):
+                fn(i)
+            best[name] = min(best[name], (time.perf_counter() - start) / copies)
     return {name: t * 1e6 for name, t in best.items()}
 
 
@@ -48,8 +49,10 @@ def main() -> None:
     parser.add_argument("--types", default="Q4_1,Q8_0,Q4_0", help="comma-separated subset of Q8_0,Q4_0,Q4_1")
     parser.add_argument("--rows", default=",".join(map(str, ROWS)), help="comma-separated row counts of x")
     parser.add_argument("--lm-head", action="store_true", help=f"also the lm_head shape {LM_HEAD} (Q8_0 only)")
-    parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--copies", type=int, default=1,
+                        help="copies of each weight, called in turn: the model's layer count (30) makes every "
+                             "product read its weight from memory, as a step does, instead of from the cache")
+    parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args()
     if not cpu_gguf_gemv.int8_available():
@@ -62,19 +65,18 @@ def main() -> None:
         for n, k in shapes:
             data = gguf.quants.quantize(rng.standard_normal((n, k)).astype(np.float32),
                                         gguf.GGMLQuantizationType(quant_type))
-            blocks = torch.from_numpy(np.ascontiguousarray(data))
-            packed = cpu_tile_gemm.pack(cpu_gguf_gemv.dequantize(blocks, quant_type, k, torch.bfloat16))
-            repeats = max(1, args.repeats * 3072 // n)
+            blocks = [torch.from_numpy(np.ascontiguousarray(data)) for _ in range(args.copies)]
+            packed = [cpu_tile_gemm.pack(cpu_gguf_gemv.dequantize(b, quant_type, k, torch.bfloat16)) for b in blocks]
             for m in map(int, args.rows.split(",")):
                 x = torch.randn(m, k).bfloat16()
-                paths = {"int8": lambda: cpu_gguf_gemv.product(x, blocks, quant_type, None, path="int8")}
+                paths = {"int8": lambda i: cpu_gguf_gemv.product(x, blocks[i], quant_type, None, path="int8")}
                 if cpu_gguf_gemv.gemm_available():
-                    paths["gemm"] = lambda: cpu_gguf_gemv.product(x, blocks, quant_type, None, path="gemm")
+                    paths["gemm"] = lambda i: cpu_gguf_gemv.product(x, blocks[i], quant_type, None, path="gemm")
                 if cpu_gguf_gemv.tiled_fits(n):
-                    paths["tiled"] = lambda: cpu_gguf_gemv.product(x, blocks, quant_type, None, path="tiled")
-                if packed is not None:
-                    paths["bf16"] = lambda: cpu_tile_gemm.gemm(x, packed, None)
-                times = _best_us(paths, repeats, args.rounds)
+                    paths["tiled"] = lambda i: cpu_gguf_gemv.product(x, blocks[i], quant_type, None, path="tiled")
+                if packed[0] is not None:
+                    paths["bf16"] = lambda i: cpu_tile_gemm.gemm(x, packed[i], None)
+                times = _best_us(paths, args.copies, args.rounds)
                 chosen = cpu_gguf_gemv.product_path(quant_type, m, n, k)
                 results.append({"type": name, "n": n, "k": k, "rows": m, "chosen": chosen,
                                 **{f"{path}_us": t for path, t in times.items()}})
