@@ -467,6 +467,7 @@ int gguf_tiled_product_bf16(const uint16_t *x, const uint8_t *w, int type, const
  */
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define GEMM_TILE 16  /* rows of x per pass over a panel: their 16 accumulators stay in registers */
+#define PREFETCH_PANELS 2  /* how far ahead a panel's unpacking prefetches W */
 
 int gguf_gemm_supported(void) { return 1; }
 
@@ -547,13 +548,19 @@ static inline void decode_blocks(const panel_rows_at *p, int type, __m512i codes
     }
 }
 
-/* Rows [j0, j0 + rows) of W (rows <= 16; lanes past them repeat the last row) -> the panel. */
+/* Rows [j0, j0 + rows) of W (rows <= 16; lanes past them repeat the last row) -> the panel,
+ * prefetching the `ahead` bytes of W from `next` (a later panel, contiguous): the
+ * panel's 16 rows are read a block of each at a time, 16 short streams the hardware
+ * prefetchers do not follow from memory. */
 static void unpack_panel(const uint8_t *w, int type, int64_t j0, int rows, int64_t nb, __m512i *codes,
-                         __m512 *D, __m512 *M) {
-    const int64_t bb = block_bytes(type);
+                         __m512 *D, __m512 *M, const uint8_t *next, int64_t ahead) {
+    const int64_t bb = block_bytes(type), lines = (ahead + 63) / 64;
     panel_rows_at p = {.base = w + j0 * nb * bb};
     for (int c = 0; c < 16; ++c) p.offset[c] = (c < rows ? c : rows - 1) * nb * bb;
-    for (int64_t kb = 0; kb < nb; ++kb, p.base += bb) decode_blocks(&p, type, codes + kb * 8, D + kb, M + kb);
+    for (int64_t kb = 0, line = 0; kb < nb; ++kb, p.base += bb) {
+        for (; line < lines * (kb + 1) / nb; ++line) _mm_prefetch((const char *)(next + 64 * line), _MM_HINT_T0);
+        decode_blocks(&p, type, codes + kb * 8, D + kb, M + kb);
+    }
 }
 
 /* x's blocks as the GEMM reads them (each array (m, k / 32) but qx (m, k)). */
@@ -660,7 +667,10 @@ int gguf_gemm_int8_bf16(const uint16_t *x, const uint8_t *w, int type, const uin
         for (int64_t p = 0; p < panels; ++p) {
             if (codes == NULL) continue;
             const int rows = n - 16 * p < 16 ? (int)(n - 16 * p) : 16;
-            unpack_panel(w, type, 16 * p, rows, nb, codes, D, M);
+            /* the panel PREFETCH_PANELS on, where it is in W */
+            const int64_t row_bytes = nb * block_bytes(type), ahead_row = 16 * (p + PREFETCH_PANELS);
+            const int64_t ahead = ahead_row >= n ? 0 : (n - ahead_row < 16 ? n - ahead_row : 16) * row_bytes;
+            unpack_panel(w, type, 16 * p, rows, nb, codes, D, M, w + ahead_row * row_bytes, ahead);
             panel_rows(codes, D, M, q, has_minimum(type), bias, y, 16 * p, rows, m, n, k);
         }
         free(codes);
