@@ -137,12 +137,13 @@ def test_gemm_is_dequantize_then_matmul_of_quantized_activations(name, m, n, k):
 @pytest.mark.parametrize("name", TYPES)
 def test_gemm_rows_do_not_depend_on_the_other_rows(name):
     """Each row of x sums its blocks in the same order whatever tile it falls in: a token's
-    result is the same bits in a step of 40 rows as alone."""
-    data, _ = _blocks(TYPES[name], 33, 576, seed=3)
+    result is the same bits in a step of 40 rows as alone (80 000 outputs, so that a float32
+    rounding that differs shows through the rounding to bf16)."""
+    data, _ = _blocks(TYPES[name], 2008, 576, seed=3)
     x = _x(40, 576, torch.bfloat16, seed=4)
     together = cpu_gguf_gemv.product(x, data, TYPES[name], None, path="gemm")
-    for i in (0, 15, 16, 31, 32, 39):
-        assert torch.equal(cpu_gguf_gemv.product(x[i:i + 1], data, TYPES[name], None, path="gemm"), together[i:i + 1])
+    alone = torch.cat([cpu_gguf_gemv.product(x[i:i + 1], data, TYPES[name], None, path="gemm") for i in range(40)])
+    assert torch.equal(alone, together)
 
 
 @pytest.mark.skipif(not cpu_gguf_gemv.gemm_available(), reason="the CPU has no AVX512-VNNI")
