@@ -467,7 +467,7 @@ int gguf_tiled_product_bf16(const uint16_t *x, const uint8_t *w, int type, const
  */
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define GEMM_TILE 16  /* rows of x per pass over a panel: their 16 accumulators stay in registers */
-#define PREFETCH_PANELS 2  /* how far ahead a panel's unpacking prefetches W */
+#define PREFETCH_PANELS 4  /* how far ahead a panel's unpacking prefetches W, into L2 */
 
 int gguf_gemm_supported(void) { return 1; }
 
@@ -558,7 +558,7 @@ static void unpack_panel(const uint8_t *w, int type, int64_t j0, int rows, int64
     panel_rows_at p = {.base = w + j0 * nb * bb};
     for (int c = 0; c < 16; ++c) p.offset[c] = (c < rows ? c : rows - 1) * nb * bb;
     for (int64_t kb = 0, line = 0; kb < nb; ++kb, p.base += bb) {
-        for (; line < lines * (kb + 1) / nb; ++line) _mm_prefetch((const char *)(next + 64 * line), _MM_HINT_T0);
+        for (; line < lines * (kb + 1) / nb; ++line) _mm_prefetch((const char *)(next + 64 * line), _MM_HINT_T1);
         decode_blocks(&p, type, codes + kb * 8, D + kb, M + kb);
     }
 }
