@@ -23,9 +23,11 @@
  *                      dw * dx * dot summed in float32. Each x differs from dx * qx by at most
  *                      dx / 2, that is max|x of its block| / 254. Only where the ISA has int8
  *                      dot products (AVX512-VNNI or AVX-VNNI); gguf_int8_supported() says.
- * and, for more rows of bf16 x, a tiled product: W dequantized to bf16 panel by panel for the
- * tile GEMM of cpu_tile_gemm.c (below). gguf_product_bf16 chooses among them by the row count;
- * the C decoder layers (llama_cpu_layers.c) call it through one entry point per type.
+ * and, for bf16 x of any number of rows, two products made for many rows (below): the int8
+ * GEMM (the int8 product's arithmetic on 16-row panels of W unpacked once per call, AVX512-VNNI)
+ * and a tiled product (W dequantized to bf16 panel by panel for the tile GEMM of
+ * cpu_tile_gemm.c). gguf_product_bf16 chooses among them by the shape (gguf_product_path); the
+ * C decoder layers (llama_cpu_layers.c) call it through one entry point per type.
  *
  * Layouts (contiguous): x (m, k) float32 or bf16; W n rows of k / 32 blocks; y (m, n) in x's
  * dtype. k must be a multiple of 32 (GGUF rows are whole blocks).
@@ -343,7 +345,7 @@ int gguf_matmul_int8(const void *x, int bf16, const uint8_t *w, int type, const 
  *
  * (block kb of output row 16 b + c is column c of tile (b, kb)), and the tile GEMM multiplies x
  * into the panel. A panel is at most PANEL_BYTES of bf16 so that it stays in the cache between
- * its dequantization and its product. Which product serves which rows: gguf_tiled_min_rows(type).
+ * its dequantization and its product. Which product serves which rows: gguf_product_path.
  */
 #define PANEL_BYTES (512 * 1024)
 
@@ -444,8 +446,8 @@ int gguf_tiled_product_bf16(const uint16_t *x, const uint8_t *w, int type, const
 }
 
 /*
- * From a few rows of bf16 x on, the int8 GEMM: the int8 product's arithmetic with the weights
- * unpacked once per call instead of once per row of x. Every type is, per block of 32,
+ * The int8 GEMM, for bf16 x: the int8 product's arithmetic with the weights unpacked once per
+ * call instead of once per row of x. Every type is, per block of 32,
  *
  *   w_i = D * (u_i - offset) + M      u_i its unsigned byte codes
  *   Q8_0: u = q + 128, offset 128, M = 0     Q4_0: u = q, offset 8, M = 0     Q4_1: D = d, M = m
@@ -461,9 +463,12 @@ int gguf_tiled_product_bf16(const uint16_t *x, const uint8_t *w, int type, const
  *   D[kb], M[kb]  lane c: D and M of block kb of row j0 + c
  *
  * so that x's dword g (its codes 4g .. 4g + 3) broadcast against codes[kb][g] gives 16 rows'
- * partial dot products at once. Every tile of up to 16 rows of x then multiplies into the
- * panel: per block and row of x, 8 vpdpbusd, a conversion to float and one or two multiply-
- * adds for 16 outputs. Which product serves which rows: gguf_product_path.
+ * partial dot products at once (a Q4 block's nibble bytes need no reordering: dword g of its
+ * 16 bytes holds codes 4g .. 4g + 3 in its low halves and 16 + 4g ... in its high ones, the
+ * codes of x's dwords g and 4 + g). Every tile of up to 16 rows of x then multiplies into the
+ * panel: per block and row of x, 8 vpdpbusd, a conversion to float, a multiply and one or two
+ * multiply-adds for 16 outputs. Threads take panels; x is quantized once per call. Which
+ * product serves which rows: gguf_product_path.
  */
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define GEMM_TILE 16  /* rows of x per pass over a panel: their 16 accumulators stay in registers */
@@ -718,10 +723,9 @@ int gguf_product_path(int type, int64_t m, int64_t n, int64_t k) {
 /*
  * The products of llama_cpu_layers.c's decoder layer (its gemv_fn), one entry point per type,
  * for any number of rows: x (m, k) bf16, W the rows of blocks (passed where the layer passes a
- * bf16 weight: the layer only hands it on), bias (n) bf16 or NULL, y (m, n) bf16. From
- * gguf_tiled_min_rows(type) rows the tiled product where the tile GEMM is given and the shape fits;
- * below, the int8 product where the ISA has it, else the float32 one. gguf_product_bf16 is the
- * same for the op-by-op layers (gguf_linear.py).
+ * bf16 weight: the layer only hands it on), bias (n) bf16 or NULL, y (m, n) bf16, on the
+ * product gguf_product_path names. gguf_product_bf16 is the same for the op-by-op layers
+ * (gguf_linear.py).
  */
 int gguf_product_bf16(const uint16_t *x, const uint8_t *w, int type, const uint16_t *bias, uint16_t *y,
                       int64_t m, int64_t n, int64_t k) {
