@@ -650,7 +650,8 @@ static void panel_rows(const __m512i *codes, const __m512 *D, const __m512 *M, q
 int gguf_gemm_int8_bf16(const uint16_t *x, const uint8_t *w, int type, const uint16_t *bias, uint16_t *y,
                         int64_t m, int64_t n, int64_t k) {
     if (block_bytes(type) == 0 || k % QK) return 1;
-    const int64_t nb = k / QK, panels = (n + 15) / 16;
+    if (m == 0 || n == 0) return 0;
+    const int64_t nb = k / QK, panels = (n + 15) / 16, row_bytes = nb * block_bytes(type);
     quantized_x q = {malloc((size_t)(m * k)), malloc((size_t)(m * nb) * sizeof(float)),
                      malloc((size_t)(m * nb) * sizeof(float)), malloc((size_t)(m * nb) * sizeof(int32_t))};
     int status = 0;
@@ -672,10 +673,10 @@ int gguf_gemm_int8_bf16(const uint16_t *x, const uint8_t *w, int type, const uin
         for (int64_t p = 0; p < panels; ++p) {
             if (codes == NULL) continue;
             const int rows = n - 16 * p < 16 ? (int)(n - 16 * p) : 16;
-            /* the panel PREFETCH_PANELS on, where it is in W */
-            const int64_t row_bytes = nb * block_bytes(type), ahead_row = 16 * (p + PREFETCH_PANELS);
+            /* the panel PREFETCH_PANELS on, if W has it */
+            const int64_t ahead_row = 16 * (p + PREFETCH_PANELS);
             const int64_t ahead = ahead_row >= n ? 0 : (n - ahead_row < 16 ? n - ahead_row : 16) * row_bytes;
-            unpack_panel(w, type, 16 * p, rows, nb, codes, D, M, w + ahead_row * row_bytes, ahead);
+            unpack_panel(w, type, 16 * p, rows, nb, codes, D, M, ahead ? w + ahead_row * row_bytes : w, ahead);
             panel_rows(codes, D, M, q, has_minimum(type), bias, y, 16 * p, rows, m, n, k);
         }
         free(codes);
