@@ -1,13 +1,15 @@
 """Where the quantized products of a bf16 step cross over, per weight shape and row count, on
-random GGUF blocks: the weight-stationary int8 product ("int8"), the int8 GEMM ("gemm"), the
-tiled product (each weight dequantized into bf16 tiles for cpu_tile_gemm.c, "tiled"), and the
-bf16 tile GEMM on the dequantized weights as the unquantized model runs it ("bf16"). The paths
-of a shape are timed in turns, best of several rounds, so that a busy machine slows them alike.
-cpu_gguf_gemv.c's gemm_min_rows(type) is the row count from which the GEMM beats the int8
-product on these shapes (the default model's: q|k|v, o, gate|up, down; the Q8_0 lm_head), and
-the tiled product is chosen only where it beats the GEMM.
+random GGUF blocks: the weight-stationary int8 product ("int8", up to 16 rows), the int8 GEMM
+("gemm"), the tiled product (each weight dequantized into bf16 tiles for cpu_tile_gemm.c,
+"tiled"), and the bf16 tile GEMM on the dequantized weights as the unquantized model runs it
+("bf16"). The paths of a shape are timed in turns, best of several rounds, so that a busy
+machine slows them alike; with --copies 30 each call reads its weight from memory, as a step
+through the model's 30 layers does. The shapes are the default model's (q|k|v, o, gate|up,
+down, and with --lm-head its Q8_0 lm_head); cpu_gguf_gemv.c's gguf_product_path encodes which
+product each row count of a type takes from what this measures.
 
-    PYTHONPATH=$PWD python benchmarks/benchmark_gguf_products.py --output-json benchmarks/results/gguf_products.json
+    PYTHONPATH=$PWD python benchmarks/benchmark_gguf_products.py --copies 30 --lm-head \
+        --output-json benchmarks/results/gguf_products_epyc.json
 """
 
 import argparse
@@ -20,7 +22,8 @@ import result_files
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (N, K) of SmolLM2-135M's products
 LM_HEAD = (49152, 576)  # its tied Q8_0 embedding
-ROWS = [1, 2, 3, 4, 5, 6, 8, 12, 16, 32, 64, 128, 256]
+ROWS = [1, 2, 3, 4, 6, 8, 16, 32, 64, 128, 256, 512]
+INT8_MAX_ROWS = 16  # the weight-stationary product unpacks each block once per row: far behind past this
 TYPES = {"Q8_0": 8, "Q4_0": 2, "Q4_1": 3}
 
 
@@ -70,7 +73,9 @@ def main() -> None:
             packed = [cpu_tile_gemm.pack(cpu_gguf_gemv.dequantize(b, quant_type, k, torch.bfloat16)) for b in blocks]
             for m in map(int, args.rows.split(",")):
                 x = torch.randn(m, k).bfloat16()
-                paths = {"int8": lambda i: cpu_gguf_gemv.product(x, blocks[i], quant_type, None, path="int8")}
+                paths = {}
+                if m <= INT8_MAX_ROWS:
+                    paths["int8"] = lambda i: cpu_gguf_gemv.product(x, blocks[i], quant_type, None, path="int8")
                 if cpu_gguf_gemv.gemm_available():
                     paths["gemm"] = lambda i: cpu_gguf_gemv.product(x, blocks[i], quant_type, None, path="gemm")
                 if cpu_gguf_gemv.tiled_fits(n):
