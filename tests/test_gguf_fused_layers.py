@@ -149,8 +149,8 @@ def _quantized(quantizable_llm, name: str) -> LLM:
 def test_quantized_steps_match_op_by_op(quantizable_llm, name, contexts, chunks):
     """Same hidden states and cache writes from the C layers and the op-by-op layers on the
     same blocks (each type on Llama; Qwen2's q/k/v biases on Q4_1), for 1-16 decodes and prefill chunks with and without decodes: products of 1 to
-    101 rows, on the int8 GEMM where it runs (but a row of Q8_0; else 1-3 rows on the int8 or
-    float32 product, 16 and 101 on the tiled one)."""
+    101 rows, all on the int8 GEMM where it runs (else 1-3 rows on the int8 or float32 product,
+    16 and 101 on the tiled one)."""
     runner = _quantized(quantizable_llm, name).llm_engine.runner
     assert runner.model.model.layers[0].mlp.down_proj.weight.dtype == torch.uint8
     _assert_fused_matches_op_by_op(runner, contexts, chunks, random.Random(len(contexts) + 7 * len(chunks)))

@@ -150,15 +150,13 @@ def test_gemm_rows_do_not_depend_on_the_other_rows(name):
 @pytest.mark.parametrize("m", [1, 2, 16, 256])
 @pytest.mark.parametrize("name", TYPES)
 def test_bf16_products_take_the_gemm_where_it_runs(name, m):
-    """Where the int8 GEMM is built it serves bf16 x from 2 rows (its benchmark has it ahead
-    of the weight-stationary and tiled products there on every shape it times; the Q4 types
-    from 1 row), and `product` runs the product that `product_path` names."""
+    """Where the int8 GEMM is built it serves bf16 x at every row count (its benchmark has it
+    ahead of the weight-stationary and tiled products), and `product` runs it."""
     data, _ = _blocks(TYPES[name], 48, 64, seed=m)
     x = _x(m, 64, torch.bfloat16, seed=m)
-    path = cpu_gguf_gemv.product_path(TYPES[name], m, 48, 64)
-    assert path == "gemm" or (m == 1 and path == "int8")
+    assert cpu_gguf_gemv.product_path(TYPES[name], m, 48, 64) == "gemm"
     assert torch.equal(cpu_gguf_gemv.product(x, data, TYPES[name], None),
-                       cpu_gguf_gemv.product(x, data, TYPES[name], None, path=path))
+                       cpu_gguf_gemv.product(x, data, TYPES[name], None, path="gemm"))
 
 
 def test_int8_product_is_where_the_isa_has_it():

@@ -700,16 +700,13 @@ int gguf_gemm_int8_bf16(const uint16_t *x, const uint8_t *w, int type, const uin
 /*
  * Which product serves m rows of bf16 x (benchmarks/benchmark_gguf_products.py --copies 30
  * times them per shape, each weight read from memory as in a step): the int8 GEMM wherever it
- * is built, from gemm_min_rows(type) rows: it is ahead of the tiled product at every row count
- * that benchmark times on the default model's shapes, and of the weight-stationary int8
- * product from one row (Q8_0 from two: its single row streams its blocks in order, where the
- * GEMM gathers 16 rows' 32 code bytes). Without the GEMM, the tiled product from
- * tiled_min_rows(type) rows, where it overtakes the weight-stationary one (the same benchmark),
- * and that one below.
+ * is built, at every row count: on the default model's shapes it is ahead of the tiled product
+ * at every row count the benchmark times, and of the weight-stationary int8 product from one
+ * row (for Q8_0's single row, by a few percent on most shapes). Without the GEMM, the tiled
+ * product from tiled_min_rows(type) rows, where it overtakes the weight-stationary one (the
+ * same benchmark), and that one below.
  */
 enum { PATH_FLOAT, PATH_INT8, PATH_GEMM, PATH_TILED };  /* cpu_gguf_gemv.PATHS */
-
-static int64_t gemm_min_rows(int type) { return type == TYPE_Q8_0 ? 2 : 1; }
 
 static int64_t tiled_min_rows(int type) {
     switch (type) {
@@ -720,7 +717,7 @@ static int64_t tiled_min_rows(int type) {
 }
 
 int gguf_product_path(int type, int64_t m, int64_t n, int64_t k) {
-    if (gguf_gemm_supported() && m >= gemm_min_rows(type)) return PATH_GEMM;
+    if (gguf_gemm_supported()) return PATH_GEMM;
     if (m >= tiled_min_rows(type) && tiled_fits(n, k)) return PATH_TILED;
     return gguf_int8_supported() ? PATH_INT8 : PATH_FLOAT;
 }
