@@ -553,21 +553,6 @@ static inline void decode_blocks(const panel_rows_at *p, int type, __m512i codes
     }
 }
 
-/* Rows [j0, j0 + rows) of W (rows <= 16; lanes past them repeat the last row) -> the panel,
- * prefetching the `ahead` bytes of W from `next` (a later panel, contiguous): the
- * panel's 16 rows are read a block of each at a time, 16 short streams the hardware
- * prefetchers do not follow from memory. */
-static void unpack_panel(const uint8_t *w, int type, int64_t j0, int rows, int64_t nb, __m512i *codes,
-                         __m512 *D, __m512 *M, const uint8_t *next, int64_t ahead) {
-    const int64_t bb = block_bytes(type), lines = (ahead + 63) / 64;
-    panel_rows_at p = {.base = w + j0 * nb * bb};
-    for (int c = 0; c < 16; ++c) p.offset[c] = (c < rows ? c : rows - 1) * nb * bb;
-    for (int64_t kb = 0, line = 0; kb < nb; ++kb, p.base += bb) {
-        for (; line < lines * (kb + 1) / nb; ++line) _mm_prefetch((const char *)(next + 64 * line), _MM_HINT_T1);
-        decode_blocks(&p, type, codes + kb * 8, D + kb, M + kb);
-    }
-}
-
 /* x's blocks as the GEMM reads them (each array (m, k / 32) but qx (m, k)). */
 typedef struct {
     int8_t *qx;
@@ -606,6 +591,51 @@ static inline __m256i bf16_of(__m512 v) {
     return _mm512_cvtepi32_epi16(r);
 }
 
+/* acc + x block xb's share of the panel's block (codes u, D, M) in its 16 output rows. */
+static inline __attribute__((always_inline)) __m512 block_product(
+        const __m512i u[8], __m512 D, __m512 M, quantized_x q, int64_t xb, const int with_minimum, __m512 acc) {
+    const int32_t *xs = (const int32_t *)(q.qx + xb * QK);
+    __m512i dot = _mm512_set1_epi32(q.start[xb]);
+    for (int g = 0; g < 8; ++g) dot = _mm512_dpbusd_epi32(dot, u[g], _mm512_set1_epi32(xs[g]));
+    acc = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(q.dx[xb])), D, acc);
+    return with_minimum ? _mm512_fmadd_ps(M, _mm512_set1_ps(q.dxsx[xb]), acc) : acc;
+}
+
+/* Row t0 + t of y, output rows [j0, j0 + rows): acc[t] plus the bias, to bf16. */
+static inline void store_rows(const __m512 *acc, int64_t t0, int tm, const uint16_t *bias, uint16_t *y,
+                              int64_t j0, int rows, int64_t n) {
+    const __mmask16 lanes = (__mmask16)((1u << rows) - 1);
+    const __m512 b = bias == NULL ? _mm512_setzero_ps() : _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, bias + j0)), 16));
+    for (int t = 0; t < tm; ++t)
+        _mm256_mask_storeu_epi16(y + (t0 + t) * n + j0, lanes, bf16_of(_mm512_add_ps(acc[t], b)));
+}
+
+/* Rows [j0, j0 + rows) of W (rows <= 16; lanes past them repeat the last row) -> the panel,
+ * prefetching the `ahead` bytes of W from `next` (a later panel, contiguous): the panel's 16
+ * rows are read a block of each at a time, 16 short streams the hardware prefetchers do not
+ * follow from memory. With `one_row` (x of one row), each block is multiplied into *acc as it
+ * is decoded instead, the panel never stored. */
+static void unpack_panel(const uint8_t *w, int type, int64_t j0, int rows, int64_t nb, __m512i *codes,
+                         __m512 *D, __m512 *M, const uint8_t *next, int64_t ahead, const quantized_x *one_row,
+                         __m512 *acc) {
+    const int64_t bb = block_bytes(type), lines = (ahead + 63) / 64;
+    panel_rows_at p = {.base = w + j0 * nb * bb};
+    for (int c = 0; c < 16; ++c) p.offset[c] = (c < rows ? c : rows - 1) * nb * bb;
+    for (int64_t kb = 0, line = 0; kb < nb; ++kb, p.base += bb) {
+        for (; line < lines * (kb + 1) / nb; ++line) _mm_prefetch((const char *)(next + 64 * line), _MM_HINT_T1);
+        if (one_row == NULL) {
+            decode_blocks(&p, type, codes + kb * 8, D + kb, M + kb);
+            continue;
+        }
+        __m512i u[8];
+        __m512 d, mw;
+        decode_blocks(&p, type, u, &d, &mw);
+        *acc = has_minimum(type) ? block_product(u, d, mw, *one_row, kb, 1, *acc)
+                                 : block_product(u, d, mw, *one_row, kb, 0, *acc);
+    }
+}
+
 /* Rows [t0, t0 + TM) of x times the panel (output rows [j0, j0 + rows)) into y; TM and
  * with_minimum are constants in each caller, so the accumulators stay in registers. */
 static inline __attribute__((always_inline)) void panel_tile(
@@ -617,20 +647,9 @@ static inline __attribute__((always_inline)) void panel_tile(
     for (int64_t kb = 0; kb < nb; ++kb) {
         __m512i u[8];
         for (int g = 0; g < 8; ++g) u[g] = _mm512_load_si512(codes + kb * 8 + g);
-        for (int t = 0; t < TM; ++t) {
-            const int64_t xb = (t0 + t) * nb + kb;
-            const int32_t *xs = (const int32_t *)(q.qx + xb * QK);
-            __m512i dot = _mm512_set1_epi32(q.start[xb]);
-            for (int g = 0; g < 8; ++g) dot = _mm512_dpbusd_epi32(dot, u[g], _mm512_set1_epi32(xs[g]));
-            acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(q.dx[xb])), D[kb], acc[t]);
-            if (with_minimum) acc[t] = _mm512_fmadd_ps(M[kb], _mm512_set1_ps(q.dxsx[xb]), acc[t]);
-        }
+        for (int t = 0; t < TM; ++t) acc[t] = block_product(u, D[kb], M[kb], q, (t0 + t) * nb + kb, with_minimum, acc[t]);
     }
-    const __mmask16 lanes = (__mmask16)((1u << rows) - 1);
-    const __m512 b = bias == NULL ? _mm512_setzero_ps() : _mm512_castsi512_ps(_mm512_slli_epi32(
-        _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, bias + j0)), 16));
-    for (int t = 0; t < TM; ++t)
-        _mm256_mask_storeu_epi16(y + (t0 + t) * n + j0, lanes, bf16_of(_mm512_add_ps(acc[t], b)));
+    store_rows(acc, t0, TM, bias, y, j0, rows, n);
 }
 
 /* All m rows of x times the panel: tiles of 16, the rest in tiles of 8, 4, 2, 1. */
@@ -676,7 +695,14 @@ int gguf_gemm_int8_bf16(const uint16_t *x, const uint8_t *w, int type, const uin
             /* the panel PREFETCH_PANELS on, if W has it */
             const int64_t ahead_row = 16 * (p + PREFETCH_PANELS);
             const int64_t ahead = ahead_row >= n ? 0 : (n - ahead_row < 16 ? n - ahead_row : 16) * row_bytes;
-            unpack_panel(w, type, 16 * p, rows, nb, codes, D, M, ahead ? w + ahead_row * row_bytes : w, ahead);
+            const uint8_t *next = ahead ? w + ahead_row * row_bytes : w;
+            if (m == 1) {
+                __m512 acc = _mm512_setzero_ps();
+                unpack_panel(w, type, 16 * p, rows, nb, NULL, NULL, NULL, next, ahead, &q, &acc);
+                store_rows(&acc, 0, 1, bias, y, 16 * p, rows, n);
+                continue;
+            }
+            unpack_panel(w, type, 16 * p, rows, nb, codes, D, M, next, ahead, NULL, NULL);
             panel_rows(codes, D, M, q, has_minimum(type), bias, y, 16 * p, rows, m, n, k);
         }
         free(codes);
