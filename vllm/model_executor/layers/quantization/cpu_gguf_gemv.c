@@ -526,28 +526,32 @@ static inline void split_nibbles(__m512i codes[8]) {
     }
 }
 
-/* The per-type part of the GEMM (a new type adds its case to these three). */
+/* The per-type part of the GEMM: code_offset, has_minimum and decode_blocks (a new type adds
+ * its case to each). */
 static inline int code_offset(int type) { return type == TYPE_Q8_0 ? 128 : type == TYPE_Q4_0 ? 8 : 0; }
 static inline int has_minimum(int type) { return type == TYPE_Q4_1; }
 
-/* The block the rows of p start with -> codes[g] (lane c: u_4g .. u_4g+3 of row c), *D, *M. */
-static inline void decode_blocks(const panel_rows_at *p, int type, __m512i codes[8], __m512 *D, __m512 *M) {
-    const __m512i first = load_words(p, 0);  /* d, and m or codes */
+/* Block kb (weights 32 kb .. 32 kb + 31) of the rows of p -> codes[g] (lane c: u_4g .. u_4g+3
+ * of row c), *D, *M. */
+static inline void decode_blocks(const panel_rows_at *p, int type, int64_t kb, __m512i codes[8], __m512 *D,
+                                 __m512 *M) {
+    const int64_t at = kb * block_bytes(type);
+    const __m512i first = load_words(p, at);  /* d, and m or codes */
     *D = halves_to_float(first, 0);
     *M = _mm512_setzero_ps();
     switch (type) {
     case TYPE_Q8_0:
-        load_dwords(p, 2, codes);
-        load_dwords(p, 18, codes + 4);
+        load_dwords(p, at + 2, codes);
+        load_dwords(p, at + 18, codes + 4);
         for (int g = 0; g < 8; ++g) codes[g] = _mm512_xor_si512(codes[g], _mm512_set1_epi8(-128));
         break;
     case TYPE_Q4_0:
-        load_dwords(p, 2, codes);
+        load_dwords(p, at + 2, codes);
         split_nibbles(codes);
         break;
     default:
         *M = halves_to_float(first, 1);
-        load_dwords(p, 4, codes);
+        load_dwords(p, at + 4, codes);
         split_nibbles(codes);
         break;
     }
@@ -619,18 +623,18 @@ static inline void store_rows(const __m512 *acc, int64_t t0, int tm, const uint1
 static void unpack_panel(const uint8_t *w, int type, int64_t j0, int rows, int64_t nb, __m512i *codes,
                          __m512 *D, __m512 *M, const uint8_t *next, int64_t ahead, const quantized_x *one_row,
                          __m512 *acc) {
-    const int64_t bb = block_bytes(type), lines = (ahead + 63) / 64;
-    panel_rows_at p = {.base = w + j0 * nb * bb};
-    for (int c = 0; c < 16; ++c) p.offset[c] = (c < rows ? c : rows - 1) * nb * bb;
-    for (int64_t kb = 0, line = 0; kb < nb; ++kb, p.base += bb) {
+    const int64_t row_bytes = nb * block_bytes(type), lines = (ahead + 63) / 64;
+    panel_rows_at p = {.base = w + j0 * row_bytes};
+    for (int c = 0; c < 16; ++c) p.offset[c] = (c < rows ? c : rows - 1) * row_bytes;
+    for (int64_t kb = 0, line = 0; kb < nb; ++kb) {
         for (; line < lines * (kb + 1) / nb; ++line) _mm_prefetch((const char *)(next + 64 * line), _MM_HINT_T1);
         if (one_row == NULL) {
-            decode_blocks(&p, type, codes + kb * 8, D + kb, M + kb);
+            decode_blocks(&p, type, kb, codes + kb * 8, D + kb, M + kb);
             continue;
         }
         __m512i u[8];
         __m512 d, mw;
-        decode_blocks(&p, type, u, &d, &mw);
+        decode_blocks(&p, type, kb, u, &d, &mw);
         *acc = has_minimum(type) ? block_product(u, d, mw, *one_row, kb, 1, *acc)
                                  : block_product(u, d, mw, *one_row, kb, 0, *acc);
     }
