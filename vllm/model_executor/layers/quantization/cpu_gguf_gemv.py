@@ -103,9 +103,10 @@ PATHS = ("float", "int8", "gemm", "tiled")
 
 
 def product_path(quant_type: int, m: int, n: int, k: int) -> str:
-    """The product `product` runs for m rows of bf16 x on n rows of K weights of `quant_type`:
-    "int8" (or "float" without int8 dot products) for a few rows, from there "gemm" or "tiled",
-    whichever benchmarks/benchmark_gguf_products.py measures faster on the shape."""
+    """The product `product` runs for m rows of bf16 x on n rows of K weights of `quant_type`, as
+    benchmarks/benchmark_gguf_products.py measures them: "gemm" at every row count where the
+    int8 GEMM is built; elsewhere "int8" (or "float" without int8 dot products) for a few rows
+    and "tiled" from there where it runs."""
     lib = _LIBRARY.get()
     assert lib is not None
     return PATHS[lib.gguf_product_path(quant_type, m, n, k)]
@@ -117,7 +118,7 @@ def product(x: torch.Tensor, blocks: torch.Tensor, quant_type: int, bias: torch.
     bf16 or None -> (M, N) bf16, on the product `product_path` chooses; `path` (one of PATHS,
     where it runs here) forces one, for measuring and testing."""
     lib = _LIBRARY.get()
-    assert lib is not None and x.dtype == torch.bfloat16
+    assert lib is not None and x.dtype == torch.bfloat16 and (path is None or path in PATHS)
     if path in ("float", "int8"):
         return matmul(x, blocks, quant_type, path == "int8", bias)
     x, bias, y = _operands(x, blocks, bias)
