@@ -1,11 +1,16 @@
-"""Where the quantized products of a bf16 step cross over: the weight-stationary product
-(int8 activations where the CPU has them) against the tiled one (each weight dequantized into
-bf16 tiles for cpu_tile_gemm.c), per weight shape and row count, on random GGUF blocks.
-cpu_gguf_gemv.c's gguf_tiled_min_rows(type) is the row count from which the tiled product wins
-on these shapes (the default model's: q|k|v, o, gate|up, down; for Q4_K, whose rows are
-super-blocks of 256, K rounded up to 768 and 1536) for each type.
+"""Where the quantized products of a bf16 step cross over, per weight shape and row count, on
+random GGUF blocks: the weight-stationary int8 product ("int8", up to 16 rows), the int8 GEMM
+("gemm"), the tiled product (each weight dequantized into bf16 tiles for cpu_tile_gemm.c,
+"tiled"), and the bf16 tile GEMM on the dequantized weights as the unquantized model runs it
+("bf16"). The paths of a shape are timed in turns, best of several rounds, so that a busy
+machine slows them alike; with --copies 30 each call reads its weight from memory, as a step
+through the model's 30 layers does. The shapes are the default model's (q|k|v, o, gate|up,
+down, and with --lm-head its Q8_0 lm_head; for Q4_K, whose rows are super-blocks of 256, K
+rounded up to 768 and 1536); cpu_gguf_gemv.c's gguf_product_path encodes which product each
+row count of a type takes from what this measures.
 
-    PYTHONPATH=$PWD python benchmarks/benchmark_gguf_products.py --output-json benchmarks/results/gguf_products.json
+    PYTHONPATH=$PWD python benchmarks/benchmark_gguf_products.py --copies 30 --lm-head \
+        --output-json benchmarks/results/gguf_products_epyc.json
 """
 
 import argparse
@@ -17,68 +22,92 @@ import torch
 import result_files
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (N, K) of SmolLM2-135M's products
-ROWS = [1, 2, 3, 4, 5, 6, 8, 12, 16, 32]
+LM_HEAD = (49152, 576)  # its tied Q8_0 embedding
+ROWS = [1, 2, 3, 4, 6, 8, 16, 32, 64, 128, 256, 512]
+INT8_MAX_ROWS = 16  # the weight-stationary product unpacks each block once per row: far behind past this
 TYPES = {"Q8_0": 8, "Q4_0": 2, "Q4_1": 3, "Q4_K": 12}
 
 
-def _random_blocks(quant_type: int, n: int, k: int, rng: np.random.Generator) -> torch.Tensor:
+def _random_blocks(quant_type: int, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
     """(n, row bytes) uint8: the gguf package's blocks of random weights; Q4_K, which it cannot
     quantize, random bytes with d and dmin of 2^-10."""
     import gguf
 
     if quant_type != TYPES["Q4_K"]:
         data = gguf.quants.quantize(rng.standard_normal((n, k)).astype(np.float32), gguf.GGMLQuantizationType(quant_type))
-        return torch.from_numpy(np.ascontiguousarray(data))
+        return np.ascontiguousarray(data)
     blocks = rng.integers(0, 256, (n, k // 256, 144), dtype=np.uint8)
     blocks[..., 0:4] = np.full(2, 2.0 ** -10, dtype=np.float16).view(np.uint8)
-    return torch.from_numpy(blocks.reshape(n, -1))
+    return blocks.reshape(n, -1)
 
 
-def _best_us(fn, repeats: int) -> float:
-    fn()  # warm-up
-    best = float("inf")
-    for _ in range(5):
-        start = time.perf_counter()
-        for _ in range(repeats):
-            fn()
-        best = min(best, (time.perf_counter() - start) / repeats)
-    return best * 1e6
+def _best_us(fns: dict, copies: int, rounds: int) -> dict:
+    """Each of `fns` (name -> callable of a copy's index) called once on each of `copies` copies
+    of the weight, the names in turns, for `rounds` rounds: name -> the best round's
+    microseconds per call."""
+    for fn in fns.values():
+        fn(0)  # warm-up
+    best = dict.fromkeys(fns, float("inf"))
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            for i in range(copies):
+                fn(i)
+            best[name] = min(best[name], (time.perf_counter() - start) / copies)
+    return {name: t * 1e6 for name, t in best.items()}
 
 
 def main() -> None:
+    from vllm.model_executor.layers import cpu_tile_gemm
     from vllm.model_executor.layers.quantization import cpu_gguf_gemv
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--types", default="Q4_1,Q8_0", help="comma-separated subset of Q8_0,Q4_0,Q4_1,Q4_K")
-    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--types", default="Q4_1,Q8_0,Q4_0", help="comma-separated subset of Q8_0,Q4_0,Q4_1,Q4_K")
+    parser.add_argument("--rows", default=",".join(map(str, ROWS)), help="comma-separated row counts of x")
+    parser.add_argument("--lm-head", action="store_true", help=f"also the lm_head shape {LM_HEAD} (Q8_0 only)")
+    parser.add_argument("--copies", type=int, default=1,
+                        help="copies of each weight, called in turn: the model's layer count (30) makes every "
+                             "product read its weight from memory, as a step does, instead of from the cache")
+    parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args()
-    if not cpu_gguf_gemv.tiled_fits(16):
-        raise SystemExit("no tile GEMM on this machine: every row count takes the weight-stationary product")
+    if not cpu_gguf_gemv.int8_available():
+        raise SystemExit("no int8 dot products on this machine: the float32 product serves the few rows")
     rng = np.random.default_rng(0)
     results = []
     for name in args.types.split(","):
         quant_type = TYPES[name]
-        for n, k in SHAPES:
+        shapes = SHAPES + ([LM_HEAD] if args.lm_head and name == "Q8_0" else [])
+        for n, k in shapes:
             if name == "Q4_K":
                 k = -(-k // 256) * 256
-            blocks = _random_blocks(quant_type, n, k, rng)
-            crossover = None
-            for m in ROWS:
+            data = _random_blocks(quant_type, n, k, rng)
+            copies = 1 if (n, k) == LM_HEAD else args.copies  # 56 MB in bf16: read from memory anyway
+            blocks = [torch.from_numpy(data.copy()) for _ in range(copies)]
+            packed = [cpu_tile_gemm.pack(cpu_gguf_gemv.dequantize(b, quant_type, k, torch.bfloat16)) for b in blocks]
+            for m in map(int, args.rows.split(",")):
                 x = torch.randn(m, k).bfloat16()
-                times = {path: _best_us(lambda: cpu_gguf_gemv.product(x, blocks, quant_type, None, tiled=path),
-                                        args.repeats) for path in (False, True)}
-                if crossover is None and times[True] < times[False]:
-                    crossover = m
-                results.append({"type": name, "n": n, "k": k, "rows": m, "weight_stationary_us": times[False],
-                                "tiled_us": times[True]})
-                print(f"{name} n={n:5d} k={k:5d} rows={m:3d}  weight-stationary {times[False]:8.1f} us"
-                      f"  tiled {times[True]:8.1f} us", flush=True)
-            print(f"{name} n={n} k={k}: tiled from {crossover} rows", flush=True)
+                paths = {}
+                if m <= INT8_MAX_ROWS:
+                    paths["int8"] = lambda i: cpu_gguf_gemv.product(x, blocks[i], quant_type, None, path="int8")
+                if cpu_gguf_gemv.gemm_takes(quant_type):
+                    paths["gemm"] = lambda i: cpu_gguf_gemv.product(x, blocks[i], quant_type, None, path="gemm")
+                if cpu_gguf_gemv.tiled_fits(n):
+                    paths["tiled"] = lambda i: cpu_gguf_gemv.product(x, blocks[i], quant_type, None, path="tiled")
+                if packed[0] is not None:
+                    paths["bf16"] = lambda i: cpu_tile_gemm.gemm(x, packed[i], None)
+                times = _best_us(paths, copies, args.rounds)
+                chosen = cpu_gguf_gemv.product_path(quant_type, m, n, k)
+                results.append({"type": name, "n": n, "k": k, "rows": m, "chosen": chosen,
+                                **{f"{path}_us": t for path, t in times.items()}})
+                fastest = min((p for p in times if p != "bf16"), key=times.get)
+                line = "  ".join(f"{path} {t:9.1f}" for path, t in times.items())
+                ratio = f"  chosen/bf16 {times[chosen] / times['bf16']:5.2f}" if "bf16" in times else ""
+                print(f"{name} n={n:5d} k={k:5d} rows={m:3d}  {line} us  fastest {fastest:5s} chosen {chosen:5s}"
+                      f"{ratio}", flush=True)
     if args.output_json:
-        result = {"threads": torch.get_num_threads(),
-                  "tiled_min_rows": {name: cpu_gguf_gemv.tiled_min_rows(TYPES[name]) for name in TYPES},
-                  "results": results, "machine": result_files.machine_info(), "args": result_files.args_dict(args)}
+        result = {"threads": torch.get_num_threads(), "results": results, "machine": result_files.machine_info(),
+                  "args": result_files.args_dict(args)}
         print(f"Results written to {result_files.write_json(result, args.output_json)}")
 
 

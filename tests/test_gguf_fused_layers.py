@@ -60,16 +60,19 @@ def _product(quant_type: int, x: torch.Tensor, blocks: torch.Tensor, bias: torch
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("name,m,n,k", _cases([(1, 7, 64), (3, 33, 160), (5, 64, 576), (16, 64, 576)]))
 def test_layer_product_is_the_op_by_op_product(name, m, n, k, with_bias):
-    """The layer's entry point for a type is `product` on that type: below tiled_min_rows (or
-    where the tiled product does not run) that is matmul on bf16 x, int8 activations where the
-    ISA has them, the bias added to the float32 sums before the one rounding to bf16."""
+    """The layer's entry point for a type is `product` on that type: the product that
+    product_path names (where that is the weight-stationary one, matmul on bf16 x, int8
+    activations where the ISA has them), the bias added to the float32 sums before the one
+    rounding to bf16."""
     rng = np.random.default_rng(m + n + k)
     blocks = _quantize(TYPES[name], rng.standard_normal((n, k)).astype(np.float32))
     x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32)).bfloat16()
     bias = torch.from_numpy(rng.standard_normal(n).astype(np.float32)).bfloat16() if with_bias else None
     got = _product(TYPES[name], x, blocks, bias)
     assert torch.equal(got, cpu_gguf_gemv.product(x, blocks, TYPES[name], bias))
-    if m < cpu_gguf_gemv.tiled_min_rows(TYPES[name]) or not cpu_gguf_gemv.tiled_fits(n):
+    path = cpu_gguf_gemv.product_path(TYPES[name], m, n, k)
+    assert torch.equal(got, cpu_gguf_gemv.product(x, blocks, TYPES[name], bias, path=path))
+    if path in ("int8", "float"):
         assert torch.equal(got, cpu_gguf_gemv.matmul(x, blocks, TYPES[name], cpu_gguf_gemv.int8_available(), bias))
     if with_bias:  # and the bias did something
         assert not torch.equal(got, cpu_gguf_gemv.product(x, blocks, TYPES[name], None))
@@ -78,14 +81,14 @@ def test_layer_product_is_the_op_by_op_product(name, m, n, k, with_bias):
 @pytest.mark.skipif(not cpu_gguf_gemv.tiled_fits(64), reason="no tile GEMM here")
 @pytest.mark.parametrize("name,m,n,k", _cases([(1, 16, 64), (9, 48, 160), (40, 1040, 576)]))
 def test_tiled_product_is_bf16_dequantize_then_matmul(name, m, n, k):
-    """The tiled product (from tiled_min_rows rows): the weights dequantized to bf16 (nearest
+    """The tiled product (where there is no int8 GEMM): the weights dequantized to bf16 (nearest
     even), their float32 products with x and the bias, rounded to bf16 once; 1040 rows are more
     than one panel."""
     rng = np.random.default_rng(m + n + k)
     blocks = _quantize(TYPES[name], rng.standard_normal((n, k)).astype(np.float32))
     x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32)).bfloat16()
     bias = torch.from_numpy(rng.standard_normal(n).astype(np.float32)).bfloat16()
-    got = cpu_gguf_gemv.product(x, blocks, TYPES[name], bias, tiled=True).double()
+    got = cpu_gguf_gemv.product(x, blocks, TYPES[name], bias, path="tiled").double()
     dense = cpu_gguf_gemv.dequantize(blocks, TYPES[name], k, torch.bfloat16).double()      # (n, k)
     want = x.double() @ dense.T + bias.double()
     bound = (k + 32) * 2.0 ** -24 * (x.double().abs() @ dense.abs().T) + want.abs() * 2.0 ** -8
@@ -155,8 +158,9 @@ def _quantized(quantizable_llm, name: str) -> LLM:
 def test_quantized_steps_match_op_by_op(quantizable_llm, name, contexts, chunks):
     """Same hidden states and cache writes from the C layers and the op-by-op layers on the
     same blocks (each type on Llama, hidden size 256 for Q4_K's super-blocks; Qwen2's q/k/v
-    biases on Q4_1), for 1-16 decodes and prefill chunks with and without decodes: products of 1-3
-    rows on the int8 (or float32) product, 16 and 101 rows on the tiled one where it runs."""
+    biases on Q4_1), for 1-16 decodes and prefill chunks with and without decodes: products of 1
+    to 101 rows, on the int8 GEMM where it runs and decodes the type (else 1-3 rows on the int8
+    or float32 product, 16 and 101 on the tiled one)."""
     runner = _quantized(quantizable_llm, name).llm_engine.runner
     assert runner.model.model.layers[0].mlp.down_proj.weight.dtype == torch.uint8
     _assert_fused_matches_op_by_op(runner, contexts, chunks, random.Random(len(contexts) + 7 * len(chunks)))

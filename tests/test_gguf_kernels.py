@@ -127,22 +127,85 @@ def test_int8_product_is_dequantize_then_matmul_of_quantized_activations(name, m
     assert np.all(np.abs(out - exact) <= bound)
 
 
+# (tokens, output rows, K): 1 row, a 16-row tile and one more, tiles of 16, 8, 4 and 2 + 1 rows
+# (40 = 16 + 16 + 8; 31 = 16 + 8 + 4 + 2 + 1); 16-row panels, one and a partial one, several.
+GEMM_SHAPES = [(1, 16, 32), (5, 17, 96), (16, 48, 576), (17, 33, 160), (31, 7, 64), (40, 80, 1536)]
+# The types the int8 GEMM decodes: 32-weight blocks one after another (not Q4_K's super-blocks).
+GEMM_TYPES = ["Q8_0", "Q4_0", "Q4_1"]
+
+
+@pytest.mark.skipif(not cpu_gguf_gemv.gemm_available(), reason="the CPU has no AVX512-VNNI")
+@pytest.mark.parametrize("m,n,k", GEMM_SHAPES)
+@pytest.mark.parametrize("name", GEMM_TYPES)
+def test_gemm_is_dequantize_then_matmul_of_quantized_activations(name, m, n, k):
+    """The int8 GEMM: x's blocks quantized as for the int8 product, exact integer block sums,
+    then float32 rounding of the scaled block sums and of the bias added, one rounding to bf16."""
+    data, dense = _blocks(TYPES[name], n, k, seed=m * n + k)
+    x = _x(m, k, torch.bfloat16, seed=k)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(n)).bfloat16()
+    y = cpu_gguf_gemv.product(x, data, TYPES[name], bias, path="gemm")
+    assert y.shape == (m, n) and y.dtype == torch.bfloat16
+    xq, _ = _quantized_activations(x.float().numpy())
+    want = xq @ dense.astype(np.float64).T + bias.double().numpy()
+    out = y.double().numpy()
+    bound = _float_bound(dense, xq) + 2 * _EPS32 * np.abs(want) + np.abs(out) * 2.0 ** -8
+    assert np.all(np.abs(out - want) <= bound)
+
+
+@pytest.mark.skipif(not cpu_gguf_gemv.gemm_available(), reason="the CPU has no AVX512-VNNI")
+@pytest.mark.parametrize("name", GEMM_TYPES)
+def test_gemm_rows_do_not_depend_on_the_other_rows(name):
+    """Each row of x sums its blocks in the same order whatever tile it falls in: a token's
+    result is the same bits in a step of 40 rows as alone (80 000 outputs, so that a float32
+    rounding that differs shows through the rounding to bf16)."""
+    data, _ = _blocks(TYPES[name], 2008, 576, seed=3)
+    x = _x(40, 576, torch.bfloat16, seed=4)
+    together = cpu_gguf_gemv.product(x, data, TYPES[name], None, path="gemm")
+    alone = torch.cat([cpu_gguf_gemv.product(x[i:i + 1], data, TYPES[name], None, path="gemm") for i in range(40)])
+    assert torch.equal(alone, together)
+
+
+@pytest.mark.skipif(not cpu_gguf_gemv.gemm_available(), reason="the CPU has no AVX512-VNNI")
+@pytest.mark.parametrize("m", [1, 2, 16, 256])
+@pytest.mark.parametrize("name", GEMM_TYPES)
+def test_bf16_products_take_the_gemm_where_it_runs(name, m):
+    """Where the int8 GEMM is built it serves bf16 x at every row count (its benchmark has it
+    ahead of the weight-stationary and tiled products), and `product` runs it."""
+    data, _ = _blocks(TYPES[name], 48, 64, seed=m)
+    x = _x(m, 64, torch.bfloat16, seed=m)
+    assert cpu_gguf_gemv.product_path(TYPES[name], m, 48, 64) == "gemm"
+    assert torch.equal(cpu_gguf_gemv.product(x, data, TYPES[name], None),
+                       cpu_gguf_gemv.product(x, data, TYPES[name], None, path="gemm"))
+
+
+@pytest.mark.skipif(not cpu_gguf_gemv.tiled_fits(48), reason="no tile GEMM here")
+def test_q4_k_takes_the_weight_stationary_then_the_tiled_product():
+    """The int8 GEMM does not decode Q4_K: a few rows take the weight-stationary product, more
+    the tiled one, wherever the GEMM is built or not."""
+    assert not cpu_gguf_gemv.gemm_takes(Q4_K)
+    assert cpu_gguf_gemv.product_path(Q4_K, 1, 48, 256) in ("int8", "float")
+    assert cpu_gguf_gemv.product_path(Q4_K, 64, 48, 256) == "tiled"
+    assert cpu_gguf_gemv.batched_fits(Q4_K, 48, 256) and not cpu_gguf_gemv.batched_fits(Q4_K, 40, 256)
+
+
 def test_int8_product_is_where_the_isa_has_it():
     flags = cpu_flags()
     has_int8_dots = {"avx512_vnni", "avx512vl"} <= flags or "avx_vnni" in flags
     assert cpu_gguf_gemv.int8_available() == has_int8_dots
+    assert cpu_gguf_gemv.gemm_available() == ({"avx512_vnni", "avx512bw", "avx512vl"} <= flags)
 
 
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="builds for x86-64-v3")
 def test_avx2_only_build_has_the_portable_float_product(tmp_path):
     """Built as for an AVX2-only CPU (a compiler wrapper appending -march=x86-64-v3): no int8
-    product, and the portable float32 product passes this file's float tests."""
+    product and no int8 GEMM, and the portable float32 product passes this file's float tests."""
     env = avx2_only_env(tmp_path)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     probe = subprocess.run([sys.executable, "-c", "from vllm.model_executor.layers.quantization import "
-                            "cpu_gguf_gemv as g; print(g.available(), g.int8_available())"],
+                            "cpu_gguf_gemv as g; print(g.available(), g.int8_available(), g.gemm_available(), "
+                            "g.product_path(3, 16, 64, 64))"],
                            cwd=root, env=env, capture_output=True, text=True, timeout=300)
-    assert probe.stdout.split() == ["True", "False"], probe.stderr[-2000:]
+    assert probe.stdout.split() == ["True", "False", "False", "float"], probe.stderr[-2000:]
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
                           "-k", "test_float_product_is or test_dequantize_is"], cwd=root, env=env, capture_output=True,
                          text=True, timeout=300)

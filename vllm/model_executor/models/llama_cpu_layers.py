@@ -89,8 +89,8 @@ class _Products(NamedTuple):
 def _products(linears: list[torch.nn.Module]) -> _Products | None:
     """bf16 weights: the GEMV (cpu_gemv.c) up to its rows, the tile GEMM above on the tile
     copies. Weights of one GGUF type: that type's product (cpu_gguf_gemv.c) for every row
-    count, as the op-by-op layers use it: up to PACKED_MAX_ROWS where it has its tiled product
-    for every weight's shape, else up to gguf_linear.GEMV_MAX_ROWS (larger steps stay op by op).
+    count, as the op-by-op layers use it: up to PACKED_MAX_ROWS where it has a product for
+    many rows (int8 GEMM or tiled) for every weight's shape, else up to gguf_linear.GEMV_MAX_ROWS (larger steps stay op by op).
     None where the kernels are not built here or the weights mix types."""
     quant_types = {m.weight.quant_type if m.quantized else None for m in linears}
     if len(quant_types) != 1:
@@ -105,8 +105,9 @@ def _products(linears: list[torch.nn.Module]) -> _Products | None:
             return _Products(gemv, cpu_gemv.max_rows(), None, None)
         return _Products(gemv, gemv_rows(), tile_gemm, cpu_tile_gemm.kernel_address(silu_mul=True))
     gemv = cpu_gguf_gemv.layer_product_address(quant_type)
-    tiled = all(cpu_gguf_gemv.tiled_fits(m.weight.shape[0]) for m in linears)
-    rows = PACKED_MAX_ROWS if tiled else gguf_linear.GEMV_MAX_ROWS
+    batched = all(cpu_gguf_gemv.batched_fits(quant_type, m.weight.shape[0], m.weight.in_features)
+                  for m in linears)
+    rows = PACKED_MAX_ROWS if batched else gguf_linear.GEMV_MAX_ROWS
     return None if gemv is None else _Products(gemv, rows, None, None)
 
 

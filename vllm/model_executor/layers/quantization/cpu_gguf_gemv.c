@@ -34,9 +34,11 @@
  *                      dw * dx * dot summed in float32. Each x differs from dx * qx by at most
  *                      dx / 2, that is max|x of its block| / 254. Only where the ISA has int8
  *                      dot products (AVX512-VNNI or AVX-VNNI); gguf_int8_supported() says.
- * and, for more rows of bf16 x, a tiled product: W dequantized to bf16 panel by panel for the
- * tile GEMM of cpu_tile_gemm.c (below). gguf_product_bf16 chooses among them by the row count;
- * the C decoder layers (llama_cpu_layers.c) call it through one entry point per type.
+ * and, for bf16 x of any number of rows, two products made for many rows (below): the int8
+ * GEMM (the int8 product's arithmetic on 16-row panels of W unpacked once per call, AVX512-VNNI)
+ * and a tiled product (W dequantized to bf16 panel by panel for the tile GEMM of
+ * cpu_tile_gemm.c). gguf_product_bf16 chooses among them by the shape (gguf_product_path); the
+ * C decoder layers (llama_cpu_layers.c) call it through one entry point per type.
  *
  * Layouts (contiguous): x (m, k) float32 or bf16; W n rows of whole blocks; y (m, n) in x's
  * dtype. k must be a multiple of the type's block (32 weights, 256 for Q4_K), as GGUF rows are.
@@ -509,7 +511,7 @@ int gguf_matmul_int8(const void *x, int bf16, const uint8_t *w, int type, const 
  *
  * (block kb of output row 16 b + c is column c of tile (b, kb)), and the tile GEMM multiplies x
  * into the panel. A panel is at most PANEL_BYTES of bf16 so that it stays in the cache between
- * its dequantization and its product. Which product serves which rows: gguf_tiled_min_rows(type).
+ * its dequantization and its product. Which product serves which rows: gguf_product_path.
  */
 #define PANEL_BYTES (512 * 1024)
 
@@ -521,20 +523,6 @@ static tile_gemm_fn tile_gemm;  /* cpu_tile_gemm.c's tile_gemm_bf16, given once 
 int gguf_use_tile_gemm(void *gemm) {
     tile_gemm = (tile_gemm_fn)gemm;
     return 0;
-}
-
-/* The fewest rows of x for which the tiled product of `type` is used, where it can be: where it
- * overtakes the int8 product on the default model's shapes (benchmarks/benchmark_gguf_products.py:
- * the shapes move it by a row at most; Q4_1's int8 product also sums its blocks' minimums, and
- * Q8_0's needs no unpacking; Q4_K is measured on those shapes with K rounded up to whole
- * super-blocks, benchmarks/results/gguf_products_q4_k.json). */
-int gguf_tiled_min_rows(int type) {
-    switch (type) {
-    case TYPE_Q4_1: return 4;
-    case TYPE_Q4_0: return 5;
-    case TYPE_Q4_K: return 5;
-    default: return 6;
-    }
 }
 
 static int tiled_fits(int64_t n, int64_t k) { return tile_gemm != NULL && n % 16 == 0 && k % QK == 0; }
@@ -623,20 +611,334 @@ int gguf_tiled_product_bf16(const uint16_t *x, const uint8_t *w, int type, const
     return status;
 }
 
+/* Whether the int8 GEMM decodes `type` (Q4_K's 32-weight blocks lie in its super-blocks: not
+ * yet), where it is built (gguf_gemm_supported). */
+int gguf_gemm_decodes(int type) { return type == TYPE_Q8_0 || type == TYPE_Q4_0 || type == TYPE_Q4_1; }
+
+/*
+ * The int8 GEMM, for bf16 x: the int8 product's arithmetic with the weights unpacked once per
+ * call instead of once per row of x. Every type is, per block of 32,
+ *
+ *   w_i = D * (u_i - offset) + M      u_i its unsigned byte codes
+ *   Q8_0: u = q + 128, offset 128, M = 0     Q4_0: u = q, offset 8, M = 0     Q4_1: D = d, M = m
+ *
+ * and with x's block quantized as for gguf_matmul_int8 (dx, codes qx, sx = sum of qx):
+ *
+ *   sum_i w_i x_i ~= D * dx * (dot(u, qx) - offset * sx) + M * dx * sx
+ *
+ * the integer part exact in int32 (vpdpbusd: u8 times s8, from -offset * sx). A panel of 16
+ * output rows is unpacked per thread into vpdpbusd's layout, one zmm lane per output row:
+ *
+ *   codes[kb][g]  lane c: u_4g .. u_4g+3 of block kb of row j0 + c        (g = 0 .. 7)
+ *   D[kb], M[kb]  lane c: D and M of block kb of row j0 + c
+ *
+ * so that x's dword g (its codes 4g .. 4g + 3) broadcast against codes[kb][g] gives 16 rows'
+ * partial dot products at once (a Q4 block's nibble bytes need no reordering: dword g of its
+ * 16 bytes holds codes 4g .. 4g + 3 in its low halves and 16 + 4g ... in its high ones, the
+ * codes of x's dwords g and 4 + g). Every tile of up to 16 rows of x then multiplies into the
+ * panel: per block and row of x, 8 vpdpbusd, a conversion to float, a multiply and one or two
+ * multiply-adds for 16 outputs. Threads take panels; x is quantized once per call. Which
+ * product serves which rows: gguf_product_path.
+ */
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define GEMM_TILE 16  /* rows of x per pass over a panel: their 16 accumulators stay in registers */
+#define PREFETCH_PANELS 4  /* how far ahead a panel's unpacking prefetches W, into L2 */
+
+int gguf_gemm_supported(void) { return 1; }
+
+/* The panel's 16 rows (lanes past its last row repeat that row): row c starts at base + offset[c]. */
+typedef struct {
+    const uint8_t *base;
+    int64_t offset[16];
+} panel_rows_at;
+
+/* 16 bytes at `at` of each row's block -> v[g] (g = 0 .. 3), lane c: dword g of row c. Rows c,
+ * c + 4, c + 8, c + 12 go to the 128-bit lanes of r[c], then a 4 x 4 transpose in each lane. */
+static inline void load_dwords(const panel_rows_at *p, int64_t at, __m512i v[4]) {
+    __m512i r[4], t[4];
+    for (int c = 0; c < 4; ++c) {
+        r[c] = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(p->base + p->offset[c] + at)));
+        for (int l = 1; l < 4; ++l)
+            r[c] = _mm512_inserti32x4(r[c], _mm_loadu_si128((const __m128i *)(p->base + p->offset[c + 4 * l] + at)), l);
+    }
+    t[0] = _mm512_unpacklo_epi32(r[0], r[1]);
+    t[1] = _mm512_unpackhi_epi32(r[0], r[1]);
+    t[2] = _mm512_unpacklo_epi32(r[2], r[3]);
+    t[3] = _mm512_unpackhi_epi32(r[2], r[3]);
+    v[0] = _mm512_unpacklo_epi64(t[0], t[2]);
+    v[1] = _mm512_unpackhi_epi64(t[0], t[2]);
+    v[2] = _mm512_unpacklo_epi64(t[1], t[3]);
+    v[3] = _mm512_unpackhi_epi64(t[1], t[3]);
+}
+
+/* The dword at `at` of each row's block, lane c for row c (as load_dwords, one dword a row). */
+static inline __m512i load_words(const panel_rows_at *p, int64_t at) {
+    __m512i r[4];
+    for (int c = 0; c < 4; ++c) {
+        r[c] = _mm512_castsi128_si512(_mm_loadu_si32(p->base + p->offset[c] + at));
+        for (int l = 1; l < 4; ++l)
+            r[c] = _mm512_inserti32x4(r[c], _mm_loadu_si32(p->base + p->offset[c + 4 * l] + at), l);
+    }
+    return _mm512_unpacklo_epi64(_mm512_unpacklo_epi32(r[0], r[1]), _mm512_unpacklo_epi32(r[2], r[3]));
+}
+
+/* float16 in the low (high = 0) or high half of each lane -> float32. */
+static inline __m512 halves_to_float(__m512i words, int high) {
+    return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(high ? _mm512_srli_epi32(words, 16) : words));
+}
+
+/* Nibble bytes: the low halves of dword g are codes 4g .. 4g + 3, the high halves 16 + 4g ... */
+static inline void split_nibbles(__m512i codes[8]) {
+    const __m512i low = _mm512_set1_epi8(15);
+    for (int g = 0; g < 4; ++g) {
+        codes[4 + g] = _mm512_and_si512(_mm512_srli_epi16(codes[g], 4), low);
+        codes[g] = _mm512_and_si512(codes[g], low);
+    }
+}
+
+/* The per-type part of the GEMM: code_offset, has_minimum and decode_blocks (a new type adds
+ * its case to each). */
+static inline int code_offset(int type) { return type == TYPE_Q8_0 ? 128 : type == TYPE_Q4_0 ? 8 : 0; }
+static inline int has_minimum(int type) { return type == TYPE_Q4_1; }
+
+/* Block kb (weights 32 kb .. 32 kb + 31) of the rows of p -> codes[g] (lane c: u_4g .. u_4g+3
+ * of row c), *D, *M. */
+static inline void decode_blocks(const panel_rows_at *p, int type, int64_t kb, __m512i codes[8], __m512 *D,
+                                 __m512 *M) {
+    const int64_t at = kb * block_bytes(type);
+    const __m512i first = load_words(p, at);  /* d, and m or codes */
+    *D = halves_to_float(first, 0);
+    *M = _mm512_setzero_ps();
+    switch (type) {
+    case TYPE_Q8_0:
+        load_dwords(p, at + 2, codes);
+        load_dwords(p, at + 18, codes + 4);
+        for (int g = 0; g < 8; ++g) codes[g] = _mm512_xor_si512(codes[g], _mm512_set1_epi8(-128));
+        break;
+    case TYPE_Q4_0:
+        load_dwords(p, at + 2, codes);
+        split_nibbles(codes);
+        break;
+    default:
+        *M = halves_to_float(first, 1);
+        load_dwords(p, at + 4, codes);
+        split_nibbles(codes);
+        break;
+    }
+}
+
+/* x's blocks as the GEMM reads them (each array (m, k / 32) but qx (m, k)). */
+typedef struct {
+    int8_t *qx;
+    float *dx, *dxsx;  /* dx * sx, for the minimums */
+    int32_t *start;    /* -offset * sx: where each block's integer dot product starts */
+} quantized_x;
+
+/* bf16 x (m, k) -> its blocks' codes, with gguf_matmul_int8's arithmetic (quantize_block). */
+static void quantize_x(const uint16_t *x, int type, int64_t m, int64_t k, quantized_x q) {
+    const int64_t blocks = m * (k / QK);
+    const int offset = code_offset(type);
+    #pragma omp parallel for schedule(static) if (blocks >= 256)
+    for (int64_t i = 0; i < blocks; ++i) {
+        const __m512 lo = bf16x16_to_float(x + i * QK), hi = bf16x16_to_float(x + i * QK + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+        const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        /* conversions round to nearest even, as nearbyintf does */
+        const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(id)));
+        const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(id)));
+        _mm_storeu_si128((__m128i *)(q.qx + i * QK), _mm512_cvtepi32_epi8(qlo));
+        _mm_storeu_si128((__m128i *)(q.qx + i * QK + 16), _mm512_cvtepi32_epi8(qhi));
+        const int32_t s = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+        q.dx[i] = d;
+        q.dxsx[i] = d * (float)s;
+        q.start[i] = -offset * s;
+    }
+}
+
+/* 16 float32 -> bf16 with float_to_bf16's rounding (nearest even, NaN kept quiet). */
+static inline __m256i bf16_of(__m512 v) {
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i half = _mm512_srli_epi32(bits, 16);
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                  _mm512_and_si512(half, _mm512_set1_epi32(1)))), 16);
+    r = _mm512_mask_or_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), half, _mm512_set1_epi32(0x40));
+    return _mm512_cvtepi32_epi16(r);
+}
+
+/* acc + x block xb's share of the panel's block (codes u, D, M) in its 16 output rows. */
+static inline __attribute__((always_inline)) __m512 block_product(
+        const __m512i u[8], __m512 D, __m512 M, quantized_x q, int64_t xb, const int with_minimum, __m512 acc) {
+    const int32_t *xs = (const int32_t *)(q.qx + xb * QK);
+    __m512i dot = _mm512_set1_epi32(q.start[xb]);
+    for (int g = 0; g < 8; ++g) dot = _mm512_dpbusd_epi32(dot, u[g], _mm512_set1_epi32(xs[g]));
+    acc = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(q.dx[xb])), D, acc);
+    return with_minimum ? _mm512_fmadd_ps(M, _mm512_set1_ps(q.dxsx[xb]), acc) : acc;
+}
+
+/* Row t0 + t of y, output rows [j0, j0 + rows): acc[t] plus the bias, to bf16. */
+static inline void store_rows(const __m512 *acc, int64_t t0, int tm, const uint16_t *bias, uint16_t *y,
+                              int64_t j0, int rows, int64_t n) {
+    const __mmask16 lanes = (__mmask16)((1u << rows) - 1);
+    const __m512 b = bias == NULL ? _mm512_setzero_ps() : _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, bias + j0)), 16));
+    for (int t = 0; t < tm; ++t)
+        _mm256_mask_storeu_epi16(y + (t0 + t) * n + j0, lanes, bf16_of(_mm512_add_ps(acc[t], b)));
+}
+
+/* Rows [j0, j0 + rows) of W (rows <= 16; lanes past them repeat the last row) -> the panel,
+ * prefetching the `ahead` bytes of W from `next` (a later panel, contiguous): the panel's 16
+ * rows are read a block of each at a time, 16 short streams the hardware prefetchers do not
+ * follow from memory. With `one_row` (x of one row), each block is multiplied into *acc as it
+ * is decoded instead, the panel never stored. */
+static void unpack_panel(const uint8_t *w, int type, int64_t j0, int rows, int64_t nb, __m512i *codes,
+                         __m512 *D, __m512 *M, const uint8_t *next, int64_t ahead, const quantized_x *one_row,
+                         __m512 *acc) {
+    const int64_t stride = nb * block_bytes(type), lines = (ahead + 63) / 64;
+    panel_rows_at p = {.base = w + j0 * stride};
+    for (int c = 0; c < 16; ++c) p.offset[c] = (c < rows ? c : rows - 1) * stride;
+    for (int64_t kb = 0, line = 0; kb < nb; ++kb) {
+        for (; line < lines * (kb + 1) / nb; ++line) _mm_prefetch((const char *)(next + 64 * line), _MM_HINT_T1);
+        if (one_row == NULL) {
+            decode_blocks(&p, type, kb, codes + kb * 8, D + kb, M + kb);
+            continue;
+        }
+        __m512i u[8];
+        __m512 d, mw;
+        decode_blocks(&p, type, kb, u, &d, &mw);
+        *acc = has_minimum(type) ? block_product(u, d, mw, *one_row, kb, 1, *acc)
+                                 : block_product(u, d, mw, *one_row, kb, 0, *acc);
+    }
+}
+
+/* Rows [t0, t0 + TM) of x times the panel (output rows [j0, j0 + rows)) into y; TM and
+ * with_minimum are constants in each caller, so the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void panel_tile(
+        const __m512i *codes, const __m512 *D, const __m512 *M, quantized_x q, int64_t t0, const int TM,
+        const int with_minimum, const uint16_t *bias, uint16_t *y, int64_t j0, int rows, int64_t n, int64_t k) {
+    const int64_t nb = k / QK;
+    __m512 acc[GEMM_TILE];
+    for (int t = 0; t < TM; ++t) acc[t] = _mm512_setzero_ps();
+    for (int64_t kb = 0; kb < nb; ++kb) {
+        __m512i u[8];
+        for (int g = 0; g < 8; ++g) u[g] = _mm512_load_si512(codes + kb * 8 + g);
+        for (int t = 0; t < TM; ++t) acc[t] = block_product(u, D[kb], M[kb], q, (t0 + t) * nb + kb, with_minimum, acc[t]);
+    }
+    store_rows(acc, t0, TM, bias, y, j0, rows, n);
+}
+
+/* All m rows of x times the panel: tiles of 16, the rest in tiles of 8, 4, 2, 1. */
+static void panel_rows(const __m512i *codes, const __m512 *D, const __m512 *M, quantized_x q, int with_minimum,
+                       const uint16_t *bias, uint16_t *y, int64_t j0, int rows, int64_t m, int64_t n, int64_t k) {
+    int64_t t0 = 0;
+#define PANEL_TILES(TM)                                                                                   \
+    for (; m - t0 >= (TM); t0 += (TM)) {                                                                 \
+        if (with_minimum) panel_tile(codes, D, M, q, t0, (TM), 1, bias, y, j0, rows, n, k);             \
+        else panel_tile(codes, D, M, q, t0, (TM), 0, bias, y, j0, rows, n, k);                           \
+    }
+    PANEL_TILES(16) PANEL_TILES(8) PANEL_TILES(4) PANEL_TILES(2) PANEL_TILES(1)
+#undef PANEL_TILES
+}
+
+/* y (m, n) bf16 = x @ W^T + bias on the int8 GEMM: x (m, k) bf16, bias (n) bf16 or NULL. */
+int gguf_gemm_int8_bf16(const uint16_t *x, const uint8_t *w, int type, const uint16_t *bias, uint16_t *y,
+                        int64_t m, int64_t n, int64_t k) {
+    if (!gguf_gemm_decodes(type) || k % QK) return 1;
+    if (m == 0 || n == 0) return 0;
+    const int64_t nb = k / QK, panels = (n + 15) / 16, stride = nb * block_bytes(type);
+    quantized_x q = {malloc((size_t)(m * k)), malloc((size_t)(m * nb) * sizeof(float)),
+                     malloc((size_t)(m * nb) * sizeof(float)), malloc((size_t)(m * nb) * sizeof(int32_t))};
+    int status = 0;
+    if (q.qx == NULL || q.dx == NULL || q.dxsx == NULL || q.start == NULL) {
+        free(q.qx); free(q.dx); free(q.dxsx); free(q.start);
+        return 2;
+    }
+    quantize_x(x, type, m, k, q);
+    #pragma omp parallel
+    {
+        /* this thread's panel: nb x (8 zmm of codes, 16 D, 16 M) */
+        __m512i *codes = aligned_alloc(64, (size_t)nb * (8 * sizeof(__m512i) + 2 * sizeof(__m512)));
+        __m512 *D = (__m512 *)(codes + nb * 8), *M = D + nb;
+        if (codes == NULL) {
+            #pragma omp atomic write
+            status = 2;
+        }
+        #pragma omp for schedule(static)
+        for (int64_t p = 0; p < panels; ++p) {
+            if (codes == NULL) continue;
+            const int rows = n - 16 * p < 16 ? (int)(n - 16 * p) : 16;
+            /* the panel PREFETCH_PANELS on, if W has it */
+            const int64_t ahead_row = 16 * (p + PREFETCH_PANELS);
+            const int64_t ahead = ahead_row >= n ? 0 : (n - ahead_row < 16 ? n - ahead_row : 16) * stride;
+            const uint8_t *next = ahead ? w + ahead_row * stride : w;
+            if (m == 1) {
+                __m512 acc = _mm512_setzero_ps();
+                unpack_panel(w, type, 16 * p, rows, nb, NULL, NULL, NULL, next, ahead, &q, &acc);
+                store_rows(&acc, 0, 1, bias, y, 16 * p, rows, n);
+                continue;
+            }
+            unpack_panel(w, type, 16 * p, rows, nb, codes, D, M, next, ahead, NULL, NULL);
+            panel_rows(codes, D, M, q, has_minimum(type), bias, y, 16 * p, rows, m, n, k);
+        }
+        free(codes);
+    }
+    free(q.qx); free(q.dx); free(q.dxsx); free(q.start);
+    return status;
+}
+
+#else  /* no AVX512-VNNI: the products above serve */
+
+int gguf_gemm_supported(void) { return 0; }
+
+int gguf_gemm_int8_bf16(const uint16_t *x, const uint8_t *w, int type, const uint16_t *bias, uint16_t *y,
+                        int64_t m, int64_t n, int64_t k) {
+    (void)x; (void)w; (void)type; (void)bias; (void)y; (void)m; (void)n; (void)k;
+    return 1;
+}
+
+#endif
+
+/*
+ * Which product serves m rows of bf16 x (benchmarks/benchmark_gguf_products.py --copies 30
+ * times them per shape, each weight read from memory as in a step): the int8 GEMM wherever it
+ * is built, at every row count: on the default model's shapes it is ahead of the tiled product
+ * at every row count the benchmark times, and of the weight-stationary int8 product from one
+ * row (for Q8_0's single row, by a few percent on most shapes). Without the GEMM, the tiled
+ * product from tiled_min_rows(type) rows, where it overtakes the weight-stationary one (the
+ * same benchmark), and that one below.
+ */
+enum { PATH_FLOAT, PATH_INT8, PATH_GEMM, PATH_TILED };  /* cpu_gguf_gemv.PATHS */
+
+static int64_t tiled_min_rows(int type) {
+    switch (type) {
+    case TYPE_Q4_1: return 4;
+    case TYPE_Q4_0: return 5;
+    case TYPE_Q4_K: return 5;  /* K rounded up to whole super-blocks: gguf_products_q4_k.json */
+    default: return 6;
+    }
+}
+
+int gguf_product_path(int type, int64_t m, int64_t n, int64_t k) {
+    if (gguf_gemm_supported() && gguf_gemm_decodes(type)) return PATH_GEMM;
+    if (m >= tiled_min_rows(type) && tiled_fits(n, k)) return PATH_TILED;
+    return gguf_int8_supported() ? PATH_INT8 : PATH_FLOAT;
+}
+
 /*
  * The products of llama_cpu_layers.c's decoder layer (its gemv_fn), one entry point per type,
  * for any number of rows: x (m, k) bf16, W the rows of blocks (passed where the layer passes a
- * bf16 weight: the layer only hands it on), bias (n) bf16 or NULL, y (m, n) bf16. From
- * gguf_tiled_min_rows(type) rows the tiled product where the tile GEMM is given and the shape fits;
- * below, the int8 product where the ISA has it, else the float32 one. gguf_product_bf16 is the
- * same for the op-by-op layers (gguf_linear.py).
+ * bf16 weight: the layer only hands it on), bias (n) bf16 or NULL, y (m, n) bf16, on the
+ * product gguf_product_path names. gguf_product_bf16 is the same for the op-by-op layers
+ * (gguf_linear.py).
  */
 int gguf_product_bf16(const uint16_t *x, const uint8_t *w, int type, const uint16_t *bias, uint16_t *y,
                       int64_t m, int64_t n, int64_t k) {
     if (row_bytes(type, k) == 0) return 1;
-    if (m >= gguf_tiled_min_rows(type) && tiled_fits(n, k)) return gguf_tiled_product_bf16(x, w, type, bias, y, m, n, k);
-    if (gguf_int8_supported()) return gguf_matmul_int8(x, 1, w, type, bias, y, m, n, k);
-    return gguf_matmul_float(x, 1, w, type, bias, y, m, n, k);
+    switch (gguf_product_path(type, m, n, k)) {
+    case PATH_GEMM: return gguf_gemm_int8_bf16(x, w, type, bias, y, m, n, k);
+    case PATH_TILED: return gguf_tiled_product_bf16(x, w, type, bias, y, m, n, k);
+    case PATH_INT8: return gguf_matmul_int8(x, 1, w, type, bias, y, m, n, k);
+    default: return gguf_matmul_float(x, 1, w, type, bias, y, m, n, k);
+    }
 }
 
 int gguf_layer_product_q8_0(const uint16_t *x, const void *w, const uint16_t *bias, uint16_t *y,

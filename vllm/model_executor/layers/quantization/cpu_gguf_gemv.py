@@ -27,7 +27,10 @@ _LIBRARY = CLibrary(Path(__file__).with_name("cpu_gguf_gemv.c"),
                      "gguf_int8_supported": CFunction([]),
                      "gguf_dequantize": CFunction([_ptr, _int, _ptr, _i64, _i64, _i64, _ptr, _int]),
                      "gguf_product_bf16": _PRODUCT_BF16, "gguf_tiled_product_bf16": _PRODUCT_BF16,
-                     "gguf_use_tile_gemm": CFunction([_ptr]), "gguf_tiled_min_rows": CFunction([_int]),
+                     "gguf_gemm_int8_bf16": _PRODUCT_BF16, "gguf_gemm_supported": CFunction([]),
+                     "gguf_gemm_decodes": CFunction([_int]),
+                     "gguf_product_path": CFunction([_int, _i64, _i64, _i64]),
+                     "gguf_use_tile_gemm": CFunction([_ptr]),
                      **{name: PRODUCT for name in _LAYER_PRODUCTS.values()}},
                     on_load=lambda lib: lib.gguf_use_tile_gemm(cpu_tile_gemm.kernel_address()))
 
@@ -79,34 +82,59 @@ def _tiled_available() -> bool:
 
 
 def tiled_fits(n: int) -> bool:
-    """Whether bf16 products of n output rows (K whole blocks, as GGUF rows are) take the
-    tiled product (dequantized panels on cpu_tile_gemm.c) from `tiled_min_rows(type)` rows: the
-    tile GEMM is available here and n is a multiple of 16."""
+    """Whether the tiled product (dequantized panels on cpu_tile_gemm.c) can run on n output rows
+    (K whole blocks, as GGUF rows are): the tile GEMM is available here and n is a multiple of 16."""
     return n % 16 == 0 and _tiled_available()
 
 
 @functools.cache
-def tiled_min_rows(quant_type: int) -> int:
-    """Rows of bf16 x from which `product` takes the tiled product for `quant_type`: where it
-    overtakes the int8 product (measured by benchmarks/benchmark_gguf_products.py)."""
+def gemm_available() -> bool:
+    """Whether this build has the int8 GEMM (AVX512-VNNI), for any number of output rows."""
+    lib = _LIBRARY.get()
+    return lib is not None and lib.gguf_gemm_supported() == 1
+
+
+def gemm_takes(quant_type: int) -> bool:
+    """Whether the int8 GEMM is built here and decodes `quant_type`."""
+    lib = _LIBRARY.get()
+    return gemm_available() and lib.gguf_gemm_decodes(quant_type) == 1
+
+
+def batched_fits(quant_type: int, n: int, k: int) -> bool:
+    """Whether bf16 products on n rows of K weights of `quant_type` have a product made for many
+    rows of x here (the int8 GEMM or the tiled product), so that `product` serves them at any row
+    count: the one `product_path` takes for a large chunk."""
+    return available() and product_path(quant_type, 1 << 16, n, k) in ("gemm", "tiled")
+
+
+# gguf_product_path's answers, in its order.
+PATHS = ("float", "int8", "gemm", "tiled")
+
+
+def product_path(quant_type: int, m: int, n: int, k: int) -> str:
+    """The product `product` runs for m rows of bf16 x on n rows of K weights of `quant_type`, as
+    benchmarks/benchmark_gguf_products.py measures them: "gemm" at every row count where the
+    int8 GEMM is built; elsewhere "int8" (or "float" without int8 dot products) for a few rows
+    and "tiled" from there where it runs."""
     lib = _LIBRARY.get()
     assert lib is not None
-    return lib.gguf_tiled_min_rows(quant_type)
+    return PATHS[lib.gguf_product_path(quant_type, m, n, k)]
 
 
 def product(x: torch.Tensor, blocks: torch.Tensor, quant_type: int, bias: torch.Tensor | None,
-            tiled: bool | None = None) -> torch.Tensor:
+            path: str | None = None) -> torch.Tensor:
     """The C decoder layer's product for bf16 x: (M, K) bf16, blocks (N, row bytes), bias (N,)
-    bf16 or None -> (M, N) bf16: from `tiled_min_rows(quant_type)` rows where `tiled_fits(N)` the tiled
-    product, else `matmul` with int8 activations where `int8_available()`. `tiled` True takes
-    the tiled product at any row count (where `tiled_fits(N)`), False never (for measuring)."""
+    bf16 or None -> (M, N) bf16, on the product `product_path` chooses; `path` (one of PATHS,
+    where it runs here) forces one, for measuring and testing."""
     lib = _LIBRARY.get()
-    assert lib is not None and x.dtype == torch.bfloat16
-    if tiled is False:
-        return matmul(x, blocks, quant_type, int8_available(), bias)
+    assert lib is not None and x.dtype == torch.bfloat16 and (path is None or path in PATHS)
+    if path in ("float", "int8"):
+        return matmul(x, blocks, quant_type, path == "int8", bias)
     x, bias, y = _operands(x, blocks, bias)
     (m, k), n = x.shape, blocks.shape[0]
-    kernel = lib.gguf_tiled_product_bf16 if tiled else lib.gguf_product_bf16
+    assert path != "gemm" or gemm_takes(quant_type)
+    assert path != "tiled" or tiled_fits(n)
+    kernel = {None: lib.gguf_product_bf16, "gemm": lib.gguf_gemm_int8_bf16, "tiled": lib.gguf_tiled_product_bf16}[path]
     status = kernel(x.data_ptr(), blocks.data_ptr(), quant_type, None if bias is None else bias.data_ptr(),
                     y.data_ptr(), m, n, k)
     assert status == 0, f"gguf product failed with status {status}"

@@ -5,12 +5,13 @@ its data for the blocks, (out rows, row bytes) uint8, marking it with `quant_typ
 of input columns and the dtype it stands in for; a tied lm_head shares the parameter, so it
 reads the embedding's blocks. `Linear.matmul` and `VocabParallelEmbedding` then come here:
 
-  bf16 x                 cpu_gguf_gemv.product, the C decoder layers' product too: up to a few
-                         rows (decodes; the count is per type, `tiled_min_rows`) one pass over
-                         the blocks, dequantized in registers, on int8 dot products where the
-                         CPU has them (x quantized per 32-block to int8), else float32 ones;
-                         from there (batched decodes, prefill chunks) each weight dequantized
-                         to bf16 panel by panel into the tile GEMM's layout (cpu_tile_gemm.c)
+  bf16 x                 cpu_gguf_gemv.product, the C decoder layers' product too, x quantized
+                         per 32-block to int8 where the CPU has int8 dot products: with
+                         AVX512-VNNI the int8 GEMM at every row count (16 output rows of blocks
+                         unpacked at a time for all rows of x); else up to a few rows one pass
+                         over the blocks, dequantized in registers (int8 or float32 dot
+                         products), and from there (batched decodes, prefill chunks) each weight
+                         dequantized to bf16 panel by panel for the tile GEMM (cpu_tile_gemm.c)
   float32 x, <= GEMV_MAX_ROWS  float32 products of the dequantized weights in registers, as
                          exact as the unquantized float32 path
   other products         the weight dequantized into a temporary in x's dtype and torch's GEMM
@@ -28,8 +29,9 @@ from torch import nn
 from vllm.model_executor.layers.quantization import cpu_gguf_gemv
 from vllm.model_executor.layers.quantization.gguf_blocks import GGUFBlocks, type_name
 
-# Rows up to which the weight-stationary products serve where no tiled product runs (float32 x,
-# or no tile GEMM here): past it, dequantizing the weight once beats unpacking it once per row.
+# Rows up to which the weight-stationary products serve where no product made for many rows
+# runs (float32 x, or neither the int8 GEMM nor the tile GEMM here): past it, dequantizing the
+# weight once beats unpacking it once per row.
 GEMV_MAX_ROWS = 16
 
 
@@ -83,7 +85,7 @@ def _matmul(x: torch.Tensor, blocks: torch.Tensor, quant_type: int, in_features:
     x's dtype; the bias is added to the float32 sums, as the C decoder layers add it."""
     rows = x.shape[0]
     small = rows <= GEMV_MAX_ROWS and cpu_gguf_gemv.available()
-    if x.dtype == torch.bfloat16 and (small or cpu_gguf_gemv.tiled_fits(blocks.shape[0])):
+    if x.dtype == torch.bfloat16 and (small or cpu_gguf_gemv.batched_fits(quant_type, blocks.shape[0], in_features)):
         return cpu_gguf_gemv.product(x, blocks, quant_type, bias)  # the C decoder layers' product
     if small:
         return cpu_gguf_gemv.matmul(x, blocks, quant_type, int8_activations=False, bias=bias)
