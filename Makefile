@@ -18,4 +18,4 @@ demo: setup
 	$(PY) examples/chunked_prefill_demo.py --compare
 
 test: setup
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests  # the slowest tests, to keep CI under its time limit
