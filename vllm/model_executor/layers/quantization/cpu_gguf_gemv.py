@@ -100,6 +100,7 @@ def gemm_takes(quant_type: int) -> bool:
     return gemm_available() and lib.gguf_gemm_decodes(quant_type) == 1
 
 
+@functools.cache
 def batched_fits(quant_type: int, n: int, k: int) -> bool:
     """Whether bf16 products on n rows of K weights of `quant_type` have a product made for many
     rows of x here (the int8 GEMM or the tiled product), so that `product` serves them at any row
@@ -114,8 +115,8 @@ PATHS = ("float", "int8", "gemm", "tiled")
 def product_path(quant_type: int, m: int, n: int, k: int) -> str:
     """The product `product` runs for m rows of bf16 x on n rows of K weights of `quant_type`, as
     benchmarks/benchmark_gguf_products.py measures them: "gemm" at every row count where the
-    int8 GEMM is built; elsewhere "int8" (or "float" without int8 dot products) for a few rows
-    and "tiled" from there where it runs."""
+    int8 GEMM is built and decodes the type (`gemm_takes`); elsewhere "int8" (or "float" without
+    int8 dot products) for a few rows and "tiled" from there where it runs."""
     lib = _LIBRARY.get()
     assert lib is not None
     return PATHS[lib.gguf_product_path(quant_type, m, n, k)]
