@@ -54,4 +54,4 @@ def test_bfloat16_int8_activations_close_to_dequantized_weights():
     most of the tokens."""
     ours, our_logprobs, _, _ = _run("gguf", "bfloat16")
     ref, ref_logprobs, _, _ = _run(None, "float32")
-    assert_greedy_close(ours, ref, our_logprobs, ref_logprobs)
+    assert_greedy_close(ours, ref, our_logprobs, ref_logprobs, min_agreed=len(_PROMPTS) * MAX_TOKENS // 2)

@@ -182,7 +182,7 @@ def test_bfloat16_close_to_fake_quantized_on_smollm2():
         for name, layer in _products(fake).items():
             layer.weight.copy_(gguf_linear.dequantize(quantized[name].weight, torch.float32))
     ref, ref_logprobs = run(fake)
-    assert_greedy_close(ours, ref, our_logprobs, ref_logprobs)
+    assert_greedy_close(ours, ref, our_logprobs, ref_logprobs, min_agreed=len(prompts) * max_tokens // 2)
 
 
 @pytest.mark.skipif("avx512_bf16" not in cpu_flags(), reason="the C layers' attention kernels need AVX512-BF16")

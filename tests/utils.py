@@ -132,14 +132,15 @@ def tokens_op_by_op_then_fused(llm, generate) -> list:
     return results
 
 
-def assert_greedy_close(ours: list[list[int]], ref: list[list[int]], our_logprobs: list, ref_logprobs: list) -> None:
+def assert_greedy_close(ours: list[list[int]], ref: list[list[int]], our_logprobs: list, ref_logprobs: list,
+                        min_agreed: int) -> None:
     """Greedy runs that may flip near-ties (int8 activations, bf16 roundings): where a request's
     tokens first differ, each run's token is in the other's top logprobs at that position (same
-    prefix), and the runs agree until then on at least half of all the tokens."""
+    prefix), and the runs agree until then on at least `min_agreed` tokens in all."""
     agreed = 0
     for a, b, la, lb in zip(ours, ref, our_logprobs, ref_logprobs, strict=True):
         i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
         agreed += i
         if i < len(a):
             assert a[i] in lb[i] and b[i] in la[i], (i, a[i], b[i])
-    assert agreed >= sum(map(len, ref)) // 2
+    assert agreed >= min_agreed
