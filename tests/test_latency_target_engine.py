@@ -34,7 +34,7 @@ def test_a_latency_target_keeps_greedy_tokens_and_reports_its_budgets(tiny_check
     tokens, its, llm = _run(tiny_checkpoints["llama"], max_step_latency_ms=1e-3, enable_prefix_caching=False)
     assert tokens == reference
     model = llm.llm_engine.scheduler.step_time_model
-    assert model.is_fitted and model.predict(StepShape(64, 0)) > 0
+    assert model.is_fitted and model.predict(StepShape(64)) > 0
     # Fitted on the 6 token sizes (2, 4, ..., 64), then on every step run.
     assert model.num_observations == 6 + llm.llm_engine.stats.num_steps
     budgets = [b for i in its for b in i.step_token_budgets]
