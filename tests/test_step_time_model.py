@@ -94,10 +94,15 @@ def test_the_recent_window_follows_a_change():
     assert model.predict(StepShape(100)) == pytest.approx(3e-3, rel=1e-3)
 
 
+def _seconds(truth: tuple[float, float, float, float], shape: StepShape) -> float:
+    """(s, per token, per prefill pair, per decode key) -> the seconds of `shape`."""
+    return truth[0] + truth[1] * shape.num_tokens + truth[2] * shape.prefill_pairs + truth[3] * shape.decode_keys
+
+
 def test_decodes_do_not_price_the_prefill_pairs():
-    # A decode's keys cost 10 times a chunk's query-key pairs, and nearly every step is decodes
+    # A decode's keys cost 100 times a chunk's query-key pairs, and nearly every step is decodes
     # only: one price for both would charge the decodes' to a chunk after a long context.
-    truth = (2e-3, 5e-4, 2e-8, 2e-7)  # s, per token, per prefill pair, per decode key
+    truth = (2e-3, 5e-4, 2e-8, 2e-6)
     model = StepTimeModel()
     model.fit_warmup([(StepShape(t), truth[0] + truth[1] * t) for t in (16, 64, 256, 1024, 2048)])
     rng = np.random.default_rng(0)
@@ -107,22 +112,23 @@ def test_decodes_do_not_price_the_prefill_pairs():
         chunk = 0 if i % 20 else int(rng.integers(16, 64))
         pairs = attended_pairs([(chunk, int(rng.integers(0, 1500)))])
         shape = StepShape(decodes + chunk, pairs, keys, decodes)
-        model.observe(shape, float(np.dot(truth, shape.features())))
+        model.observe(shape, _seconds(truth, shape))
     long_chunk = StepShape(1024, attended_pairs([(1024, 1000)]))
-    assert model.predict(long_chunk) == pytest.approx(float(np.dot(truth, long_chunk.features())), rel=0.02)
+    assert model.predict(long_chunk) == pytest.approx(_seconds(truth, long_chunk), rel=0.02)
 
 
 def test_steps_with_a_chunk_stay_in_the_fit_after_a_window_of_decodes():
     # The prefill pairs' price comes from the few steps with a chunk: a window of decode-only
     # steps after them does not push them out of the fit.
-    truth = (2e-3, 5e-4, 2e-8, 2e-7)
+    truth = (2e-3, 5e-4, 2e-8, 2e-6)
     model = StepTimeModel(window=50)
     model.fit_warmup([(StepShape(t), truth[0] + truth[1] * t) for t in (16, 64, 256, 1024, 2048)])
     shapes = [StepShape(4 + n, attended_pairs([(n, c)]), 4000, 4) for n, c in ((500, 0), (300, 800), (100, 1500))]
     shapes += [StepShape(4, 0, 4 * k, 4) for k in range(100, 200)]
     for shape in shapes:
-        model.observe(shape, float(np.dot(truth, shape.features())))
-    assert model.coefficients[2] == pytest.approx(truth[2], rel=0.01)
+        model.observe(shape, _seconds(truth, shape))
+    long_chunk = StepShape(1024, attended_pairs([(1024, 1000)]))
+    assert model.predict(long_chunk) == pytest.approx(_seconds(truth, long_chunk), rel=0.02)
 
 
 def test_the_tail_is_the_slow_steps_time_beyond_their_prediction_per_decode():
