@@ -81,25 +81,43 @@ class StepTimeModel:
         # (features, seconds, decodes) of the measured steps, with and without prefill pairs
         self._recent_prefills: deque[tuple[tuple[float, ...], float, int]] = deque(maxlen=window)
         self._recent_decodes: deque[tuple[tuple[float, ...], float, int]] = deque(maxlen=window)
-        self.coefficients: tuple[float, ...] = (0.0,) * NUM_FEATURES  # of the forward pass
-        self.overhead = 0.0  # seconds a measured step takes beyond its forward pass
-        self.num_observations = 0
+        self._coefficients: tuple[float, ...] = (0.0,) * NUM_FEATURES
+        self._overhead = 0.0
         self._tail_seconds = 0.0
+        # Refitted when read after a new sample: most steps (decodes, nobody waiting) are
+        # observed but size nothing.
+        self._stale = False
+
+    @property
+    def num_observations(self) -> int:
+        return len(self._warmup) + len(self._recent_prefills) + len(self._recent_decodes)
 
     @property
     def is_fitted(self) -> bool:
         return self.num_observations > 0
 
-    def fit_warmup(self, samples: Sequence[tuple[StepShape, float]]) -> None:
-        """Replaces the warm-up samples, (shape, seconds) of timed runs, and refits."""
-        self._warmup = [(shape.features(), seconds) for shape, seconds in samples]
+    @property
+    def coefficients(self) -> tuple[float, ...]:
+        """Seconds of the forward pass per unit of each feature."""
         self._refit()
+        return self._coefficients
+
+    @property
+    def overhead(self) -> float:
+        """Seconds a measured step takes beyond its forward pass."""
+        self._refit()
+        return self._overhead
+
+    def fit_warmup(self, samples: Sequence[tuple[StepShape, float]]) -> None:
+        """Replaces the warm-up samples, (shape, seconds) of timed runs."""
+        self._warmup = [(shape.features(), seconds) for shape, seconds in samples]
+        self._stale = True
 
     def observe(self, shape: StepShape, seconds: float) -> None:
-        """A measured step: refits with it."""
+        """A measured step, in the fit from the next read on."""
         recent = self._recent_prefills if shape.prefill_pairs else self._recent_decodes
         recent.append((shape.features(), seconds, shape.num_decodes))
-        self._refit()
+        self._stale = True
 
     def predict(self, shape: StepShape) -> float:
         """Seconds of an engine step; 0 before any sample."""
@@ -110,12 +128,15 @@ class StepTimeModel:
         """The TAIL_QUANTILE over the decodes of the recent steps predicted within
         `tail_limit_seconds` of their measured time beyond the current fit's prediction, at
         least 0; 0 until MIN_TAIL_SAMPLES such steps were measured."""
+        self._refit()
         return self._tail_seconds
 
     def _refit(self) -> None:
+        if not self._stale:
+            return
+        self._stale = False
         recent = [*self._recent_prefills, *self._recent_decodes]
         rows = self._warmup + [(features, seconds) for features, seconds, _ in recent]
-        self.num_observations = len(rows)
         if not rows:
             return
         measured = np.zeros((len(rows), 1))                    # (N, 1) 1 for a measured step
@@ -126,8 +147,8 @@ class StepTimeModel:
         # real step takes, keeps its absolute error.)
         weight = 1.0 / np.where(y > 0, y, 1.0)                 # (N,)
         coefficients = _non_negative_lstsq(x * weight[:, None], y * weight)
-        self.coefficients = tuple(float(c) for c in coefficients[:NUM_FEATURES])
-        self.overhead = float(coefficients[NUM_FEATURES])
+        self._coefficients = tuple(float(c) for c in coefficients[:NUM_FEATURES])
+        self._overhead = float(coefficients[NUM_FEATURES])
         self._tail_seconds = 0.0
         if not recent:
             return
