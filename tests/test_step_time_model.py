@@ -39,7 +39,8 @@ def test_the_fit_recovers_known_coefficients():
     assert model.coefficients[2:] == (0, 0)  # padding-only runs attend nothing
     np.testing.assert_allclose(model.coefficients[:2], truth[:2], rtol=1e-6)
     for _ in range(200):
-        shape = StepShape(int(rng.integers(1, 512)), int(rng.integers(0, 2_000_000)), int(rng.integers(0, 50_000)))
+        shape = StepShape(int(rng.integers(1, 512)), int(rng.integers(0, 2_000_000)),
+                          int(rng.integers(0, 50_000)))
         seconds = float(np.dot(truth, shape.features())) * (1 + 0.01 * rng.standard_normal())
         model.observe(shape, seconds)
     np.testing.assert_allclose(model.coefficients, truth, rtol=0.05)
@@ -96,7 +97,8 @@ def test_the_recent_window_follows_a_change():
 
 def _seconds(truth: tuple[float, float, float, float], shape: StepShape) -> float:
     """(s, per token, per prefill pair, per decode key) -> the seconds of `shape`."""
-    return truth[0] + truth[1] * shape.num_tokens + truth[2] * shape.prefill_pairs + truth[3] * shape.decode_keys
+    return (truth[0] + truth[1] * shape.num_tokens + truth[2] * shape.prefill_pairs
+            + truth[3] * shape.decode_keys)
 
 
 def test_decodes_do_not_price_the_prefill_pairs():
@@ -123,7 +125,8 @@ def test_steps_with_a_chunk_stay_in_the_fit_after_a_window_of_decodes():
     truth = (2e-3, 5e-4, 2e-8, 2e-6)
     model = StepTimeModel(window=50)
     model.fit_warmup([(StepShape(t), truth[0] + truth[1] * t) for t in (16, 64, 256, 1024, 2048)])
-    shapes = [StepShape(4 + n, attended_pairs([(n, c)]), 4000, 4) for n, c in ((500, 0), (300, 800), (100, 1500))]
+    chunks = ((500, 0), (300, 800), (100, 1500))
+    shapes = [StepShape(4 + n, attended_pairs([(n, c)]), 4000, 4) for n, c in chunks]
     shapes += [StepShape(4, 0, 4 * k, 4) for k in range(100, 200)]
     for shape in shapes:
         model.observe(shape, _seconds(truth, shape))

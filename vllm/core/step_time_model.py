@@ -215,8 +215,8 @@ def latency_budget(model: StepTimeModel, target_seconds: float, *, decode_keys: 
                    max_num_batched_tokens: int, min_prefill_tokens: int = 0) -> StepBudget:
     """The token budget of a step holding `num_decodes` decodes (reading `decode_keys` keys)
     and one prefill chunk of the rest after `prefill_context` cached tokens (several chunks
-    with less context attend fewer pairs, so this bounds them). The target is on the gaps between a request's tokens, so only
-    the decodes wait on the step:
+    with less context attend fewer pairs, so this bounds them). The target is on the gaps
+    between a request's tokens, so only the decodes wait on the step:
 
     - without decodes nobody waits: the whole `max_num_batched_tokens`;
     - else the largest step whose predicted time, plus the model's tail, is within

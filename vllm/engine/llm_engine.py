@@ -283,7 +283,8 @@ class LLMEngine:
         got its previous token, to its own: the gap the target bounds, with what runs between
         steps (the server's streaming of the outputs, requests added)."""
         now = time.perf_counter()
-        since, self._last_outputs_time = self._last_outputs_time, now if self.has_unfinished_requests() else None
+        since = self._last_outputs_time
+        self._last_outputs_time = now if self.has_unfinished_requests() else None
         model = self.scheduler.step_time_model
         if model is None or step.is_empty:
             return
