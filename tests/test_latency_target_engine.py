@@ -3,6 +3,7 @@ step-time model give the same greedy tokens as fixed budgets, and their budgets 
 and measured times reach the stat loggers and /metrics."""
 
 import logging
+import time
 
 from prometheus_client import CollectorRegistry, generate_latest
 
@@ -34,7 +35,7 @@ def test_a_latency_target_keeps_greedy_tokens_and_reports_its_budgets(tiny_check
     tokens, its, llm = _run(tiny_checkpoints["llama"], max_step_latency_ms=1e-3, enable_prefix_caching=False)
     assert tokens == reference
     model = llm.llm_engine.scheduler.step_time_model
-    assert model.is_fitted and model.predict(StepShape(64, 0)) > 0
+    assert model.is_fitted and model.predict(StepShape(64)) > 0
     # Fitted on the 6 token sizes (2, 4, ..., 64), then on every step run.
     assert model.num_observations == 6 + llm.llm_engine.stats.num_steps
     budgets = [b for i in its for b in i.step_token_budgets]
@@ -86,3 +87,33 @@ def test_a_latency_target_keeps_greedy_tokens_and_reports_its_budgets(tiny_check
     assert 'vllm:step_time_seconds_count{model_name="tiny"}' in text
     assert 'vllm:step_time_predicted_seconds_count{model_name="tiny"}' in text
     assert "Step budget:" in caplog.text and "step time predicted:" in caplog.text
+
+
+def test_a_decode_steps_time_runs_from_the_previous_steps_outputs(tiny_checkpoints):
+    # A decode's gap starts when the step before gave its previous token: what runs between the
+    # steps (a server streaming the outputs) is in it, and so in the model's fit and its tail.
+    llm = LLM(tiny_checkpoints["llama"], dtype="float32", max_model_len=128, block_size=16,
+              max_num_batched_tokens=64, max_num_seqs=8, enforce_eager=True, max_step_latency_ms=50.0)
+
+    class Recording:
+        is_fitted, tail_seconds = True, 0.0
+
+        def __init__(self) -> None:
+            self.observed: list[tuple[StepShape, float]] = []
+
+        def predict(self, shape: StepShape) -> float:
+            return 0.0
+
+        def observe(self, shape: StepShape, seconds: float) -> None:
+            self.observed.append((shape, seconds))
+
+    engine = llm.llm_engine
+    engine.scheduler.step_time_model = model = Recording()
+    engine.add_request("a", {"prompt_token_ids": random_prompts([20], seed=3)[0]},
+                       SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    between = 0.05
+    while engine.has_unfinished_requests():
+        engine.step()
+        time.sleep(between)
+    assert [shape.num_decodes for shape, _ in model.observed] == [0, 1, 1, 1]
+    assert all(seconds >= between for shape, seconds in model.observed if shape.num_decodes)

@@ -13,10 +13,11 @@ from vllm.worker.bucketing import BucketConfig, generate_buckets
 
 
 class FakeStepTimes:
-    """Exactly linear step times, no fitting: 1 ms + 20 us a token + 5 ns a query-key pair."""
+    """Exactly linear step times, no fitting: 1 ms + 20 us a token + 5 ns a prefill query-key
+    pair + 40 ns a key a decode reads."""
 
     is_fitted = True
-    coefficients = (1e-3, 2e-5, 5e-9)
+    coefficients = (1e-3, 2e-5, 5e-9, 4e-8)
     tail_seconds = 0.0
 
     def predict(self, shape: StepShape) -> float:
@@ -31,14 +32,15 @@ def test_attended_pairs_counts_the_causal_triangle_after_the_context():
 
 def test_the_fit_recovers_known_coefficients():
     rng = np.random.default_rng(0)
-    truth = np.array([2e-3, 3e-5, 4e-9])
-    warmup = [(StepShape(t, 0), truth[0] + truth[1] * t) for t in (16, 32, 64, 128, 256, 512)]
+    truth = np.array([2e-3, 3e-5, 4e-9, 3e-8])
+    warmup = [(StepShape(t), truth[0] + truth[1] * t) for t in (16, 32, 64, 128, 256, 512)]
     model = StepTimeModel()
     model.fit_warmup(warmup)
-    assert model.coefficients[2] == 0  # padding-only runs attend nothing
+    assert model.coefficients[2:] == (0, 0)  # padding-only runs attend nothing
     np.testing.assert_allclose(model.coefficients[:2], truth[:2], rtol=1e-6)
     for _ in range(200):
-        shape = StepShape(int(rng.integers(1, 512)), int(rng.integers(0, 2_000_000)))
+        shape = StepShape(int(rng.integers(1, 512)), int(rng.integers(0, 2_000_000)),
+                          int(rng.integers(0, 50_000)))
         seconds = float(np.dot(truth, shape.features())) * (1 + 0.01 * rng.standard_normal())
         model.observe(shape, seconds)
     np.testing.assert_allclose(model.coefficients, truth, rtol=0.05)
@@ -47,9 +49,9 @@ def test_the_fit_recovers_known_coefficients():
 def test_the_fit_never_goes_negative():
     # Times that fall with the tokens (noise, say): the slope is clamped at 0, not fitted below.
     model = StepTimeModel()
-    model.fit_warmup([(StepShape(t, 0), 0.01 - 1e-6 * t) for t in (16, 64, 256)])
+    model.fit_warmup([(StepShape(t), 0.01 - 1e-6 * t) for t in (16, 64, 256)])
     assert all(c >= 0 for c in model.coefficients)
-    assert model.predict(StepShape(512, 10**6)) >= model.predict(StepShape(16, 0)) > 0
+    assert model.predict(StepShape(512, 10**6, 10**4)) >= model.predict(StepShape(16)) > 0
 
 
 def test_the_fit_weighs_small_steps_as_much_as_large_ones():
@@ -61,9 +63,9 @@ def test_the_fit_weighs_small_steps_as_much_as_large_ones():
         return 0.020 + 5e-4 * n + 1.5e-7 * n * n
 
     model = StepTimeModel()
-    model.fit_warmup([(StepShape(n, 0), truth(n)) for n in sizes])
+    model.fit_warmup([(StepShape(n), truth(n)) for n in sizes])
     for n in (16, 32, 64):
-        assert model.predict(StepShape(n, 0)) == pytest.approx(truth(n), rel=0.1)
+        assert model.predict(StepShape(n)) == pytest.approx(truth(n), rel=0.1)
 
 
 def test_a_steps_cost_beyond_its_forward_pass_is_fitted_apart():
@@ -71,11 +73,11 @@ def test_a_steps_cost_beyond_its_forward_pass_is_fitted_apart():
     # takes the difference, the slope stays the warm-up's, and the tail, read against the
     # current fit, does not keep the misses of the first steps after warm-up.
     model = StepTimeModel()
-    model.fit_warmup([(StepShape(n, 0), 6e-4 * n) for n in (16, 64, 256, 1024, 2048)])
+    model.fit_warmup([(StepShape(n), 6e-4 * n) for n in (16, 64, 256, 1024, 2048)])
     rng = np.random.default_rng(0)
     first = None
     for _ in range(100):
-        shape = StepShape(int(rng.integers(1, 64)), 0, num_decodes=1)
+        shape = StepShape(int(rng.integers(1, 64)), num_decodes=1)
         seconds = 0.030 + 6e-4 * shape.num_tokens
         first = first or seconds / model.predict(shape)
         model.observe(shape, seconds)
@@ -83,21 +85,60 @@ def test_a_steps_cost_beyond_its_forward_pass_is_fitted_apart():
     assert model.overhead == pytest.approx(0.030, rel=1e-3)
     assert model.coefficients[1] == pytest.approx(6e-4, rel=1e-3)
     assert model.tail_seconds == pytest.approx(0.0, abs=1e-9)
-    assert model.predict(StepShape(2048, 0)) == pytest.approx(0.030 + 6e-4 * 2048, rel=1e-3)
+    assert model.predict(StepShape(2048)) == pytest.approx(0.030 + 6e-4 * 2048, rel=1e-3)
 
 
 def test_the_recent_window_follows_a_change():
     model = StepTimeModel(window=20)
     for t in range(1, 41):
-        model.observe(StepShape(8 * t, 0), 1e-3 * (1 if t <= 20 else 3))
-    assert model.predict(StepShape(100, 0)) == pytest.approx(3e-3, rel=1e-3)
+        model.observe(StepShape(8 * t), 1e-3 * (1 if t <= 20 else 3))
+    assert model.predict(StepShape(100)) == pytest.approx(3e-3, rel=1e-3)
+
+
+def _seconds(truth: tuple[float, float, float, float], shape: StepShape) -> float:
+    """(s, per token, per prefill pair, per decode key) -> the seconds of `shape`."""
+    return (truth[0] + truth[1] * shape.num_tokens + truth[2] * shape.prefill_pairs
+            + truth[3] * shape.decode_keys)
+
+
+def test_decodes_do_not_price_the_prefill_pairs():
+    # A decode's keys cost 100 times a chunk's query-key pairs, and nearly every step is decodes
+    # only: one price for both would charge the decodes' to a chunk after a long context.
+    truth = (2e-3, 5e-4, 2e-8, 2e-6)
+    model = StepTimeModel()
+    model.fit_warmup([(StepShape(t), truth[0] + truth[1] * t) for t in (16, 64, 256, 1024, 2048)])
+    rng = np.random.default_rng(0)
+    for i in range(300):
+        decodes = int(rng.integers(1, 8))
+        keys = decodes * int(rng.integers(100, 2000))
+        chunk = 0 if i % 20 else int(rng.integers(16, 64))
+        pairs = attended_pairs([(chunk, int(rng.integers(0, 1500)))])
+        shape = StepShape(decodes + chunk, pairs, keys, decodes)
+        model.observe(shape, _seconds(truth, shape))
+    long_chunk = StepShape(1024, attended_pairs([(1024, 1000)]))
+    assert model.predict(long_chunk) == pytest.approx(_seconds(truth, long_chunk), rel=0.02)
+
+
+def test_steps_with_a_chunk_stay_in_the_fit_after_a_window_of_decodes():
+    # The prefill pairs' price comes from the few steps with a chunk: a window of decode-only
+    # steps after them does not push them out of the fit.
+    truth = (2e-3, 5e-4, 2e-8, 2e-6)
+    model = StepTimeModel(window=50)
+    model.fit_warmup([(StepShape(t), truth[0] + truth[1] * t) for t in (16, 64, 256, 1024, 2048)])
+    chunks = ((500, 0), (300, 800), (100, 1500))
+    shapes = [StepShape(4 + n, attended_pairs([(n, c)]), 4000, 4) for n, c in chunks]
+    shapes += [StepShape(4, 0, 4 * k, 4) for k in range(100, 200)]
+    for shape in shapes:
+        model.observe(shape, _seconds(truth, shape))
+    long_chunk = StepShape(1024, attended_pairs([(1024, 1000)]))
+    assert model.predict(long_chunk) == pytest.approx(_seconds(truth, long_chunk), rel=0.02)
 
 
 def test_the_tail_is_the_slow_steps_time_beyond_their_prediction_per_decode():
     model = StepTimeModel()
-    model.fit_warmup([(StepShape(t, 0), 1e-3 + 1e-5 * t) for t in (16, 64, 256, 512)])
+    model.fit_warmup([(StepShape(t), 1e-3 + 1e-5 * t) for t in (16, 64, 256, 512)])
     assert model.tail_seconds == 0.0
-    shapes = [StepShape(16 * (1 + i % 32), 0, num_decodes=4) for i in range(100)]
+    shapes = [StepShape(16 * (1 + i % 32), num_decodes=4) for i in range(100)]
     for shape in shapes[:MIN_TAIL_SAMPLES - 1]:
         model.observe(shape, model.predict(shape))
     assert model.tail_seconds == 0.0  # too few measured steps yet
@@ -111,10 +152,10 @@ def test_the_tail_is_the_slow_steps_time_beyond_their_prediction_per_decode():
     # predicted never takes it below 0.
     for i, shape in enumerate(shapes):
         late = 50e-3 if i % 10 == 0 else 0.0
-        model.observe(StepShape(shape.num_tokens, 0), model.predict(shape) + late)
+        model.observe(StepShape(shape.num_tokens), model.predict(shape) + late)
     assert model.tail_seconds == pytest.approx(2e-3, rel=0.05)
     fast = StepTimeModel()
-    fast.fit_warmup([(StepShape(t, 0), 1e-3 + 1e-5 * t) for t in (16, 64, 256, 512)])
+    fast.fit_warmup([(StepShape(t), 1e-3 + 1e-5 * t) for t in (16, 64, 256, 512)])
     for shape in shapes:
         fast.observe(shape, 0.5 * (1e-3 + 1e-5 * shape.num_tokens))
     assert fast.tail_seconds == 0.0
@@ -124,38 +165,57 @@ def test_the_tail_counts_each_step_once_per_decode():
     # One step of 100 decodes runs 3 ms late, 149 steps of 1 decode on time: under 1% of the
     # steps, but 100 of 249 gaps waited 3 ms longer, so the 99th percentile over gaps is late.
     model = StepTimeModel()
-    model.fit_warmup([(StepShape(t, 0), 1e-3 + 1e-5 * t) for t in (16, 64, 256, 512)])
+    model.fit_warmup([(StepShape(t), 1e-3 + 1e-5 * t) for t in (16, 64, 256, 512)])
     for i in range(150):
-        shape = StepShape(128, 0, num_decodes=100 if i == 75 else 1)
+        shape = StepShape(128, num_decodes=100 if i == 75 else 1)
         model.observe(shape, model.predict(shape) + (3e-3 if i == 75 else 0.0))
     assert model.tail_seconds == pytest.approx(3e-3, rel=0.05)
 
 
+def test_steps_predicted_over_the_limit_do_not_count_in_the_tail():
+    # Whole-budget steps, taken when nothing fits the target, miss it whatever their error; a
+    # long step's error, however small a fraction of it, would otherwise set the tail of all.
+    warmup = [(StepShape(t), 1e-3 + 1e-5 * t) for t in (16, 64, 256, 512, 2048)]
+    small, large = StepShape(16, num_decodes=4), StepShape(2048, num_decodes=4)
+    tails = []
+    for limit in (0.01, float("inf")):
+        model = StepTimeModel(tail_limit_seconds=limit)
+        model.fit_warmup(warmup)
+        for i in range(100):
+            model.observe(small, 1.16e-3 + (1e-3 if i % 50 == 0 else 0.0))
+            if i % 10 == 0:  # 5 ms off either way: 1/10th of the gaps 5 ms late
+                model.observe(large, 21.48e-3 + (5e-3 if i % 20 == 0 else -5e-3))
+        assert model.predict(large) > 0.01 > model.predict(small)
+        tails.append(model.tail_seconds)
+    assert tails[0] == pytest.approx(1e-3, rel=0.1)
+    assert tails[1] > 4e-3
+
+
 def test_the_tail_shrinks_the_chosen_step():
     model = FakeStepTimes()
-    args = dict(decode_pairs=1, num_decodes=1, prefill_context=0, sizes=[], max_num_batched_tokens=4096)
+    args = dict(decode_keys=1, num_decodes=1, prefill_context=0, sizes=[], max_num_batched_tokens=4096)
     plain = latency_budget(model, 5e-3, **args)
     model.tail_seconds = 1e-3
     slow = latency_budget(model, 5e-3, **args)
     assert slow.num_tokens < plain.num_tokens < 4096
     one_more = slow.num_tokens + 1
     assert slow.predicted_seconds + 1e-3 <= 5e-3
-    assert model.predict(StepShape(one_more, 1 + attended_pairs([(one_more - 1, 0)]))) + 1e-3 > 5e-3
+    assert model.predict(StepShape(one_more, attended_pairs([(one_more - 1, 0)]), 1)) + 1e-3 > 5e-3
 
 
 def test_a_step_without_decodes_takes_the_whole_budget():
     # Nobody waits between tokens in it: the target does not bound it, however tight.
     for sizes in ([], [16, 64, 256, 4096]):
         args = dict(prefill_context=0, sizes=sizes, max_num_batched_tokens=4096)
-        chosen = latency_budget(FakeStepTimes(), 5e-3, decode_pairs=0, num_decodes=0, **args)
+        chosen = latency_budget(FakeStepTimes(), 5e-3, decode_keys=0, num_decodes=0, **args)
         assert chosen.num_tokens == 4096 and chosen.predicted_seconds > 5e-3
         # With one decode a smaller step fits the target.
-        assert latency_budget(FakeStepTimes(), 5e-3, decode_pairs=1, num_decodes=1, **args).num_tokens < 4096
+        assert latency_budget(FakeStepTimes(), 5e-3, decode_keys=1, num_decodes=1, **args).num_tokens < 4096
 
 
 def test_the_drain_rate_raises_the_smallest_chunk():
     model, target = FakeStepTimes(), 5e-3
-    args = dict(decode_pairs=8, num_decodes=8, prefill_context=0, sizes=[], max_num_batched_tokens=4096)
+    args = dict(decode_keys=8, num_decodes=8, prefill_context=0, sizes=[], max_num_batched_tokens=4096)
     plain = latency_budget(model, target, **args)
     assert latency_budget(model, target, min_prefill_tokens=plain.num_tokens - 8 - 10, **args) == plain
     # A drain rate above what fits the target: the step misses it anyway, so it takes it all.
@@ -173,13 +233,13 @@ def test_the_chosen_step_is_the_largest_within_target_on_a_warmed_size(target_ms
                                                                         decode_context, warmed):
     model, target = FakeStepTimes(), target_ms / 1000
     sizes = BUCKETS if warmed else []
-    decode_pairs = attended_pairs([(1, decode_context)] * num_decodes)
-    chosen = latency_budget(model, target, decode_pairs=decode_pairs, num_decodes=num_decodes,
+    decode_keys = (decode_context + 1) * num_decodes
+    chosen = latency_budget(model, target, decode_keys=decode_keys, num_decodes=num_decodes,
                             prefill_context=context, sizes=sizes, max_num_batched_tokens=512)
 
     def predicted(total: int) -> float:
         padded = next((b for b in sizes if b >= total), total)
-        return model.predict(StepShape(padded, decode_pairs + attended_pairs([(total - num_decodes, context)])))
+        return model.predict(StepShape(padded, attended_pairs([(total - num_decodes, context)]), decode_keys))
 
     assert chosen.num_tokens <= 512
     assert chosen.num_tokens - num_decodes >= MIN_PREFILL_CHUNK  # progress, target or not

@@ -317,16 +317,17 @@ class Scheduler:
             return None
         queued = self._tokens_queued_per_step
         return latency_budget(
-            model, target_ms / 1000, decode_pairs=attended_pairs((1, d.start_position) for d in decodes),
+            model, target_ms / 1000, decode_keys=sum(d.context_len + 1 for d in decodes),
             num_decodes=len(decodes), prefill_context=max((s.num_computed_tokens for s in partial), default=0),
             sizes=self.token_buckets, max_num_batched_tokens=self.config.max_num_batched_tokens,
             min_prefill_tokens=math.ceil(sum(queued) / DRAIN_WINDOW_STEPS))
 
     def step_shape(self, step: SchedulerOutput) -> StepShape:
         """What the step-time model reads of a scheduled step (padded as the runner pads it)."""
+        decodes, prefills = step.scheduled[:step.num_decodes], step.scheduled[step.num_decodes:]
         return StepShape(padded_size(self.token_buckets, step.num_batched_tokens),
-                         attended_pairs((s.num_tokens, s.context_len) for s in step.scheduled),
-                         step.num_decodes)
+                         attended_pairs((s.num_tokens, s.context_len) for s in prefills),
+                         sum(s.context_len + 1 for s in decodes), step.num_decodes)
 
     def _schedule_prefills(self, budget: int, scheduled_ids: set[str],
                            preempted: list[str]) -> list[ScheduledSequence]:

@@ -1,19 +1,26 @@
 """Predicted time of one engine step, and the step size that keeps it under a latency target.
 
-A step's time is modelled as linear in three features of the step:
+A step's time is modelled as linear in four features of the step:
 
-    t = c0 + c1 * tokens + c2 * attended pairs + overhead
+    t = c0 + c1 * tokens + c2 * prefill pairs + c3 * decode keys + overhead
 
-`tokens` is the step's batched token count (the linear layers, padding included); `attended
-pairs` is the number of (query, key) pairs attention computes: a chunk of n tokens after a
-context of c reads c + 1 ... c + n keys, n * c + n * (n + 1) / 2 pairs; a decode reads c + 1.
+`tokens` is the step's batched token count (the linear layers, padding included). Attention
+is two features, as it runs two ways: a prefill chunk of n tokens after a context of c reads
+c + 1 ... c + n keys, n * c + n * (n + 1) / 2 query-key pairs, as a product of matrices; a
+decode reads its c + 1 keys for one query, a product of a matrix and a vector, which costs
+several times more a pair. One coefficient for both would take the decodes' price, as nearly
+every step is a decode, and charge it to the chunks of long prompts: a chunk after a long
+context would be predicted several times slower than it runs.
+
 The coefficients are fitted by least squares on the relative error (a step's error over its
 time, so that the small steps a tight target allows are fitted as well as the largest bucket),
 none negative (so the predicted time grows with the step), on the timed warm-up runs of every
 token bucket (padding only: `tokens` alone) and on the latest measured steps, which bring in
 attention and `overhead`: what an engine step costs beyond the forward pass the warm-up times
 (scheduling, inputs, sampling, outputs), a coefficient of its own so that it does not bend the
-slope the warm-up runs give.
+slope the warm-up runs give. The latest steps are kept in two windows, those with a prefill
+chunk and those without: the decode-only steps, most of them, do not push the few with chunks,
+which alone fit the prefill pairs, out of the fit.
 
 A target bounds the slow steps, not the average one: the budget is sized for the prediction
 plus `tail_seconds`, the TAIL_QUANTILE over the recent steps' tokens of how much longer than the
@@ -21,7 +28,10 @@ current fit predicts they ran (contention, the server's own threads, what the fe
 out). It is a time, not a ratio: such delays come on top of a step whatever its size, so a
 small step's jitter must not scale a large one's budget. Each step counts once per decode it
 carried, as its gaps count in the target's percentile: steps without decodes, whose time no
-gap waits on, do not count. It is read against the current fit, not the fits of the past: an
+gap waits on, do not count, nor do steps predicted over `tail_limit_seconds` (the target):
+their decodes miss it whatever the error, and the error of a long step, which grows with it,
+would shrink the budget of every step sized to meet the target (and so make more steps miss
+it, and the tail grow). It is read against the current fit, not the fits of the past: an
 early misfit, corrected since, does not stay in it for a window's length.
 Imports no torch.
 """
@@ -42,48 +52,72 @@ def attended_pairs(chunks: Iterable[tuple[int, int]]) -> int:
 class StepShape:
     """What the step-time model reads of a step."""
 
-    num_tokens: int       # batched tokens, as run (a padded bucket, or the real count)
-    attended_pairs: int
-    num_decodes: int = 0  # the gaps between tokens that wait on the step (its weight in the tail)
+    num_tokens: int          # batched tokens, as run (a padded bucket, or the real count)
+    prefill_pairs: int = 0   # query-key pairs of its prefill chunks (`attended_pairs`)
+    decode_keys: int = 0     # keys its decodes read, context + 1 each
+    num_decodes: int = 0     # the gaps between tokens that wait on the step (its weight in the tail)
 
-    def features(self) -> tuple[float, float, float]:
-        return (1.0, float(self.num_tokens), float(self.attended_pairs))
+    def features(self) -> tuple[float, float, float, float]:
+        return (1.0, float(self.num_tokens), float(self.prefill_pairs), float(self.decode_keys))
 
 
+NUM_FEATURES = 4
 # The target bounds a P99 over tokens, and a step's gaps are all its decodes'.
 TAIL_QUANTILE = 0.99
 MIN_TAIL_SAMPLES = 16  # measured steps with decodes before the tail departs from 0
 
 
 class StepTimeModel:
-    """Least-squares step times from warm-up runs (kept) and the last `window` measured steps.
+    """Least-squares step times from warm-up runs (kept) and the last `window` measured steps
+    with a prefill chunk and the last `window` without.
 
     Invariants: the coefficients and the overhead are never negative, so `predict` grows with
-    both features; `tail_seconds` is never negative.
+    every feature; `tail_seconds` is never negative.
     """
 
-    def __init__(self, window: int = 256) -> None:
-        self._warmup: list[tuple[tuple[float, float, float], float]] = []
-        # (features, seconds, decodes) of the measured steps
-        self._recent: deque[tuple[tuple[float, float, float], float, int]] = deque(maxlen=window)
-        self.coefficients: tuple[float, float, float] = (0.0, 0.0, 0.0)  # of the forward pass
-        self.overhead = 0.0  # seconds a measured step takes beyond its forward pass
-        self.num_observations = 0
+    def __init__(self, window: int = 256, tail_limit_seconds: float = float("inf")) -> None:
+        self.tail_limit_seconds = tail_limit_seconds
+        self._warmup: list[tuple[tuple[float, ...], float]] = []
+        # (features, seconds, decodes) of the measured steps, with and without prefill pairs
+        self._recent_prefills: deque[tuple[tuple[float, ...], float, int]] = deque(maxlen=window)
+        self._recent_decodes: deque[tuple[tuple[float, ...], float, int]] = deque(maxlen=window)
+        self._coefficients: tuple[float, ...] = (0.0,) * NUM_FEATURES
+        self._overhead = 0.0
         self._tail_seconds = 0.0
+        # Refitted when read after a new sample: most steps (decodes, nobody waiting) are
+        # observed but size nothing.
+        self._stale = False
+
+    @property
+    def num_observations(self) -> int:
+        return len(self._warmup) + len(self._recent_prefills) + len(self._recent_decodes)
 
     @property
     def is_fitted(self) -> bool:
         return self.num_observations > 0
 
-    def fit_warmup(self, samples: Sequence[tuple[StepShape, float]]) -> None:
-        """Replaces the warm-up samples, (shape, seconds) of timed runs, and refits."""
-        self._warmup = [(shape.features(), seconds) for shape, seconds in samples]
+    @property
+    def coefficients(self) -> tuple[float, ...]:
+        """Seconds of the forward pass per unit of each feature."""
         self._refit()
+        return self._coefficients
+
+    @property
+    def overhead(self) -> float:
+        """Seconds a measured step takes beyond its forward pass."""
+        self._refit()
+        return self._overhead
+
+    def fit_warmup(self, samples: Sequence[tuple[StepShape, float]]) -> None:
+        """Replaces the warm-up samples, (shape, seconds) of timed runs."""
+        self._warmup = [(shape.features(), seconds) for shape, seconds in samples]
+        self._stale = True
 
     def observe(self, shape: StepShape, seconds: float) -> None:
-        """A measured step: refits with it."""
-        self._recent.append((shape.features(), seconds, shape.num_decodes))
-        self._refit()
+        """A measured step, in the fit from the next read on."""
+        recent = self._recent_prefills if shape.prefill_pairs else self._recent_decodes
+        recent.append((shape.features(), seconds, shape.num_decodes))
+        self._stale = True
 
     def predict(self, shape: StepShape) -> float:
         """Seconds of an engine step; 0 before any sample."""
@@ -91,31 +125,38 @@ class StepTimeModel:
 
     @property
     def tail_seconds(self) -> float:
-        """The TAIL_QUANTILE over the decodes of the recent steps of their measured time beyond
-        the current fit's prediction, at least 0; 0 until MIN_TAIL_SAMPLES steps with decodes
-        were measured."""
+        """The TAIL_QUANTILE over the decodes of the recent steps predicted within
+        `tail_limit_seconds` of their measured time beyond the current fit's prediction, at
+        least 0; 0 until MIN_TAIL_SAMPLES such steps were measured."""
+        self._refit()
         return self._tail_seconds
 
     def _refit(self) -> None:
-        rows = self._warmup + [(features, seconds) for features, seconds, _ in self._recent]
-        self.num_observations = len(rows)
+        if not self._stale:
+            return
+        self._stale = False
+        recent = [*self._recent_prefills, *self._recent_decodes]
+        rows = self._warmup + [(features, seconds) for features, seconds, _ in recent]
         if not rows:
             return
         measured = np.zeros((len(rows), 1))                    # (N, 1) 1 for a measured step
         measured[len(self._warmup):] = 1.0
-        x = np.hstack([np.array([f for f, _ in rows], dtype=np.float64), measured])  # (N, 4)
+        x = np.hstack([np.array([f for f, _ in rows], dtype=np.float64), measured])  # (N, F + 1)
         y = np.array([t for _, t in rows], dtype=np.float64)   # (N,)
         # Each row over its time: least squares on the relative error. (A zero time, which no
         # real step takes, keeps its absolute error.)
         weight = 1.0 / np.where(y > 0, y, 1.0)                 # (N,)
         coefficients = _non_negative_lstsq(x * weight[:, None], y * weight)
-        self.coefficients = tuple(float(c) for c in coefficients[:3])
-        self.overhead = float(coefficients[3])
-        decodes = np.array([d for _, _, d in self._recent], dtype=np.float64)  # (num_recent,)
+        self._coefficients = tuple(float(c) for c in coefficients[:NUM_FEATURES])
+        self._overhead = float(coefficients[NUM_FEATURES])
         self._tail_seconds = 0.0
+        if not recent:
+            return
+        predicted = x[len(self._warmup):] @ coefficients                    # (num_recent,)
+        decodes = np.array([d for _, _, d in recent], dtype=np.float64)     # (num_recent,)
+        decodes[predicted > self.tail_limit_seconds] = 0.0  # missed the target whatever the error
         if np.count_nonzero(decodes) >= MIN_TAIL_SAMPLES:
-            num_recent = len(self._recent)
-            excess = y[-num_recent:] - x[-num_recent:] @ coefficients           # (num_recent,)
+            excess = y[len(self._warmup):] - predicted                      # (num_recent,)
             self._tail_seconds = max(0.0, _weighted_quantile(excess, decodes, TAIL_QUANTILE))
 
 
@@ -129,7 +170,7 @@ def _weighted_quantile(values: np.ndarray, weights: np.ndarray, q: float) -> flo
 
 def _non_negative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     """argmin |x c - y| over c >= 0, for a few columns: least squares on every subset of the
-    columns whose solution is non-negative, keeping the best (4 columns: 15 subsets)."""
+    columns whose solution is non-negative, keeping the best (5 columns: 31 subsets)."""
     num_cols = x.shape[1]
     # Columns scaled to unit norm, so that pairs (up to ~1e8) and the constant compare.
     scale = np.linalg.norm(x, axis=0)
@@ -169,13 +210,13 @@ class StepBudget:
     predicted_seconds: float
 
 
-def latency_budget(model: StepTimeModel, target_seconds: float, *, decode_pairs: int,
+def latency_budget(model: StepTimeModel, target_seconds: float, *, decode_keys: int,
                    num_decodes: int, prefill_context: int, sizes: Sequence[int],
                    max_num_batched_tokens: int, min_prefill_tokens: int = 0) -> StepBudget:
-    """The token budget of a step holding `num_decodes` decodes and one prefill chunk of the
-    rest after `prefill_context` cached tokens (several chunks with less context attend fewer
-    pairs, so this bounds them). The target is on the gaps between a request's tokens, so only
-    the decodes wait on the step:
+    """The token budget of a step holding `num_decodes` decodes (reading `decode_keys` keys)
+    and one prefill chunk of the rest after `prefill_context` cached tokens (several chunks
+    with less context attend fewer pairs, so this bounds them). The target is on the gaps
+    between a request's tokens, so only the decodes wait on the step:
 
     - without decodes nobody waits: the whole `max_num_batched_tokens`;
     - else the largest step whose predicted time, plus the model's tail, is within
@@ -191,8 +232,8 @@ def latency_budget(model: StepTimeModel, target_seconds: float, *, decode_pairs:
     """
     def predict(total: int) -> float:
         chunk = total - num_decodes
-        return model.predict(StepShape(padded_size(sizes, total),
-                                       decode_pairs + attended_pairs([(chunk, prefill_context)])))
+        return model.predict(StepShape(padded_size(sizes, total), attended_pairs([(chunk, prefill_context)]),
+                                       decode_keys, num_decodes))
 
     def chosen(total: int) -> StepBudget:
         return StepBudget(total, predict(total))

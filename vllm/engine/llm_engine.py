@@ -82,6 +82,9 @@ class LLMEngine:
         self.stat_loggers: dict[str, StatLoggerBase] = {}
         self._iteration = IterationStats()
         self._logged_stats = EngineStats()  # the counters when the loggers last saw them
+        # When the last step's outputs were in, while requests remained: the gaps of the next
+        # step's decodes start there (see `_observe_step_time`).
+        self._last_outputs_time: float | None = None
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, executor_class: type[ExecutorBase] | None = None
@@ -108,8 +111,8 @@ class LLMEngine:
         """Fits the model that sizes steps under `max_step_latency_ms` on the padding-only steps
         the workers timed after warm-up; measured steps refine it from then on."""
         samples = self.model_executor.step_time_samples
-        model = StepTimeModel()
-        model.fit_warmup([(StepShape(tokens, 0), seconds) for tokens, seconds in samples])
+        model = StepTimeModel(tail_limit_seconds=self.config.scheduler.max_step_latency_ms / 1000)
+        model.fit_warmup([(StepShape(tokens), seconds) for tokens, seconds in samples])
         self.scheduler.step_time_model = model
         self.scheduler.token_buckets = list(self.model_executor.graph_stats.buckets)
         logger.info("Step-time model for max_step_latency_ms=%s fitted on %d token sizes: "
@@ -231,7 +234,7 @@ class LLMEngine:
                 committed = True
                 if result is not None:
                     self._process(step, result)
-                    self._observe_step_time(step, time.perf_counter() - start)
+                    self._observe_step_time(step, start)
         except BaseException as error:
             if step is None or committed:
                 raise
@@ -274,11 +277,18 @@ class LLMEngine:
             if group.is_finished:
                 self._forget(group)
 
-    def _observe_step_time(self, step: SchedulerOutput, seconds: float) -> None:
-        """A step's wall time (schedule to outputs) refines the step-time model."""
+    def _observe_step_time(self, step: SchedulerOutput, start: float) -> None:
+        """A step's wall time refines the step-time model: from `start` (its schedule) to its
+        outputs, or for a step with decodes from the previous step's outputs, when each decode
+        got its previous token, to its own: the gap the target bounds, with what runs between
+        steps (the server's streaming of the outputs, requests added)."""
+        now = time.perf_counter()
+        since = self._last_outputs_time
+        self._last_outputs_time = now if self.has_unfinished_requests() else None
         model = self.scheduler.step_time_model
         if model is None or step.is_empty:
             return
+        seconds = now - (since if step.num_decodes and since is not None else start)
         model.observe(self.scheduler.step_shape(step), seconds)
         if self.stat_loggers:
             self._iteration.record_step_time(step, seconds)
