@@ -7,9 +7,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.test_scheduler import FakeEngine
-from vllm.core.step_time_model import (MIN_PREFILL_CHUNK, MIN_TAIL_SAMPLES, StepShape, StepTimeModel,
-                                       attended_pairs, latency_budget)
+from vllm.core.step_time_model import (MIN_PREFILL_CHUNK, MIN_TAIL_SAMPLES, MISS_ALLOWANCE,
+                                       MISS_WINDOW_STEPS, StepShape, StepTimeModel, attended_pairs,
+                                       latency_budget)
 from vllm.worker.bucketing import BucketConfig, generate_buckets
+
+
+BUCKETS = generate_buckets(BucketConfig(min=16, step=128, max=512))  # 16, 32, ..., 512
 
 
 class FakeStepTimes:
@@ -20,8 +24,14 @@ class FakeStepTimes:
     coefficients = (1e-3, 2e-5, 5e-9, 4e-8)
     tail_seconds = 0.0
 
+    def __init__(self, may_miss: bool = True) -> None:
+        self._may_miss = may_miss  # whether the target's percentile has room for more misses
+
     def predict(self, shape: StepShape) -> float:
         return float(np.dot(self.coefficients, shape.features()))
+
+    def may_miss(self, num_decodes: int) -> bool:
+        return self._may_miss
 
 
 def test_attended_pairs_counts_the_causal_triangle_after_the_context():
@@ -218,24 +228,53 @@ def test_the_drain_rate_raises_the_smallest_chunk():
     args = dict(decode_keys=8, num_decodes=8, prefill_context=0, sizes=[], max_num_batched_tokens=4096)
     plain = latency_budget(model, target, **args)
     assert latency_budget(model, target, min_prefill_tokens=plain.num_tokens - 8 - 10, **args) == plain
-    # A drain rate above what fits the target: the step misses it anyway, so it takes it all.
+    # A drain rate above what fits the target: the step misses it anyway, so it takes it all;
+    # unless the target's percentile has no room for more misses: then the target wins.
     over = latency_budget(model, target, min_prefill_tokens=plain.num_tokens, **args)
     assert over.num_tokens == 4096
+    for sizes in ([], BUCKETS):  # the largest step within the target, as without the drain rate
+        sized = {**args, "sizes": sizes}
+        within = latency_budget(model, target, **sized)
+        assert within.num_tokens > 8 + MIN_PREFILL_CHUNK
+        assert latency_budget(model, target, min_prefill_tokens=plain.num_tokens, may_miss=False, **sized) == within
+    for sizes in ([], [16, 64, 256, 4096]):  # below the smallest step: the smallest step
+        smallest = latency_budget(model, 1e-6, min_prefill_tokens=plain.num_tokens, may_miss=False,
+                                  **{**args, "sizes": sizes})
+        assert smallest.num_tokens == (8 + MIN_PREFILL_CHUNK if not sizes else 64)
 
 
-BUCKETS = generate_buckets(BucketConfig(min=16, step=128, max=512))  # 16, 32, ..., 512
+def test_steps_may_miss_the_target_within_the_allowance_of_recent_gaps():
+    model = StepTimeModel(tail_limit_seconds=0.05)
+    on_time, late = StepShape(64, 0, 100, num_decodes=10), StepShape(512, 10_000, 100, num_decodes=10)
+    assert not model.may_miss(1)  # no gaps yet: any miss is over the allowance
+    gaps_for_one = round(10 / MISS_ALLOWANCE)  # ten missed gaps among these
+    for _ in range(gaps_for_one // 10 - 1):
+        model.observe(on_time, 0.01)
+    assert model.may_miss(10) and not model.may_miss(11)
+    model.observe(late, 0.2)  # its ten gaps missed: no room left for another such step
+    assert not model.may_miss(10) and not model.may_miss(1)
+    for _ in range(gaps_for_one // 10):
+        model.observe(on_time, 0.01)
+    assert model.may_miss(10)  # enough gaps since
+    for _ in range(MISS_WINDOW_STEPS):
+        model.observe(StepShape(64, 0, 100, num_decodes=1), 0.01)
+    # Only the last MISS_WINDOW_STEPS steps count: on time, one gap each.
+    assert model.may_miss(10) and not model.may_miss(11)
+    model.observe(StepShape(512, 10_000, 0), 0.5)  # no decodes: no gap missed
+    assert model.may_miss(10)
 
 
 @settings(max_examples=300, deadline=None)
 @given(target_ms=st.floats(0.5, 30), num_decodes=st.integers(0, 64), context=st.integers(0, 4000),
-       decode_context=st.integers(0, 4000), warmed=st.booleans())
+       decode_context=st.integers(0, 4000), warmed=st.booleans(), may_miss=st.booleans())
 def test_the_chosen_step_is_the_largest_within_target_on_a_warmed_size(target_ms, num_decodes, context,
-                                                                        decode_context, warmed):
+                                                                        decode_context, warmed, may_miss):
     model, target = FakeStepTimes(), target_ms / 1000
     sizes = BUCKETS if warmed else []
     decode_keys = (decode_context + 1) * num_decodes
     chosen = latency_budget(model, target, decode_keys=decode_keys, num_decodes=num_decodes,
-                            prefill_context=context, sizes=sizes, max_num_batched_tokens=512)
+                            prefill_context=context, sizes=sizes, max_num_batched_tokens=512,
+                            may_miss=may_miss)
 
     def predicted(total: int) -> float:
         padded = next((b for b in sizes if b >= total), total)
@@ -248,19 +287,21 @@ def test_the_chosen_step_is_the_largest_within_target_on_a_warmed_size(target_ms
         list(range(num_decodes + MIN_PREFILL_CHUNK, 513))
     if warmed:
         assert chosen.num_tokens in BUCKETS  # never a size without a graph
-    if num_decodes == 0 or predicted(allowed[0]) > target:
+    if num_decodes == 0 or (predicted(allowed[0]) > target and may_miss):
         # Nobody waits on the step, or its decodes miss the target whatever the chunk: all of it.
         assert chosen.num_tokens == 512
+    elif predicted(allowed[0]) > target:
+        assert chosen.num_tokens == allowed[0]  # no room for misses: the smallest step
     else:
         assert chosen.predicted_seconds <= target  # within target when a smaller chunk is
         larger = [s for s in allowed if s > chosen.num_tokens]
         assert not larger or predicted(larger[0]) > target  # the largest within target
 
 
-def _latency_engine(target_ms: float, budget: int = 512, **kwargs) -> FakeEngine:
+def _latency_engine(target_ms: float, budget: int = 512, may_miss: bool = True, **kwargs) -> FakeEngine:
     eng = FakeEngine(budget=budget, max_num_seqs=16, max_model_len=2048, num_blocks=512, block_size=16,
                      max_step_latency_ms=target_ms, **kwargs)
-    eng.sched.step_time_model = FakeStepTimes()
+    eng.sched.step_time_model = FakeStepTimes(may_miss)
     eng.sched.token_buckets = BUCKETS
     return eng
 
@@ -324,6 +365,23 @@ def test_the_prefill_keeps_up_with_arrivals_under_a_tight_target():
     assert sum(out.num_prefill_tokens for out in late) / len(late) >= 119
     assert len(eng.sched.waiting) <= 8
     assert eng.run(max_steps=100)  # drains
+
+
+def test_without_room_for_misses_the_target_wins_over_the_arrivals():
+    # The arrivals of the test above: where the target's percentile has room for misses, steps
+    # with decodes go over the target to keep up; where it has none, none does.
+    def sized_steps(may_miss: bool) -> list:
+        eng = _latency_engine(2.0, may_miss=may_miss, max_num_partial_prefills=8)
+        for i in range(600):
+            eng.add(f"r{i}", 120, max_tokens=4)
+            eng.step()
+        assert eng.run(max_steps=1000)  # drains
+        return [out for out in eng.outputs if out.token_budget is not None and out.num_decodes]
+
+    assert any(out.predicted_seconds > 2e-3 for out in sized_steps(may_miss=True))
+    strict = sized_steps(may_miss=False)
+    assert strict and all(out.predicted_seconds <= 2e-3 for out in strict)
+    assert all(out.num_prefill_tokens > 0 for out in strict)  # progress all the same
 
 
 @pytest.mark.parametrize("kwargs", [{"max_step_latency_ms": 0}, {"max_step_latency_ms": -5.0},

@@ -40,7 +40,8 @@ logger = init_logger(__name__)
 # Under max_step_latency_ms a step's prefill part is at least the prompt tokens queued per step
 # over the last DRAIN_WINDOW_STEPS steps: the prompts keep up with arrivals. The step is the
 # largest within the target, which drains a burst's backlog as fast as the target allows, so
-# this floor only decides when the target gives way: where no step within it keeps up.
+# this floor only decides when the target gives way: where no step within it keeps up, and
+# then only while the target's percentile has room for the gaps it misses (`may_miss`).
 DRAIN_WINDOW_STEPS = 256
 
 
@@ -320,7 +321,8 @@ class Scheduler:
             model, target_ms / 1000, decode_keys=sum(d.context_len + 1 for d in decodes),
             num_decodes=len(decodes), prefill_context=max((s.num_computed_tokens for s in partial), default=0),
             sizes=self.token_buckets, max_num_batched_tokens=self.config.max_num_batched_tokens,
-            min_prefill_tokens=math.ceil(sum(queued) / DRAIN_WINDOW_STEPS))
+            min_prefill_tokens=math.ceil(sum(queued) / DRAIN_WINDOW_STEPS),
+            may_miss=model.may_miss(len(decodes)))
 
     def step_shape(self, step: SchedulerOutput) -> StepShape:
         """What the step-time model reads of a scheduled step (padded as the runner pads it)."""

@@ -65,6 +65,12 @@ NUM_FEATURES = 4
 # The target bounds a P99 over tokens, and a step's gaps are all its decodes'.
 TAIL_QUANTILE = 0.99
 MIN_TAIL_SAMPLES = 16  # measured steps with decodes before the tail departs from 0
+# A step over the target to drain the prompt queue misses the gaps of all its decodes: it may
+# run while the recent gaps over the target, its own included, stay within this share of the
+# gaps, half of what the target's percentile leaves (the other half for the steps that run
+# late unforeseen). Counted over the last MISS_WINDOW_STEPS measured steps with decodes.
+MISS_ALLOWANCE = (1.0 - TAIL_QUANTILE) / 2
+MISS_WINDOW_STEPS = 2048
 
 
 class StepTimeModel:
@@ -87,6 +93,11 @@ class StepTimeModel:
         # Refitted when read after a new sample: most steps (decodes, nobody waiting) are
         # observed but size nothing.
         self._stale = False
+        # (decodes, whether over tail_limit_seconds) of the measured steps with decodes, and
+        # the sums of both over them.
+        self._gaps: deque[tuple[int, bool]] = deque()
+        self._num_gaps = 0
+        self._num_missed = 0
 
     @property
     def num_observations(self) -> int:
@@ -118,6 +129,23 @@ class StepTimeModel:
         recent = self._recent_prefills if shape.prefill_pairs else self._recent_decodes
         recent.append((shape.features(), seconds, shape.num_decodes))
         self._stale = True
+        if shape.num_decodes:
+            self._count_gaps(shape.num_decodes, seconds > self.tail_limit_seconds)
+
+    def may_miss(self, num_decodes: int) -> bool:
+        """Whether a step of `num_decodes` decodes may run over `tail_limit_seconds` (the
+        target): its gaps, with the recent gaps over it, stay within MISS_ALLOWANCE of the
+        recent gaps and its own."""
+        return self._num_missed + num_decodes <= MISS_ALLOWANCE * (self._num_gaps + num_decodes)
+
+    def _count_gaps(self, num_decodes: int, missed: bool) -> None:
+        if len(self._gaps) == MISS_WINDOW_STEPS:
+            old_decodes, old_missed = self._gaps.popleft()
+            self._num_gaps -= old_decodes
+            self._num_missed -= old_decodes if old_missed else 0
+        self._gaps.append((num_decodes, missed))
+        self._num_gaps += num_decodes
+        self._num_missed += num_decodes if missed else 0
 
     def predict(self, shape: StepShape) -> float:
         """Seconds of an engine step; 0 before any sample."""
@@ -212,7 +240,8 @@ class StepBudget:
 
 def latency_budget(model: StepTimeModel, target_seconds: float, *, decode_keys: int,
                    num_decodes: int, prefill_context: int, sizes: Sequence[int],
-                   max_num_batched_tokens: int, min_prefill_tokens: int = 0) -> StepBudget:
+                   max_num_batched_tokens: int, min_prefill_tokens: int = 0,
+                   may_miss: bool = True) -> StepBudget:
     """The token budget of a step holding `num_decodes` decodes (reading `decode_keys` keys)
     and one prefill chunk of the rest after `prefill_context` cached tokens (several chunks
     with less context attend fewer pairs, so this bounds them). The target is on the gaps
@@ -223,9 +252,12 @@ def latency_budget(model: StepTimeModel, target_seconds: float, *, decode_keys: 
       `target_seconds`, with at least `min_prefill_tokens` (the waiting prompts' drain rate)
       and MIN_PREFILL_CHUNK prefill tokens;
     - and when even that smallest step is over the target, its decodes miss it whatever the
-      chunk: the whole `max_num_batched_tokens`, so that the prompts finish in as few such
-      steps as possible (the target being a percentile over tokens, each miss counts once
-      per decode, however long).
+      chunk: if `may_miss` (the target's percentile has room for their gaps), the whole
+      `max_num_batched_tokens`, so that the prompts finish in as few such steps as possible
+      (the target being a percentile over tokens, each miss counts once per decode, however
+      long); else the target wins over the drain rate: the largest step within it with at
+      least MIN_PREFILL_CHUNK prefill tokens (or the smallest such step), and the prompts
+      queue as they would behind a fixed budget of that size.
 
     With `sizes` (the warmed token buckets, ascending) the step is one of them: the chunk then
     fills its bucket, with no padding. Without, any count. Never above `max_num_batched_tokens`.
@@ -242,18 +274,27 @@ def latency_budget(model: StepTimeModel, target_seconds: float, *, decode_keys: 
         return chosen(max_num_batched_tokens)
     target_seconds -= model.tail_seconds  # the slow steps, not the average one, within target
 
+    least = min(num_decodes + MIN_PREFILL_CHUNK, max_num_batched_tokens)
     floor = min(num_decodes + max(MIN_PREFILL_CHUNK, min_prefill_tokens), max_num_batched_tokens)
     if sizes:
         candidates = [s for s in sizes if s <= max_num_batched_tokens]
         if not candidates or candidates[-1] < max_num_batched_tokens:
             candidates.append(max_num_batched_tokens)
-        smallest = next(s for s in candidates if s >= floor)
-        fitting = [s for s in candidates if s >= smallest and predict(s) <= target_seconds]
-        return chosen(fitting[-1] if fitting else max_num_batched_tokens)
+        fitting = [s for s in candidates if s >= floor and predict(s) <= target_seconds]
+        if fitting:
+            return chosen(fitting[-1])
+        if may_miss:
+            return chosen(max_num_batched_tokens)
+        within = [s for s in candidates if least <= s < floor and predict(s) <= target_seconds]
+        return chosen(within[-1] if within else next(s for s in candidates if s >= least))
     # Any count: the prediction grows with it, so bisect for the largest within target.
     lo, hi = floor, max_num_batched_tokens
     if predict(lo) > target_seconds:
-        return chosen(max_num_batched_tokens)
+        if may_miss:
+            return chosen(max_num_batched_tokens)
+        lo, hi = least, floor
+        if predict(lo) > target_seconds:
+            return chosen(lo)
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if predict(mid) <= target_seconds:
