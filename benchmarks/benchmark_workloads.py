@@ -195,7 +195,7 @@ def run(args: argparse.Namespace) -> dict:
             res["C_decode_tokens_per_s"] = rate
             if backend != "llama.cpp":
                 weight_bytes = params["total"] * bytes_per_param  # a tied LM head counts once
-                if backend == "vllm" and args.quantization is not None:  # the blocks' own bytes
+                if backend == "vllm":  # as loaded: GGUF blocks at their own bytes
                     weight_bytes = runner.resident_weight_bytes()
                 res["C_fraction_of_memory_bandwidth"] = (weight_bytes * rate /
                                                          result["machine_roofline"]["memory"]["bytes_per_s"])

@@ -18,7 +18,7 @@ _PROMPTS = [PROMPTS[1], PROMPTS[5], PROMPTS[6]]  # short and long prompts: decod
 
 
 @functools.cache
-def _run(quantization: str | None, dtype: str) -> tuple:
+def _run(quantization: str, dtype: str) -> tuple:
     """(token ids, top-5 logprobs of each position, resident weight bytes, whether every product
     weight is kept quantized and the (tied) lm_head multiplies the blocks) of a greedy run; 64-token chunks run on dequantized weights,
     decodes of up to 3 rows on the blocks."""
@@ -33,7 +33,7 @@ def _run(quantization: str | None, dtype: str) -> tuple:
 
 def test_weights_stay_in_their_blocks():
     _, _, gguf_bytes, all_quantized = _run("gguf", "float32")
-    _, _, dense_bytes, _ = _run(None, "float32")
+    _, _, dense_bytes, _ = _run("none", "float32")
     assert all_quantized
     # Q4_1 is 5 bits a weight and Q8_0 8.5 where float32 is 32: under a fifth of the bytes.
     assert gguf_bytes < dense_bytes / 5
@@ -42,7 +42,7 @@ def test_weights_stay_in_their_blocks():
 def test_float32_greedy_identical_to_dequantized_weights():
     """dtype=float32 multiplies the blocks' exact float32 values (as the gguf package dequantizes
     them); only the order of the float32 sums differs from the unquantized path."""
-    assert _run("gguf", "float32")[0] == _run(None, "float32")[0]
+    assert _run("gguf", "float32")[0] == _run("none", "float32")[0]
 
 
 @pytest.mark.skipif(not cpu_gguf_gemv.int8_available(), reason="the CPU has no int8 dot products")
@@ -53,5 +53,5 @@ def test_bfloat16_int8_activations_close_to_dequantized_weights():
     the other's top 5 at that position (same prefix), and the runs must agree until then on
     most of the tokens."""
     ours, our_logprobs, _, _ = _run("gguf", "bfloat16")
-    ref, ref_logprobs, _, _ = _run(None, "float32")
+    ref, ref_logprobs, _, _ = _run("none", "float32")
     assert_greedy_close(ours, ref, our_logprobs, ref_logprobs, min_agreed=len(_PROMPTS) * MAX_TOKENS // 2)

@@ -3,6 +3,7 @@ matrix is whole super-blocks) with every matrix written as Q4_K and SmolLM2's to
 the same file's weights dequantized when loaded (the unquantized path)."""
 
 import functools
+import logging
 import os
 
 import numpy as np
@@ -11,8 +12,10 @@ import torch
 
 from tests.q4_k_blocks import Q4_K, quantize_q4_k
 from tests.utils import build_tiny_checkpoint, random_prompts, smollm2_path
-from vllm import LLM, SamplingParams
+from vllm import LLM, EngineArgs, SamplingParams
 from vllm.model_executor.layers.quantization import cpu_gguf_gemv
+from vllm.platforms.cpu import CpuPlatform
+from vllm.platforms.hpu import HpuPlatform
 
 gguf = pytest.importorskip("gguf")
 
@@ -77,7 +80,7 @@ def q4_k_gguf(tokenizer_dir, tmp_path_factory) -> str:
 
 
 @functools.cache
-def _run(path: str, quantization: str | None) -> tuple[list[list[int]], LLM]:
+def _run(path: str, quantization: str) -> tuple[list[list[int]], LLM]:
     """Greedy tokens of prompts of 3-90 tokens in 32-token steps: decodes (1-4 rows) and chunks."""
     llm = LLM(path, quantization=quantization, dtype="float32", max_num_batched_tokens=32, max_num_seqs=4,
               block_size=16, max_model_len=256, kv_cache_memory_bytes=16 << 20, enable_chunked_prefill=True)
@@ -99,6 +102,34 @@ def test_q4_k_weights_stay_in_their_blocks(q4_k_gguf):
 def test_q4_k_float32_greedy_identical_to_dequantized_weights(q4_k_gguf):
     """dtype=float32 multiplies the Q4_K blocks' exact float32 values (as the gguf package
     dequantizes them); only the order of the float32 sums differs from the unquantized path."""
-    ours, ref = _run(q4_k_gguf, "gguf")[0], _run(q4_k_gguf, None)[0]
+    ours, ref = _run(q4_k_gguf, "gguf")[0], _run(q4_k_gguf, "none")[0]
     assert ours == ref
     assert len({tuple(t) for t in ours}) > 1 and len({*np.concatenate(ours).tolist()}) > 8  # not one token on repeat
+
+
+class _CpuWithoutQ4K(CpuPlatform):
+    """The CPU platform of a build whose kernels take every supported type but Q4_K."""
+
+    def gguf_kernel_types(self):
+        return super().gguf_kernel_types() - {"Q4_K"}
+
+
+def _resolved(path: str, platform, **kwargs) -> str | None:
+    config, _, _ = EngineArgs(model=path, kv_cache_memory_bytes=16 << 20, **kwargs).create_engine_config(platform)
+    return config.model.quantization
+
+
+@pytest.mark.skipif(not cpu_gguf_gemv.available(), reason="the GGUF kernels need a C compiler")
+def test_a_gguf_file_runs_on_its_blocks_by_default_where_the_kernels_take_its_types(q4_k_gguf, caplog,
+                                                                                   monkeypatch):
+    """As in vLLM, a .gguf model runs quantized unless told otherwise; where a kernel is
+    missing, or on several ranks, its tensors are dequantized and the log says why."""
+    monkeypatch.setattr(logging.getLogger("vllm"), "propagate", True)  # to caplog's handler
+    assert _resolved(q4_k_gguf, CpuPlatform()) == "gguf"
+    assert _resolved(q4_k_gguf, CpuPlatform(), quantization="none") is None
+    with caplog.at_level("INFO", logger="vllm.engine.arg_utils"):
+        assert _resolved(q4_k_gguf, _CpuWithoutQ4K()) is None
+    assert "dequantized to the compute dtype when loaded (Q4_K has no kernel on cpu)" in caplog.text
+    assert _resolved(q4_k_gguf, CpuPlatform(), tensor_parallel_size=2) is None
+    hpu = HpuPlatform.__new__(HpuPlatform)  # its class attributes, without a Gaudi stack
+    assert _resolved(q4_k_gguf, hpu) is None

@@ -87,7 +87,10 @@ def test_smollm2_matches_transformers(hpu):
               max_num_seqs=2, enforce_eager=False)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
-    assert [list(o.outputs[0].token_ids) for o in outs] == hf_greedy(path, prompts, 12)
+    key = (path, tuple(map(tuple, prompts)), 12)  # one transformers run for both modes
+    if key not in _HF:
+        _HF[key] = hf_greedy(path, prompts, 12)
+    assert [list(o.outputs[0].token_ids) for o in outs] == _HF[key]
     assert llm.llm_engine.graph_stats.compiles_after_warmup == 0
 
 

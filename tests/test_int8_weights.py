@@ -176,7 +176,7 @@ def test_bfloat16_close_to_fake_quantized_on_smollm2():
 
     int8 = LLM(dtype="bfloat16", quantization="int8", **kwargs)
     ours, our_logprobs = run(int8)
-    fake = LLM(dtype="float32", **kwargs)  # the dense float32 model on the int8 model's values
+    fake = LLM(dtype="float32", quantization="none", **kwargs)  # dense float32 on the int8 values
     quantized = _products(int8)
     with torch.no_grad():
         for name, layer in _products(fake).items():

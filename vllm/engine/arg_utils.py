@@ -17,7 +17,8 @@ from vllm.config import (EXECUTOR_BACKENDS, CacheConfig, EngineConfig, ModelConf
 from vllm.engine.cli_args import add_dataclass_args, arg, from_namespace
 from vllm.logger import init_logger
 from vllm.model_executor.model_loader import (ModelSource, load_generation_config, load_hf_config,
-                                             model_weight_bytes, resolve_model_source)
+                                             model_weight_bytes, quantized_type_names,
+                                             resolve_model_source)
 from vllm.platforms import Platform
 
 logger = init_logger(__name__)
@@ -78,8 +79,10 @@ class EngineArgs:
         None, "weight quantization; gguf: a .gguf model's Q8_0, Q4_0, Q4_1 and Q4_K tensors stay in "
         "their blocks and are dequantized inside the products (CPU); int8: every linear layer's "
         "weight quantized at load to int8 with one scale per output channel (CPU; any checkpoint, "
-        "a .gguf file's tensors dequantized first; the embedding and lm_head stay in dtype). "
-        "Default: unquantized, a .gguf file's tensors dequantized to dtype when loaded", aliases=["-q"])
+        "a .gguf file's tensors dequantized first; the embedding and lm_head stay in dtype); none: "
+        "unquantized, a .gguf file's tensors dequantized to dtype when loaded. Default: gguf for a "
+        ".gguf model whose every quantized type the platform's kernels take on one rank, else "
+        "none", aliases=["-q"])
 
     # ---- the KV cache
     block_size: int = arg(128, "tokens per KV cache block")
@@ -162,19 +165,42 @@ class EngineArgs:
             raise ValueError(f"unknown engine argument(s) {unknown}; supported: {sorted(known)}")
         return cls(**kwargs)
 
-    def _check_quantization(self, platform: Platform, source: ModelSource) -> None:
+    def _resolve_quantization(self, platform: Platform, source: ModelSource) -> str | None:
+        """The quantization method the model runs with (None: unquantized)."""
+        if self.quantization == "none":
+            return None
         if self.quantization is None:
-            return
+            return self._default_quantization(platform, source)
         if self.quantization not in platform.supported_quantization:
             supported = ", ".join(map(repr, platform.supported_quantization)) or "none, unquantized weights only"
             raise ValueError(f"quantization={self.quantization!r} is not supported yet on "
                              f"{platform.device_type} (supported there: {supported}); load an "
-                             "unquantized checkpoint (or a .gguf file, dequantized when loaded)")
+                             "unquantized checkpoint (or a .gguf file with quantization='none', "
+                             "dequantized when loaded)")
         if self.quantization == "gguf" and source.gguf_file is None:
             raise ValueError(f"quantization='gguf' needs a .gguf model; {source.display_name} is not one")
         if self.tensor_parallel_size != 1:
             raise ValueError(f"quantization={self.quantization!r} runs on one rank; got "
                              f"tensor_parallel_size={self.tensor_parallel_size}")
+        return self.quantization
+
+    def _default_quantization(self, platform: Platform, source: ModelSource) -> str | None:
+        """gguf for a .gguf file whose quantized types this platform's kernels all take, on one
+        rank (as vLLM runs GGUF models); else the tensors are dequantized when loaded."""
+        if source.gguf_file is None:
+            return None
+        types = quantized_type_names(os.path.join(source.directory, source.gguf_file))
+        if not types:
+            return None
+        missing = sorted(types - platform.gguf_kernel_types())
+        if missing or self.tensor_parallel_size != 1:
+            reason = (f"{', '.join(missing)} has no kernel on {platform.device_type}" if missing
+                      else f"tensor_parallel_size={self.tensor_parallel_size}")
+            logger.info("GGUF tensors dequantized to the compute dtype when loaded (%s)", reason)
+            return None
+        logger.info("GGUF weights stay in their %s blocks (quantization='gguf'; "
+                    "quantization='none' dequantizes them when loaded)", ", ".join(sorted(types)))
+        return "gguf"
 
     def _log_settings_that_do_not_apply(self, platform: Platform) -> None:
         default = {f.name: f.default for f in dataclasses.fields(EngineArgs)}
@@ -214,7 +240,7 @@ class EngineArgs:
 
         source = resolve_model_source(self.model, trust_remote_code=self.trust_remote_code,
                                       revision=self.revision, download_dir=self.download_dir)
-        self._check_quantization(platform, source)
+        quantization = self._resolve_quantization(platform, source)
         tokenizer_source = source
         if self.tokenizer is not None:
             tokenizer_source = resolve_model_source(
@@ -240,7 +266,7 @@ class EngineArgs:
         model_config = ModelConfig(
             model=source.display_name, tokenizer=tokenizer_source.display_name, hf_config=hf_config,
             dtype=dtype, max_model_len=max_model_len, seed=self.seed, gguf_file=source.gguf_file,
-            quantization=self.quantization,
+            quantization=quantization,
             max_logprobs=self.max_logprobs, trust_remote_code=self.trust_remote_code,
             generation_config=self.generation_config,
             generation_config_fields=self._load_generation_config(source, hf_config),

@@ -91,6 +91,12 @@ class CpuPlatform(Platform):
         self.default_dtype = torch.bfloat16 if cpu_has_native_bf16_dot() else torch.float32
         keep_freed_memory_in_process()
 
+    def gguf_kernel_types(self):
+        from vllm.model_executor.layers.quantization import cpu_gguf_gemv, gguf_blocks
+
+        # Without the C library the products dequantize whole weights each time: correct, slow.
+        return frozenset(gguf_blocks.supported_type_names()) if cpu_gguf_gemv.available() else frozenset()
+
     def configure_worker(self, world_size):
         # The ranks share the host's cores: each gets its part, at least one thread.
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

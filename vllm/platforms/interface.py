@@ -56,6 +56,11 @@ class Platform:
         size it from device memory (`sizes_kv_cache_from_device_memory`)."""
         raise NotImplementedError
 
+    def gguf_kernel_types(self) -> frozenset[str]:
+        """The GGUF quantized types ("Q4_1", ...) whose blocks this platform's kernels multiply: a
+        .gguf model of only these types runs on its blocks unless told otherwise."""
+        return frozenset()
+
     def configure_worker(self, world_size: int) -> None:
         """Settings of a worker process that runs one of `world_size` ranks on this host. The
         default: none."""

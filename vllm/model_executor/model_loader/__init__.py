@@ -7,7 +7,7 @@ from torch import nn
 
 from vllm.logger import init_logger
 from vllm.model_executor.layers.quantization import int8_weights
-from vllm.model_executor.model_loader.gguf_weights import iter_gguf_weights
+from vllm.model_executor.model_loader.gguf_weights import iter_gguf_weights, quantized_type_names
 from vllm.model_executor.model_loader.hf_weights import iter_hf_weights
 from vllm.model_executor.model_loader.source import ModelSource, resolve_model_source
 from vllm.model_executor.models.registry import resolve_model_class
@@ -15,7 +15,8 @@ from vllm.model_executor.models.registry import resolve_model_class
 logger = init_logger(__name__)
 
 __all__ = ["ModelSource", "resolve_model_source", "load_hf_config", "load_generation_config",
-           "load_tokenizer", "load_model", "model_weight_bytes", "resident_weight_bytes"]
+           "load_tokenizer", "load_model", "model_weight_bytes", "resident_weight_bytes",
+           "quantized_type_names"]
 
 
 def load_hf_config(source: ModelSource):

@@ -1,6 +1,8 @@
 """Reads a GGUF checkpoint's tensors under Hugging Face Llama parameter names: dequantized to
 float32, or, with `keep_quantized`, its Q8_0/Q4_0/Q4_1/Q4_K matrices left in their blocks."""
 
+import functools
+import os
 from collections.abc import Iterator
 
 import numpy as np
@@ -49,6 +51,28 @@ def _unpermute_rope(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+_FLOAT_TYPE_NAMES = ("F32", "F16", "BF16")
+
+
+def quantized_type_names(path: str) -> frozenset[str]:
+    """Names of the quantized tensor types in a GGUF file ("Q4_1", "Q6_K", ...), read from its
+    tensor list without loading any data."""
+    stat = os.stat(path)
+    return _quantized_type_names(path, stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=8)
+def _quantized_type_names(path: str, mtime_ns: int, size: int) -> frozenset[str]:
+    # The reader parses every metadata field (a vocabulary's worth): once per file version.
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(path)
+    except ValueError as e:
+        raise ValueError(f"cannot read the GGUF file {path}: {e}") from e
+    return frozenset(tensor.tensor_type.name for tensor in reader.tensors) - set(_FLOAT_TYPE_NAMES)
+
+
 def iter_gguf_weights(path: str, num_heads: int, num_kv_heads: int, keep_quantized: bool = False
                       ) -> Iterator[tuple[str, torch.Tensor | gguf_blocks.GGUFBlocks]]:
     """Yields (hf_name, float32 tensor) for every tensor in the file; with `keep_quantized`,
@@ -63,7 +87,7 @@ def iter_gguf_weights(path: str, num_heads: int, num_kv_heads: int, keep_quantiz
     arch = reader.fields["general.architecture"].contents()
     if arch != "llama":
         raise ValueError(f"GGUF architecture {arch!r} is not supported (only 'llama')")
-    float_types = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
+    float_types = tuple(GGMLQuantizationType[name] for name in _FLOAT_TYPE_NAMES)
     for tensor in reader.tensors:
         name = _hf_name(tensor.name)
         # GGUF lists dims fastest-first; numpy's shape is the reverse.
@@ -73,7 +97,7 @@ def iter_gguf_weights(path: str, num_heads: int, num_kv_heads: int, keep_quantiz
             raise ValueError(
                 f"GGUF tensor {tensor.name!r} is {tensor.tensor_type.name}, which quantization='gguf' "
                 f"cannot keep quantized (supported: {', '.join(gguf_blocks.supported_type_names())}); "
-                "load it without quantization to dequantize every tensor")
+                "load it with quantization='none' to dequantize every tensor")
         if quantized:  # rows of blocks: (rows, row bytes)
             weights = np.asarray(tensor.data).reshape(shape[0], -1)
         else:
