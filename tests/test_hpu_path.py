@@ -45,10 +45,11 @@ def hpu(request, monkeypatch):
     del sys.modules["habana_frameworks"]
 
 
-def _reference(path: str, lengths: list[int] = PROMPT_LENGTHS) -> list[list[int]]:
-    key = (path, tuple(lengths))
+def _reference(path: str, prompts: list[list[int]], max_tokens: int = MAX_TOKENS) -> list[list[int]]:
+    """Transformers' greedy tokens, once per model and prompts for both modes of the double."""
+    key = (path, tuple(map(tuple, prompts)), max_tokens)
     if key not in _HF:
-        _HF[key] = hf_greedy(path, random_prompts(lengths), MAX_TOKENS)
+        _HF[key] = hf_greedy(path, prompts, max_tokens)
     return _HF[key]
 
 
@@ -72,7 +73,7 @@ def test_greedy_matches_transformers(hpu, tiny_checkpoints, budget, block_size, 
     llm = LLM(path, device="hpu", dtype="float32", max_model_len=512, block_size=block_size,
               max_num_batched_tokens=budget, max_num_seqs=min(budget, 8), enforce_eager=False)
     stats = llm.llm_engine.graph_stats
-    assert _generate(llm) == _reference(path), kind
+    assert _generate(llm) == _reference(path, random_prompts(PROMPT_LENGTHS)), kind
     assert stats.compiles_after_warmup == 0 and stats.unwarmed_steps == 0
     assert {"prefill_attention", "decode_attention", "logits"} <= set(stats.device_graphs)
     assert not hpu.forbidden
@@ -87,10 +88,7 @@ def test_smollm2_matches_transformers(hpu):
               max_num_seqs=2, enforce_eager=False)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
-    key = (path, tuple(map(tuple, prompts)), 12)  # one transformers run for both modes
-    if key not in _HF:
-        _HF[key] = hf_greedy(path, prompts, 12)
-    assert [list(o.outputs[0].token_ids) for o in outs] == _HF[key]
+    assert [list(o.outputs[0].token_ids) for o in outs] == _reference(path, prompts, 12)
     assert llm.llm_engine.graph_stats.compiles_after_warmup == 0
 
 

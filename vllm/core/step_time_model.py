@@ -93,9 +93,9 @@ class StepTimeModel:
         # Refitted when read after a new sample: most steps (decodes, nobody waiting) are
         # observed but size nothing.
         self._stale = False
-        # (decodes, whether over tail_limit_seconds) of the measured steps with decodes, and
-        # the sums of both over them.
-        self._gaps: deque[tuple[int, bool]] = deque()
+        # (decodes, decodes of a step over tail_limit_seconds) of the measured steps with
+        # decodes, and the sums of both over them.
+        self._gaps: deque[tuple[int, int]] = deque()
         self._num_gaps = 0
         self._num_missed = 0
 
@@ -130,7 +130,8 @@ class StepTimeModel:
         recent.append((shape.features(), seconds, shape.num_decodes))
         self._stale = True
         if shape.num_decodes:
-            self._count_gaps(shape.num_decodes, seconds > self.tail_limit_seconds)
+            missed = shape.num_decodes if seconds > self.tail_limit_seconds else 0
+            self._count_gaps(shape.num_decodes, missed)
 
     def may_miss(self, num_decodes: int) -> bool:
         """Whether a step of `num_decodes` decodes may run over `tail_limit_seconds` (the
@@ -138,14 +139,14 @@ class StepTimeModel:
         recent gaps and its own."""
         return self._num_missed + num_decodes <= MISS_ALLOWANCE * (self._num_gaps + num_decodes)
 
-    def _count_gaps(self, num_decodes: int, missed: bool) -> None:
+    def _count_gaps(self, num_decodes: int, missed: int) -> None:
         if len(self._gaps) == MISS_WINDOW_STEPS:
             old_decodes, old_missed = self._gaps.popleft()
             self._num_gaps -= old_decodes
-            self._num_missed -= old_decodes if old_missed else 0
+            self._num_missed -= old_missed
         self._gaps.append((num_decodes, missed))
         self._num_gaps += num_decodes
-        self._num_missed += num_decodes if missed else 0
+        self._num_missed += missed
 
     def predict(self, shape: StepShape) -> float:
         """Seconds of an engine step; 0 before any sample."""
