@@ -16,6 +16,11 @@ from vllm.worker.bucketing import BucketConfig, generate_buckets
 BUCKETS = generate_buckets(BucketConfig(min=16, step=128, max=512))  # 16, 32, ..., 512
 
 
+def one_chunk(context: int):
+    """Prefill priced as one chunk after `context` cached tokens."""
+    return lambda num_tokens: [(num_tokens, context)]
+
+
 class FakeStepTimes:
     """Exactly linear step times, no fitting: 1 ms + 20 us a token + 5 ns a prefill query-key
     pair + 40 ns a key a decode reads."""
@@ -203,7 +208,7 @@ def test_steps_predicted_over_the_limit_do_not_count_in_the_tail():
 
 def test_the_tail_shrinks_the_chosen_step():
     model = FakeStepTimes()
-    args = dict(decode_keys=1, num_decodes=1, prefill_context=0, sizes=[], max_num_batched_tokens=4096)
+    args = dict(decode_keys=1, num_decodes=1, prefill_chunks=one_chunk(0), sizes=[], max_num_batched_tokens=4096)
     plain = latency_budget(model, 5e-3, **args)
     model.tail_seconds = 1e-3
     slow = latency_budget(model, 5e-3, **args)
@@ -216,7 +221,7 @@ def test_the_tail_shrinks_the_chosen_step():
 def test_a_step_without_decodes_takes_the_whole_budget():
     # Nobody waits between tokens in it: the target does not bound it, however tight.
     for sizes in ([], [16, 64, 256, 4096]):
-        args = dict(prefill_context=0, sizes=sizes, max_num_batched_tokens=4096)
+        args = dict(prefill_chunks=one_chunk(0), sizes=sizes, max_num_batched_tokens=4096)
         chosen = latency_budget(FakeStepTimes(), 5e-3, decode_keys=0, num_decodes=0, **args)
         assert chosen.num_tokens == 4096 and chosen.predicted_seconds > 5e-3
         # With one decode a smaller step fits the target.
@@ -225,7 +230,7 @@ def test_a_step_without_decodes_takes_the_whole_budget():
 
 def test_the_drain_rate_raises_the_smallest_chunk():
     model, target = FakeStepTimes(), 5e-3
-    args = dict(decode_keys=8, num_decodes=8, prefill_context=0, sizes=[], max_num_batched_tokens=4096)
+    args = dict(decode_keys=8, num_decodes=8, prefill_chunks=one_chunk(0), sizes=[], max_num_batched_tokens=4096)
     plain = latency_budget(model, target, **args)
     assert latency_budget(model, target, min_prefill_tokens=plain.num_tokens - 8 - 10, **args) == plain
     # A drain rate above what fits the target: the step misses it anyway, so it takes it all;
@@ -266,19 +271,27 @@ def test_steps_may_miss_the_target_within_the_allowance_of_recent_gaps():
 
 @settings(max_examples=300, deadline=None)
 @given(target_ms=st.floats(0.5, 30), num_decodes=st.integers(0, 64), context=st.integers(0, 4000),
-       decode_context=st.integers(0, 4000), warmed=st.booleans(), may_miss=st.booleans())
+       short_context=st.integers(0, 200), short_need=st.integers(0, 600), decode_context=st.integers(0, 4000),
+       warmed=st.booleans(), may_miss=st.booleans())
 def test_the_chosen_step_is_the_largest_within_target_on_a_warmed_size(target_ms, num_decodes, context,
+                                                                        short_context, short_need,
                                                                         decode_context, warmed, may_miss):
     model, target = FakeStepTimes(), target_ms / 1000
     sizes = BUCKETS if warmed else []
     decode_keys = (decode_context + 1) * num_decodes
+
+    def chunks(num_tokens: int) -> list[tuple[int, int]]:
+        # A long prompt after `context` tokens, and short prompts wanting up to `short_need`.
+        short = min(num_tokens // 2, short_need)
+        return [(num_tokens - short, context), (short, short_context)]
+
     chosen = latency_budget(model, target, decode_keys=decode_keys, num_decodes=num_decodes,
-                            prefill_context=context, sizes=sizes, max_num_batched_tokens=512,
+                            prefill_chunks=chunks, sizes=sizes, max_num_batched_tokens=512,
                             may_miss=may_miss)
 
     def predicted(total: int) -> float:
         padded = next((b for b in sizes if b >= total), total)
-        return model.predict(StepShape(padded, attended_pairs([(total - num_decodes, context)]), decode_keys))
+        return model.predict(StepShape(padded, attended_pairs(chunks(total - num_decodes)), decode_keys))
 
     assert chosen.num_tokens <= 512
     assert chosen.num_tokens - num_decodes >= MIN_PREFILL_CHUNK  # progress, target or not
@@ -323,12 +336,37 @@ def test_the_scheduler_sizes_steps_under_the_target_and_always_progresses():
         else:
             assert out.predicted_seconds <= 7e-3 or out.token_budget == 512
     assert sized[0].num_decodes == 0 and sized[0].num_batched_tokens > 256
-    # Later chunks of the long prompt attend more context: the budget shrinks as it proceeds.
-    long_budgets = [out.token_budget for out in sized
-                    if out.num_decodes and "long" in [s.request_id for s in out.scheduled]]
+    # Later chunks of the long prompt attend more context: the budget shrinks as it proceeds
+    # (up to its last chunk, which fills no budget).
+    long_budgets = [out.token_budget for out in sized if out.num_decodes and out.num_batched_tokens == out.token_budget
+                    and "long" in [s.request_id for s in out.scheduled]]
     assert long_budgets[0] > long_budgets[-1]
     # Decode-only steps are not sized.
     assert all(out.token_budget is None for out in steps if out.num_prefill_tokens == 0)
+
+
+def test_short_prompts_beside_a_long_one_are_priced_after_their_own_context():
+    # The scheduler gives a long prompt deep in its prefill half of the budget and the short
+    # prompts beside it the rest: the step is priced so, not as all of it after the long
+    # prompt's context, which would size it well under the target.
+    eng = _latency_engine(7.0, long_prefill_token_threshold=0)
+    eng.sched.token_buckets = []  # any size: the difference is not lost between two buckets
+    eng.add("long", 1900, max_tokens=8)
+    for i in range(4):
+        eng.add(f"d{i}", 20, max_tokens=100)
+    while eng.seqs["long"].num_computed_tokens < 1300:
+        eng.step()
+    for i in range(6):
+        eng.add(f"chat{i}", 60, max_tokens=30)
+    out = eng.step()
+    chunks = {s.request_id: (s.num_tokens, s.context_len) for s in out.scheduled[out.num_decodes:]}
+    assert "long" in chunks and "chat0" in chunks and chunks["long"][1] >= 1300
+    assert out.num_batched_tokens == out.token_budget and out.predicted_seconds <= 7e-3
+    decode_keys = sum(s.context_len + 1 for s in out.scheduled[:out.num_decodes])
+    one_context = latency_budget(eng.sched.step_time_model, 7e-3, decode_keys=decode_keys,
+                                 num_decodes=out.num_decodes, prefill_chunks=one_chunk(chunks["long"][1]),
+                                 sizes=[], max_num_batched_tokens=512)
+    assert out.token_budget > one_context.num_tokens + 16
 
 
 def test_without_a_target_or_a_model_the_budget_is_max_num_batched_tokens():

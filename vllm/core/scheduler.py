@@ -45,6 +45,13 @@ logger = init_logger(__name__)
 DRAIN_WINDOW_STEPS = 256
 
 
+def _split_prefill(budget: int, long_need: int, short_need: int) -> tuple[int, int]:
+    """(long share, short share) of a prefill budget: the long prompts' up to half of it, the
+    short prompts' the rest, each up to what that kind can take."""
+    long_share = min(budget - budget // 2, long_need)
+    return long_share, min(budget - long_share, short_need)
+
+
 @dataclass(slots=True)
 class _StepLog:
     """What `schedule()` advanced for one step, so that `undo()` can take it back."""
@@ -313,13 +320,12 @@ class Scheduler:
         model = self.step_time_model
         if model is None or not model.is_fitted:
             return None
-        partial = [s for s in self.running if s.is_prefill]
-        if not partial and not self.waiting:
+        if not self.waiting and not any(s.is_prefill for s in self.running):
             return None
         queued = self._tokens_queued_per_step
         return latency_budget(
             model, target_ms / 1000, decode_keys=sum(d.context_len + 1 for d in decodes),
-            num_decodes=len(decodes), prefill_context=max((s.num_computed_tokens for s in partial), default=0),
+            num_decodes=len(decodes), prefill_chunks=self._priced_prefill(),
             sizes=self.token_buckets, max_num_batched_tokens=self.config.max_num_batched_tokens,
             min_prefill_tokens=math.ceil(sum(queued) / DRAIN_WINDOW_STEPS),
             may_miss=model.may_miss(len(decodes)))
@@ -353,20 +359,10 @@ class Scheduler:
         does not fit the KV cache stops admission for the step (new requests never preempt
         running ones), so no later prompt is admitted ahead of it.
         """
-        partial = [s for s in self.running if s.is_prefill]
-        round_ = _PrefillRound(budget=budget, held=len(partial))
-        round_.num_long = sum(self._is_long(s.num_uncomputed_tokens) for s in partial)
-        running_long = [s for s in partial if self._is_long(s.num_uncomputed_tokens)]
-        running_short = [s for s in partial if not self._is_long(s.num_uncomputed_tokens)]
-
-        next_long = self._next_waiting_long(round_)
-        long_need = sum(self._chunk_size(s, budget) for s in running_long)
-        if next_long is not None:
-            long_need += self._chunk_size(next_long, budget)
-        long_share = min(budget - budget // 2, long_need)
-        short_need = sum(self._chunk_size(s, budget) for s in running_short)
-        short_need += self._waiting_short_need(budget)
-        short_share = min(budget - long_share, short_need)
+        running_long, running_short = self._partial_prefills()
+        round_ = _PrefillRound(budget=budget, held=len(running_long) + len(running_short),
+                               num_long=len(running_long))
+        long_share, short_share = _split_prefill(budget, *self._prefill_needs(budget, running_long, running_short))
 
         # Each kind may use its own share and whatever the other kind does not claim.
         round_.limit = budget - long_share
@@ -384,6 +380,43 @@ class Scheduler:
         # Admitted requests join `running` last: list the chunks in admission order.
         order = {s.request_id: i for i, s in enumerate(self.running)}
         return sorted(round_.chunks, key=lambda c: order[c.request_id])
+
+    def _partial_prefills(self) -> tuple[list[Sequence], list[Sequence]]:
+        """The running prompts mid-prefill, (long ones, short ones)."""
+        partial = [s for s in self.running if s.is_prefill]
+        return ([s for s in partial if self._is_long(s.num_uncomputed_tokens)],
+                [s for s in partial if not self._is_long(s.num_uncomputed_tokens)])
+
+    def _prefill_needs(self, budget: int, running_long: list[Sequence],
+                       running_short: list[Sequence]) -> tuple[int, int]:
+        """Tokens of a prefill `budget` that the long prompts (the running ones and the oldest
+        waiting one, if it can start) and the short ones (running and waiting) could take."""
+        round_ = _PrefillRound(budget=budget, held=len(running_long) + len(running_short),
+                               num_long=len(running_long))
+        long_need = sum(self._chunk_size(s, budget) for s in running_long)
+        next_long = self._next_waiting_long(round_)
+        if next_long is not None:
+            long_need += self._chunk_size(next_long, budget)
+        short_need = sum(self._chunk_size(s, budget) for s in running_short)
+        return long_need, short_need + self._waiting_short_need(budget)
+
+    def _priced_prefill(self) -> Callable[[int], list[tuple[int, int]]]:
+        """The (num_tokens, context_len) chunks a prefill budget buys this step, for the
+        step-time model: the long prompts' share after the deepest long context, the short
+        prompts' after the deepest short one, each kind taking what the other leaves, as
+        `_schedule_prefills` shares the budget. (Priced at one context for all the prompts, a
+        short prompt beside a long one deep in its prefill would be charged the long one's
+        attention, and the step sized well below the target.)"""
+        running_long, running_short = self._partial_prefills()
+        long_context = max((s.num_computed_tokens for s in running_long), default=0)
+        short_context = max((s.num_computed_tokens for s in running_short), default=0)
+
+        def chunks(budget: int) -> list[tuple[int, int]]:
+            long_need, short_need = self._prefill_needs(budget, running_long, running_short)
+            _, short_share = _split_prefill(budget, long_need, short_need)
+            return [(min(long_need, budget - short_share), long_context), (short_share, short_context)]
+
+        return chunks
 
     def _is_long(self, num_uncomputed_tokens: int) -> bool:
         threshold = self.config.long_prompt_threshold

@@ -37,7 +37,7 @@ Imports no torch.
 """
 
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -240,13 +240,13 @@ class StepBudget:
 
 
 def latency_budget(model: StepTimeModel, target_seconds: float, *, decode_keys: int,
-                   num_decodes: int, prefill_context: int, sizes: Sequence[int],
-                   max_num_batched_tokens: int, min_prefill_tokens: int = 0,
+                   num_decodes: int, prefill_chunks: Callable[[int], list[tuple[int, int]]],
+                   sizes: Sequence[int], max_num_batched_tokens: int, min_prefill_tokens: int = 0,
                    may_miss: bool = True) -> StepBudget:
     """The token budget of a step holding `num_decodes` decodes (reading `decode_keys` keys)
-    and one prefill chunk of the rest after `prefill_context` cached tokens (several chunks
-    with less context attend fewer pairs, so this bounds them). The target is on the gaps
-    between a request's tokens, so only the decodes wait on the step:
+    and prefill chunks in the rest, priced as `prefill_chunks(n)` gives them for n prefill
+    tokens: (num_tokens, context_len) pairs. The target is on the gaps between a request's
+    tokens, so only the decodes wait on the step:
 
     - without decodes nobody waits: the whole `max_num_batched_tokens`;
     - else the largest step whose predicted time, plus the model's tail, is within
@@ -264,9 +264,9 @@ def latency_budget(model: StepTimeModel, target_seconds: float, *, decode_keys: 
     fills its bucket, with no padding. Without, any count. Never above `max_num_batched_tokens`.
     """
     def predict(total: int) -> float:
-        chunk = total - num_decodes
-        return model.predict(StepShape(padded_size(sizes, total), attended_pairs([(chunk, prefill_context)]),
-                                       decode_keys, num_decodes))
+        chunks = prefill_chunks(total - num_decodes)  # may buy less than asked: the prompts' need
+        tokens = num_decodes + sum(n for n, _ in chunks)
+        return model.predict(StepShape(padded_size(sizes, tokens), attended_pairs(chunks), decode_keys, num_decodes))
 
     def chosen(total: int) -> StepBudget:
         return StepBudget(total, predict(total))
