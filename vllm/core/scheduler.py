@@ -362,7 +362,7 @@ class Scheduler:
         running_long, running_short = self._partial_prefills()
         round_ = _PrefillRound(budget=budget, held=len(running_long) + len(running_short),
                                num_long=len(running_long))
-        long_share, short_share = _split_prefill(budget, *self._prefill_needs(budget, running_long, running_short))
+        long_share, short_share = _split_prefill(budget, *self._prefill_needs(running_long, running_short)(budget))
 
         # Each kind may use its own share and whatever the other kind does not claim.
         round_.limit = budget - long_share
@@ -387,18 +387,27 @@ class Scheduler:
         return ([s for s in partial if self._is_long(s.num_uncomputed_tokens)],
                 [s for s in partial if not self._is_long(s.num_uncomputed_tokens)])
 
-    def _prefill_needs(self, budget: int, running_long: list[Sequence],
-                       running_short: list[Sequence]) -> tuple[int, int]:
-        """Tokens of a prefill `budget` that the long prompts (the running ones and the oldest
-        waiting one, if it can start) and the short ones (running and waiting) could take."""
-        round_ = _PrefillRound(budget=budget, held=len(running_long) + len(running_short),
+    def _prefill_needs(self, running_long: list[Sequence],
+                       running_short: list[Sequence]) -> Callable[[int], tuple[int, int]]:
+        """For a prefill budget, the tokens of it that the long prompts (the running ones and the
+        oldest waiting one, if it can start) and the short ones (running and waiting) could
+        take: (long, short). Each prompt's part is its chunk in the whole budget, cut to the
+        budget, so the prompts are read once for every budget asked."""
+        most = self.config.max_num_batched_tokens
+        round_ = _PrefillRound(budget=most, held=len(running_long) + len(running_short),
                                num_long=len(running_long))
-        long_need = sum(self._chunk_size(s, budget) for s in running_long)
+        long_chunks = [self._chunk_size(s, most) for s in running_long]
         next_long = self._next_waiting_long(round_)
         if next_long is not None:
-            long_need += self._chunk_size(next_long, budget)
-        short_need = sum(self._chunk_size(s, budget) for s in running_short)
-        return long_need, short_need + self._waiting_short_need(budget)
+            long_chunks.append(self._chunk_size(next_long, most))
+        short_chunks = [self._chunk_size(s, most) for s in running_short]
+        waiting_short = self._waiting_short_need(most)
+
+        def needs(budget: int) -> tuple[int, int]:
+            return (sum(min(c, budget) for c in long_chunks),
+                    sum(min(c, budget) for c in short_chunks) + min(waiting_short, budget))
+
+        return needs
 
     def _priced_prefill(self) -> Callable[[int], list[tuple[int, int]]]:
         """The (num_tokens, context_len) chunks a prefill budget buys this step, for the
@@ -410,9 +419,10 @@ class Scheduler:
         running_long, running_short = self._partial_prefills()
         long_context = max((s.num_computed_tokens for s in running_long), default=0)
         short_context = max((s.num_computed_tokens for s in running_short), default=0)
+        needs = self._prefill_needs(running_long, running_short)
 
         def chunks(budget: int) -> list[tuple[int, int]]:
-            long_need, short_need = self._prefill_needs(budget, running_long, running_short)
+            long_need, short_need = needs(budget)
             _, short_share = _split_prefill(budget, long_need, short_need)
             return [(min(long_need, budget - short_share), long_context), (short_share, short_context)]
 

@@ -199,24 +199,27 @@ def _weighted_quantile(values: np.ndarray, weights: np.ndarray, q: float) -> flo
 
 def _non_negative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     """argmin |x c - y| over c >= 0, for a few columns: least squares on every subset of the
-    columns whose solution is non-negative, keeping the best (5 columns: 31 subsets)."""
+    columns (5 columns: 31 subsets), keeping the best solution with none negative. The subsets
+    are solved at once, on the normal equations: a few columns square, whatever the rows."""
     num_cols = x.shape[1]
     # Columns scaled to unit norm, so that pairs (up to ~1e8) and the constant compare.
     scale = np.linalg.norm(x, axis=0)
     scale[scale == 0] = 1.0
     xs = x / scale
-    best, best_error = np.zeros(num_cols), float(np.sum(y * y))
-    for mask in range(1, 1 << num_cols):
-        cols = [j for j in range(num_cols) if mask >> j & 1]
-        coef, *_ = np.linalg.lstsq(xs[:, cols], y, rcond=None)
-        if np.any(coef < 0):
-            continue
-        error = float(np.sum((xs[:, cols] @ coef - y) ** 2))
-        if error < best_error - 1e-18:
-            best_error = error
-            best = np.zeros(num_cols)
-            best[cols] = coef
-    return best / scale
+    gram, moment = xs.T @ xs, xs.T @ y                     # (F, F), (F,)
+    masks = (np.arange(1, 1 << num_cols)[:, None] >> np.arange(num_cols)) & 1 == 1  # (S, F) subsets
+    both = masks[:, :, None] & masks[:, None, :]                                     # (S, F, F)
+    # Each subset's system, with the identity on the columns it leaves out (whose
+    # coefficients come out 0); a zero column (none of a feature yet) is kept solvable.
+    identity = np.eye(num_cols)
+    systems = np.where(both, gram + 1e-12 * identity, identity)                       # (S, F, F)
+    coef = np.linalg.solve(systems, np.where(masks, moment, 0.0)[:, :, None])[:, :, 0]  # (S, F)
+    # |xs c - y|^2 = y.y - 2 c.moment + c.gram.c
+    error = y @ y - 2 * coef @ moment + np.einsum("sf,fg,sg->s", coef, gram, coef)   # (S,)
+    error[np.any(coef < 0, axis=1)] = np.inf
+    if not np.isfinite(error).any() or error.min() >= y @ y:
+        return np.zeros(num_cols)
+    return coef[np.argmin(error)] / scale
 
 
 # Prefill tokens a step holds beside its decodes even when the model predicts it over target:
