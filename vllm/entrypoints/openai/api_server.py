@@ -3,6 +3,7 @@ data_parallel_size > 1, a DataParallelEngine over replicas of it), served by uvi
 
 import asyncio
 import contextlib
+import gc
 import hmac
 import logging
 import os
@@ -245,6 +246,11 @@ async def run_server(args: Namespace, engine_args: AsyncEngineArgs) -> None:
         engine = DataParallelEngine.from_engine_args(engine_args)
     else:
         engine = AsyncLLMEngine.from_engine_args(engine_args)
+    # What start-up left on the heap (the model's modules, the tokenizer, the warm-up's objects)
+    # lives as long as the server. Frozen, it is no longer walked by the collections of the
+    # oldest generation, each of which would stall the engine's step and every stream in it.
+    gc.collect()
+    gc.freeze()
     config = engine.config
     names = args.served_model_name or [engine_args.model or config.model.model]
     api_key = args.api_key or os.environ.get("VLLM_API_KEY")
