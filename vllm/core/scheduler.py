@@ -362,7 +362,8 @@ class Scheduler:
         running_long, running_short = self._partial_prefills()
         round_ = _PrefillRound(budget=budget, held=len(running_long) + len(running_short),
                                num_long=len(running_long))
-        long_share, short_share = _split_prefill(budget, *self._prefill_needs(running_long, running_short)(budget))
+        needs = self._prefill_needs(running_long, running_short)
+        long_share, short_share = _split_prefill(budget, *needs(budget))
 
         # Each kind may use its own share and whatever the other kind does not claim.
         round_.limit = budget - long_share
