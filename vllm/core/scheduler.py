@@ -45,11 +45,45 @@ logger = init_logger(__name__)
 DRAIN_WINDOW_STEPS = 256
 
 
-def _split_prefill(budget: int, long_need: int, short_need: int) -> tuple[int, int]:
-    """(long share, short share) of a prefill budget: the long prompts' up to half of it, the
-    short prompts' the rest, each up to what that kind can take."""
-    long_share = min(budget - budget // 2, long_need)
-    return long_share, min(budget - long_share, short_need)
+@dataclass(frozen=True, slots=True)
+class _PrefillDemand:
+    """What the prompts could take of a step's prefill budget, read once a step: the running
+    prompts mid-prefill, long (more than `long_prompt_threshold` tokens left) and short, and
+    the chunks each kind could take of the whole budget (the long ones' with the oldest waiting
+    long prompt's, if it can start; the short ones' with the waiting short prompts' total)."""
+
+    running_long: list[Sequence]
+    running_short: list[Sequence]
+    long_chunks: list[int]
+    short_chunks: list[int]
+    waiting_short: int
+
+    def needs(self, budget: int) -> tuple[int, int]:
+        """(long, short): the tokens of a prefill `budget` each kind could take."""
+        return (sum(min(c, budget) for c in self.long_chunks),
+                sum(min(c, budget) for c in self.short_chunks) + min(self.waiting_short, budget))
+
+    def shares(self, budget: int) -> tuple[int, int]:
+        """(long share, short share) of a prefill budget: the long prompts' up to half of it,
+        the short prompts' the rest, each up to what that kind can take."""
+        long_need, short_need = self.needs(budget)
+        long_share = min(budget - budget // 2, long_need)
+        return long_share, min(budget - long_share, short_need)
+
+    def priced_chunks(self, budget: int) -> list[tuple[int, int]]:
+        """The (num_tokens, context_len) chunks a prefill budget buys, for the step-time model:
+        the short prompts' share after the deepest short context, and what they leave, as far
+        as the long prompts can take it, after the deepest long context. (Priced at one context
+        for all the prompts, a short prompt beside a long one deep in its prefill would be
+        charged the long one's attention, and the step sized well below the target.)"""
+        long_need, _ = self.needs(budget)
+        _, short_share = self.shares(budget)
+        return [(min(long_need, budget - short_share), _deepest(self.running_long)),
+                (short_share, _deepest(self.running_short))]
+
+
+def _deepest(seqs: list[Sequence]) -> int:
+    return max((s.num_computed_tokens for s in seqs), default=0)
 
 
 @dataclass(slots=True)
@@ -296,17 +330,18 @@ class Scheduler:
             budget -= 1
 
         # 2. Prefill chunks in the budget the decodes leave (or the latency target does).
-        chosen = self._latency_budget(decodes)
+        demand = self._prefill_demand()
+        chosen = self._latency_budget(decodes, demand)
         if chosen is not None:
             budget = min(budget, chosen.num_tokens - len(decodes))
-        prefills = self._schedule_prefills(budget, scheduled_ids, preempted)
+        prefills = self._schedule_prefills(budget, demand, scheduled_ids, preempted)
         out = SchedulerOutput(decodes + prefills, num_decodes=len(decodes), preempted_request_ids=preempted)
         if chosen is not None:  # the prediction of the step as scheduled, which its measured time answers
             out.token_budget = chosen.num_tokens
             out.predicted_seconds = self.step_time_model.predict(self.step_shape(out))
         return out
 
-    def _latency_budget(self, decodes: list[ScheduledSequence]) -> StepBudget | None:
+    def _latency_budget(self, decodes: list[ScheduledSequence], demand: _PrefillDemand) -> StepBudget | None:
         """The step's token budget under `max_step_latency_ms`, when a prompt waits or is
         mid-prefill and the step-time model has data; else None (the budget is
         max_num_batched_tokens). Its prefill part is at least the prompt tokens queued per step
@@ -320,12 +355,12 @@ class Scheduler:
         model = self.step_time_model
         if model is None or not model.is_fitted:
             return None
-        if not self.waiting and not any(s.is_prefill for s in self.running):
+        if not self.waiting and not demand.running_long and not demand.running_short:
             return None
         queued = self._tokens_queued_per_step
         return latency_budget(
             model, target_ms / 1000, decode_keys=sum(d.context_len + 1 for d in decodes),
-            num_decodes=len(decodes), prefill_chunks=self._priced_prefill(),
+            num_decodes=len(decodes), prefill_chunks=demand.priced_chunks,
             sizes=self.token_buckets, max_num_batched_tokens=self.config.max_num_batched_tokens,
             min_prefill_tokens=math.ceil(sum(queued) / DRAIN_WINDOW_STEPS),
             may_miss=model.may_miss(len(decodes)))
@@ -337,7 +372,7 @@ class Scheduler:
                          attended_pairs((s.num_tokens, s.context_len) for s in prefills),
                          sum(s.context_len + 1 for s in decodes), step.num_decodes)
 
-    def _schedule_prefills(self, budget: int, scheduled_ids: set[str],
+    def _schedule_prefills(self, budget: int, demand: _PrefillDemand, scheduled_ids: set[str],
                            preempted: list[str]) -> list[ScheduledSequence]:
         """Prefill chunks for this step, in admission order, within `budget` tokens.
 
@@ -359,11 +394,10 @@ class Scheduler:
         does not fit the KV cache stops admission for the step (new requests never preempt
         running ones), so no later prompt is admitted ahead of it.
         """
-        running_long, running_short = self._partial_prefills()
+        running_long, running_short = demand.running_long, demand.running_short
         round_ = _PrefillRound(budget=budget, held=len(running_long) + len(running_short),
                                num_long=len(running_long))
-        needs = self._prefill_needs(running_long, running_short)
-        long_share, short_share = _split_prefill(budget, *needs(budget))
+        long_share, short_share = demand.shares(budget)
 
         # Each kind may use its own share and whatever the other kind does not claim.
         round_.limit = budget - long_share
@@ -382,52 +416,19 @@ class Scheduler:
         order = {s.request_id: i for i, s in enumerate(self.running)}
         return sorted(round_.chunks, key=lambda c: order[c.request_id])
 
-    def _partial_prefills(self) -> tuple[list[Sequence], list[Sequence]]:
-        """The running prompts mid-prefill, (long ones, short ones)."""
+    def _prefill_demand(self) -> _PrefillDemand:
+        """The prompts' demand on this step's prefill budget (see _PrefillDemand)."""
         partial = [s for s in self.running if s.is_prefill]
-        return ([s for s in partial if self._is_long(s.num_uncomputed_tokens)],
-                [s for s in partial if not self._is_long(s.num_uncomputed_tokens)])
-
-    def _prefill_needs(self, running_long: list[Sequence],
-                       running_short: list[Sequence]) -> Callable[[int], tuple[int, int]]:
-        """For a prefill budget, the tokens of it that the long prompts (the running ones and the
-        oldest waiting one, if it can start) and the short ones (running and waiting) could
-        take: (long, short). Each prompt's part is its chunk in the whole budget, cut to the
-        budget, so the prompts are read once for every budget asked."""
+        running_long = [s for s in partial if self._is_long(s.num_uncomputed_tokens)]
+        running_short = [s for s in partial if not self._is_long(s.num_uncomputed_tokens)]
         most = self.config.max_num_batched_tokens
-        round_ = _PrefillRound(budget=most, held=len(running_long) + len(running_short),
-                               num_long=len(running_long))
         long_chunks = [self._chunk_size(s, most) for s in running_long]
-        next_long = self._next_waiting_long(round_)
+        next_long = self._next_waiting_long(_PrefillRound(budget=most, held=len(partial),
+                                                          num_long=len(running_long)))
         if next_long is not None:
             long_chunks.append(self._chunk_size(next_long, most))
-        short_chunks = [self._chunk_size(s, most) for s in running_short]
-        waiting_short = self._waiting_short_need(most)
-
-        def needs(budget: int) -> tuple[int, int]:
-            return (sum(min(c, budget) for c in long_chunks),
-                    sum(min(c, budget) for c in short_chunks) + min(waiting_short, budget))
-
-        return needs
-
-    def _priced_prefill(self) -> Callable[[int], list[tuple[int, int]]]:
-        """The (num_tokens, context_len) chunks a prefill budget buys this step, for the
-        step-time model: the long prompts' share after the deepest long context, the short
-        prompts' after the deepest short one, each kind taking what the other leaves, as
-        `_schedule_prefills` shares the budget. (Priced at one context for all the prompts, a
-        short prompt beside a long one deep in its prefill would be charged the long one's
-        attention, and the step sized well below the target.)"""
-        running_long, running_short = self._partial_prefills()
-        long_context = max((s.num_computed_tokens for s in running_long), default=0)
-        short_context = max((s.num_computed_tokens for s in running_short), default=0)
-        needs = self._prefill_needs(running_long, running_short)
-
-        def chunks(budget: int) -> list[tuple[int, int]]:
-            long_need, short_need = needs(budget)
-            _, short_share = _split_prefill(budget, long_need, short_need)
-            return [(min(long_need, budget - short_share), long_context), (short_share, short_context)]
-
-        return chunks
+        return _PrefillDemand(running_long, running_short, long_chunks,
+                              [self._chunk_size(s, most) for s in running_short], self._waiting_short_need(most))
 
     def _is_long(self, num_uncomputed_tokens: int) -> bool:
         threshold = self.config.long_prompt_threshold

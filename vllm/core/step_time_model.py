@@ -263,8 +263,9 @@ def latency_budget(model: StepTimeModel, target_seconds: float, *, decode_keys: 
       least MIN_PREFILL_CHUNK prefill tokens (or the smallest such step), and the prompts
       queue as they would behind a fixed budget of that size.
 
-    With `sizes` (the warmed token buckets, ascending) the step is one of them: the chunk then
-    fills its bucket, with no padding. Without, any count. Never above `max_num_batched_tokens`.
+    With `sizes` (the warmed token buckets, ascending) the step is one of them, priced at the
+    bucket the tokens it buys run in: the chunk fills it unless the prompts run out. Without,
+    any count. Never above `max_num_batched_tokens`.
     """
     def predict(total: int) -> float:
         chunks = prefill_chunks(total - num_decodes)  # may buy less than asked: the prompts' need
