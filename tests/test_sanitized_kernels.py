@@ -1,9 +1,9 @@
 """The kernel tests under AddressSanitizer and UndefinedBehaviorSanitizer.
 
 A subprocess builds the C kernels with VLLM_C_SANITIZE=address (vllm/platforms/c_build.py) and
-runs the tests that drive them: the kernels against their references, the attention kernels on
-model shapes, the whole-layer C path, and the step checks with every out-of-range value (which
-must be refused before a kernel touches memory). Any out-of-bounds access or undefined behaviour
+runs the tests that drive them: the kernels against their references (the GGUF products too),
+the attention kernels on model shapes, the whole-layer C path, and the step checks with every
+out-of-range value (which must be refused before a kernel touches memory). Any out-of-bounds access or undefined behaviour
 aborts the subprocess. Paths for an ISA this CPU lacks skip there as they do anywhere.
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-TESTS = ["tests/test_c_kernels.py", "tests/test_attention.py", "tests/test_step_checks.py",
+TESTS = ["tests/test_c_kernels.py", "tests/test_attention.py", "tests/test_step_checks.py", "tests/test_gguf_kernels.py",
          "tests/test_fused_layers.py", "-k", "not test_fused_layers or llama"]  # the fused layers of one model
 
 

@@ -652,15 +652,19 @@ typedef struct {
     int64_t offset[16];
 } panel_rows_at;
 
+/* a, b, c, d -> the 128-bit lanes 0 .. 3 of a zmm (written out: the lane is an immediate, which
+ * an unoptimized build does not get from a loop). */
+static inline __m512i lanes_of(__m128i a, __m128i b, __m128i c, __m128i d) {
+    return _mm512_inserti32x4(_mm512_inserti32x4(_mm512_inserti32x4(_mm512_castsi128_si512(a), b, 1), c, 2), d, 3);
+}
+
 /* 16 bytes at `at` of each row's block -> v[g] (g = 0 .. 3), lane c: dword g of row c. Rows c,
  * c + 4, c + 8, c + 12 go to the 128-bit lanes of r[c], then a 4 x 4 transpose in each lane. */
 static inline void load_dwords(const panel_rows_at *p, int64_t at, __m512i v[4]) {
     __m512i r[4], t[4];
-    for (int c = 0; c < 4; ++c) {
-        r[c] = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(p->base + p->offset[c] + at)));
-        for (int l = 1; l < 4; ++l)
-            r[c] = _mm512_inserti32x4(r[c], _mm_loadu_si128((const __m128i *)(p->base + p->offset[c + 4 * l] + at)), l);
-    }
+#define ROW16(c) _mm_loadu_si128((const __m128i *)(p->base + p->offset[c] + at))
+    for (int c = 0; c < 4; ++c) r[c] = lanes_of(ROW16(c), ROW16(c + 4), ROW16(c + 8), ROW16(c + 12));
+#undef ROW16
     t[0] = _mm512_unpacklo_epi32(r[0], r[1]);
     t[1] = _mm512_unpackhi_epi32(r[0], r[1]);
     t[2] = _mm512_unpacklo_epi32(r[2], r[3]);
@@ -674,11 +678,9 @@ static inline void load_dwords(const panel_rows_at *p, int64_t at, __m512i v[4])
 /* The dword at `at` of each row's block, lane c for row c (as load_dwords, one dword a row). */
 static inline __m512i load_words(const panel_rows_at *p, int64_t at) {
     __m512i r[4];
-    for (int c = 0; c < 4; ++c) {
-        r[c] = _mm512_castsi128_si512(_mm_loadu_si32(p->base + p->offset[c] + at));
-        for (int l = 1; l < 4; ++l)
-            r[c] = _mm512_inserti32x4(r[c], _mm_loadu_si32(p->base + p->offset[c + 4 * l] + at), l);
-    }
+#define ROW4(c) _mm_loadu_si32(p->base + p->offset[c] + at)
+    for (int c = 0; c < 4; ++c) r[c] = lanes_of(ROW4(c), ROW4(c + 4), ROW4(c + 8), ROW4(c + 12));
+#undef ROW4
     return _mm512_unpacklo_epi64(_mm512_unpacklo_epi32(r[0], r[1]), _mm512_unpacklo_epi32(r[2], r[3]));
 }
 
