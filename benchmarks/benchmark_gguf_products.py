@@ -1,6 +1,7 @@
 """Where the quantized products of a bf16 step cross over, per weight shape and row count, on
 random GGUF blocks: the weight-stationary int8 product ("int8", up to 16 rows), the int8 GEMM
-("gemm"), the tiled product (each weight dequantized into bf16 tiles for cpu_tile_gemm.c,
+on the weight's rows ("gemm") and on its 16-row panels as a loaded bf16 model holds it
+("panels"), the tiled product (each weight dequantized into bf16 tiles for cpu_tile_gemm.c,
 "tiled"), and the bf16 tile GEMM on the dequantized weights as the unquantized model runs it
 ("bf16"). The paths of a shape are timed in turns, best of several rounds, so that a busy
 machine slows them alike; with --copies 30 each call reads its weight from memory, as a step
@@ -60,6 +61,7 @@ def _best_us(fns: dict, copies: int, rounds: int) -> dict:
 def main() -> None:
     from vllm.model_executor.layers import cpu_tile_gemm
     from vllm.model_executor.layers.quantization import cpu_gguf_gemv
+    from vllm.model_executor.layers.quantization.gguf_blocks import PANELS
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--types", default="Q4_1,Q8_0,Q4_0", help="comma-separated subset of Q8_0,Q4_0,Q4_1,Q4_K")
@@ -85,6 +87,7 @@ def main() -> None:
             copies = 1 if (n, k) == LM_HEAD else args.copies  # 56 MB in bf16: read from memory anyway
             blocks = [torch.from_numpy(data.copy()) for _ in range(copies)]
             packed = [cpu_tile_gemm.pack(cpu_gguf_gemv.dequantize(b, quant_type, k, torch.bfloat16)) for b in blocks]
+            panels = [cpu_gguf_gemv.to_panels(b, quant_type, k) for b in blocks]
             for m in map(int, args.rows.split(",")):
                 x = torch.randn(m, k).bfloat16()
                 paths = {}
@@ -92,12 +95,16 @@ def main() -> None:
                     paths["int8"] = lambda i: cpu_gguf_gemv.product(x, blocks[i], quant_type, None, path="int8")
                 if cpu_gguf_gemv.gemm_takes(quant_type):
                     paths["gemm"] = lambda i: cpu_gguf_gemv.product(x, blocks[i], quant_type, None, path="gemm")
+                if panels[0] is not None:
+                    paths["panels"] = lambda i: cpu_gguf_gemv.product(x, panels[i], quant_type | PANELS, None)
                 if cpu_gguf_gemv.tiled_fits(n):
                     paths["tiled"] = lambda i: cpu_gguf_gemv.product(x, blocks[i], quant_type, None, path="tiled")
                 if packed[0] is not None:
                     paths["bf16"] = lambda i: cpu_tile_gemm.gemm(x, packed[i], None)
                 times = _best_us(paths, copies, args.rounds)
                 chosen = cpu_gguf_gemv.product_path(quant_type, m, n, k)
+                if chosen == "gemm" and panels[0] is not None:
+                    chosen = "panels"  # the model's weights are regrouped (gguf_linear.to_panels)
                 results.append({"type": name, "n": n, "k": k, "rows": m, "chosen": chosen,
                                 **{f"{path}_us": t for path, t in times.items()}})
                 fastest = min((p for p in times if p != "bf16"), key=times.get)

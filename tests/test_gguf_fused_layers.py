@@ -18,9 +18,9 @@ from tests.q4_k_blocks import Q4_K, quantize_q4_k
 from tests.test_fused_layers import _assert_fused_matches_op_by_op
 from tests.utils import avx2_only_env, build_tiny_checkpoint, random_prompts, tokens_op_by_op_then_fused
 from vllm import LLM, SamplingParams
-from vllm.model_executor.layers.linear import PACKED_MAX_ROWS, Linear
+from vllm.model_executor.layers.linear import PACKED_MAX_ROWS, Linear, pack_linear_weights
 from vllm.model_executor.layers.quantization import cpu_gguf_gemv, gguf_linear
-from vllm.model_executor.layers.quantization.gguf_blocks import GGUFBlocks, block_size
+from vllm.model_executor.layers.quantization.gguf_blocks import PANELS, GGUFBlocks, block_size
 from vllm.model_executor.models.llama_cpu_layers import FusedLayers
 from vllm.platforms.cpu import cpu_flags
 
@@ -102,7 +102,9 @@ needs_fused_layers = pytest.mark.skipif("avx512_bf16" not in cpu_flags(),
 def _quantize_in_place(model: torch.nn.Module, quant_type: int, dense: dict[str, torch.Tensor],
                        cache: dict[tuple[str, int], GGUFBlocks]) -> None:
     """Every product weight, the embedding and the lm_head of `model` become GGUF blocks of
-    `quant_type` made from `dense` (name -> the bf16 weight as loaded; blocks kept in `cache`)."""
+    `quant_type` made from `dense` (name -> the bf16 weight as loaded; blocks kept in `cache`),
+    then, as the CPU backend prepares a loaded model, regrouped into the int8 GEMM's panels
+    where it takes them."""
     params = dict(model.named_parameters())
     for name, weight in dense.items():
         if (name, quant_type) not in cache:
@@ -119,6 +121,7 @@ def _quantize_in_place(model: torch.nn.Module, quant_type: int, dense: dict[str,
         if isinstance(module, Linear):
             module.packed, module.tiled = False, None  # the bf16 copies no longer stand for the weight
     gguf_linear.mark_quantized(model)
+    pack_linear_weights(model)
 
 
 @pytest.fixture(scope="module")
@@ -160,9 +163,11 @@ def test_quantized_steps_match_op_by_op(quantizable_llm, name, contexts, chunks)
     same blocks (each type on Llama, hidden size 256 for Q4_K's super-blocks; Qwen2's q/k/v
     biases on Q4_1), for 1-16 decodes and prefill chunks with and without decodes: products of 1
     to 101 rows, on the int8 GEMM where it runs and decodes the type (else 1-3 rows on the int8
-    or float32 product, 16 and 101 on the tiled one)."""
+    or float32 product, 16 and 101 on the tiled one); the GEMM's types in its panels."""
     runner = _quantized(quantizable_llm, name).llm_engine.runner
-    assert runner.model.model.layers[0].mlp.down_proj.weight.dtype == torch.uint8
+    weights = [m.weight for m in runner.model.modules() if isinstance(m, Linear)]  # the products'
+    assert all(p.dtype == torch.uint8 for p in weights)
+    assert {bool(p.quant_type & PANELS) for p in weights} == {cpu_gguf_gemv.gemm_takes(TYPES[name])}
     _assert_fused_matches_op_by_op(runner, contexts, chunks, random.Random(len(contexts) + 7 * len(chunks)))
 
 

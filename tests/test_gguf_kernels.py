@@ -15,7 +15,7 @@ import torch
 from tests.q4_k_blocks import Q4_K, random_q4_k
 from tests.utils import avx2_only_env
 from vllm.model_executor.layers.quantization import cpu_gguf_gemv
-from vllm.model_executor.layers.quantization.gguf_blocks import block_size, row_bytes
+from vllm.model_executor.layers.quantization.gguf_blocks import PANELS, block_size, row_bytes
 from vllm.platforms.cpu import cpu_flags
 
 gguf = pytest.importorskip("gguf")
@@ -163,6 +163,42 @@ def test_gemm_rows_do_not_depend_on_the_other_rows(name):
     together = cpu_gguf_gemv.product(x, data, TYPES[name], None, path="gemm")
     alone = torch.cat([cpu_gguf_gemv.product(x[i:i + 1], data, TYPES[name], None, path="gemm") for i in range(40)])
     assert torch.equal(alone, together)
+
+
+@pytest.mark.skipif(not cpu_gguf_gemv.gemm_available(), reason="the CPU has no AVX512-VNNI")
+@pytest.mark.parametrize("name", GEMM_TYPES)
+def test_panels_are_the_rows_regrouped(name):
+    """A weight regrouped into 16-row panels dequantizes to the same rows (all, or looked up as
+    an embedding does) and multiplies to the same bits as its rows, at every row count the GEMM
+    tiles differently (one row decodes and multiplies in one pass)."""
+    quant_type, n, k = TYPES[name], 96, 160
+    data, _ = _blocks(quant_type, n, k, seed=5)
+    panels = cpu_gguf_gemv.to_panels(data, quant_type, k)
+    assert panels.shape == data.shape and not torch.equal(panels, data)
+    assert torch.equal(cpu_gguf_gemv.dequantize(panels, quant_type | PANELS, k, torch.float32),
+                       cpu_gguf_gemv.dequantize(data, quant_type, k, torch.float32))
+    ids = torch.tensor([17, 0, n - 1, 17, 40])
+    assert torch.equal(cpu_gguf_gemv.dequantize(panels, quant_type | PANELS, k, torch.bfloat16, ids),
+                       cpu_gguf_gemv.dequantize(data, quant_type, k, torch.bfloat16, ids))
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(1)).bfloat16()
+    for m in (1, 2, 3, 16, 17, 40):
+        x = _x(m, k, torch.bfloat16, seed=m)
+        assert cpu_gguf_gemv.product_path(quant_type | PANELS, m, n, k) == "gemm"
+        assert torch.equal(cpu_gguf_gemv.product(x, panels, quant_type | PANELS, bias),
+                           cpu_gguf_gemv.product(x, data, quant_type, bias, path="gemm")), m
+
+
+@pytest.mark.skipif(not cpu_gguf_gemv.gemm_available(), reason="the CPU has no AVX512-VNNI")
+def test_only_whole_panels_of_the_gemms_types_are_regrouped():
+    """Rows that are not whole panels, Q4_K (not the GEMM's) and panels again stay as they are;
+    the products that read rows refuse panels."""
+    data, _ = _blocks(TYPES["Q4_1"], 40, 64, seed=6)
+    assert cpu_gguf_gemv.to_panels(data, TYPES["Q4_1"], 64) is None
+    assert cpu_gguf_gemv.to_panels(_blocks(Q4_K, 32, 256, seed=7)[0], Q4_K, 256) is None
+    panels = cpu_gguf_gemv.to_panels(data[:32].contiguous(), TYPES["Q4_1"], 64)
+    assert cpu_gguf_gemv.to_panels(panels, TYPES["Q4_1"] | PANELS, 64) is None
+    with pytest.raises(AssertionError, match="status 1"):
+        cpu_gguf_gemv.product(_x(2, 64, torch.bfloat16, seed=0), panels, TYPES["Q4_1"] | PANELS, None, path="int8")
 
 
 @pytest.mark.skipif(not cpu_gguf_gemv.gemm_available(), reason="the CPU has no AVX512-VNNI")

@@ -156,8 +156,13 @@ def silu_mul_linear(layer: Linear, x: torch.Tensor) -> torch.Tensor | None:
 
 
 def pack_linear_weights(model: nn.Module) -> None:
-    """Packs every `Linear` of a loaded CPU bf16 model (weights must not change afterwards);
-    weights kept quantized stay as they are."""
+    """Packs every `Linear` of a loaded CPU bf16 model (weights must not change afterwards):
+    dense weights get their copy for the C kernels, weights of GGUF blocks are regrouped into
+    the int8 GEMM's panels where it takes them (a tied lm_head's with its embedding)."""
     for module in model.modules():
-        if isinstance(module, Linear) and not module.quantized:
+        if not isinstance(module, Linear):
+            continue
+        if module.quantized:
+            gguf_linear.to_panels(module.weight)
+        else:
             module.pack()

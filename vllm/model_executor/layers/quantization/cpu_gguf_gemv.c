@@ -38,10 +38,21 @@
  * GEMM (the int8 product's arithmetic on 16-row panels of W unpacked once per call, AVX512-VNNI)
  * and a tiled product (W dequantized to bf16 panel by panel for the tile GEMM of
  * cpu_tile_gemm.c). gguf_product_bf16 chooses among them by the shape (gguf_product_path); the
- * C decoder layers (llama_cpu_layers.c) call it through one entry point per type.
+ * C decoder layers (llama_cpu_layers.c) call it through one entry point per type and layout.
  *
  * Layouts (contiguous): x (m, k) float32 or bf16; W n rows of whole blocks; y (m, n) in x's
  * dtype. k must be a multiple of the type's block (32 weights, 256 for Q4_K), as GGUF rows are.
+ *
+ * Panels: where the int8 GEMM runs, a model's weights of the types it decodes are regrouped
+ * once, after loading, into 16-row panels (gguf_to_panels), and passed as `type | GGUF_PANELS`.
+ * The same bytes, so that the GEMM reads a block of 16 rows as whole vectors in one stream
+ * instead of gathering 16 rows' blocks:
+ *
+ *   panel p (rows 16 p .. 16 p + 15), block kb at byte (p * nb + kb) * 16 * block bytes:
+ *     [codes: C x 64 bytes][d: 16 fp16][m: 16 fp16, Q4_1 only]     C = 8 for Q8_0, 4 for Q4
+ *     64-byte group g, dword c: the block's code bytes 4 g .. 4 g + 3 of row 16 p + c
+ *
+ * Only the GEMM and gguf_dequantize read panels; the other products return 1 for them.
  */
 #include <math.h>
 #include <stdint.h>
@@ -55,6 +66,8 @@
 #endif
 
 enum { TYPE_Q4_0 = 2, TYPE_Q4_1 = 3, TYPE_Q8_0 = 8, TYPE_Q4_K = 12 };  /* GGMLQuantizationType values */
+
+#define GGUF_PANELS 0x100  /* a layout flag on a type: its rows regrouped into 16-row panels */
 
 #define QK 32    /* weights per block (per sub-block of Q4_K) */
 #define QK_K 256 /* weights per Q4_K super-block */
@@ -74,6 +87,34 @@ static int64_t block_bytes(int type) {
 static int64_t row_bytes(int type, int64_t k) {
     const int64_t weights = type == TYPE_Q4_K ? QK_K : QK;
     return k % weights ? 0 : k / weights * block_bytes(type);
+}
+
+/* The types the int8 GEMM decodes, and so the types panels hold (Q4_K's 32-weight blocks lie
+ * in its super-blocks: not yet). */
+static inline int panel_type(int type) { return type == TYPE_Q8_0 || type == TYPE_Q4_0 || type == TYPE_Q4_1; }
+
+/* Panels: code vectors of 64 bytes per block of 16 rows, and where in a block the codes start. */
+static inline int panel_code_vectors(int type) { return type == TYPE_Q8_0 ? 8 : 4; }
+static inline int codes_at(int type) { return type == TYPE_Q4_1 ? 4 : 2; }
+
+/* A field of a block: where it is in the row's block and in its lane of the panel's block. */
+struct panel_field {
+    int row, panel, bytes;
+};
+
+/* Copies a block of row 16 p + c from its row layout (`from`) into lane c of panel p's same
+ * block (`to`) where to_panel, or back (`from` the panel's block, `to` the row's). */
+static void move_panel_block(const uint8_t *from, uint8_t *to, int type, int c, int to_panel) {
+    const int vectors = panel_code_vectors(type);
+    struct panel_field fields[10];
+    int count = 0;
+    fields[count++] = (struct panel_field){0, 64 * vectors + 2 * c, 2};                        /* d */
+    if (type == TYPE_Q4_1) fields[count++] = (struct panel_field){2, 64 * vectors + 32 + 2 * c, 2};  /* m */
+    for (int g = 0; g < vectors; ++g) fields[count++] = (struct panel_field){codes_at(type) + 4 * g, 64 * g + 4 * c, 4};
+    for (int f = 0; f < count; ++f) {
+        const struct panel_field fd = fields[f];
+        memcpy(to + (to_panel ? fd.panel : fd.row), from + (to_panel ? fd.row : fd.panel), (size_t)fd.bytes);
+    }
 }
 
 static inline float half_to_float(const uint8_t *p) {
@@ -189,16 +230,25 @@ static const float *float_rows(const void *x, int bf16, int64_t count, float **o
  * float32 or bf16. Returns 3, writing nothing, if a row is not in [0, n). */
 int gguf_dequantize(const uint8_t *w, int type, const int64_t *rows, int64_t num_rows, int64_t n,
                     int64_t k, void *out, int out_bf16) {
+    const int panels = (type & GGUF_PANELS) != 0;
+    type &= ~GGUF_PANELS;
     const int64_t rb = row_bytes(type, k), nb = k / QK;
-    if (rb == 0) return 1;
+    if (rb == 0 || (panels && (!panel_type(type) || n % 16))) return 1;
     for (int64_t r = 0; r < num_rows; ++r)
         if ((rows ? rows[r] : r) < 0 || (rows ? rows[r] : r) >= n) return 3;
     #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < num_rows; ++r) {
-        const uint8_t *row = w + (rows ? rows[r] : r) * rb;
+        const int64_t j = rows ? rows[r] : r;
+        const uint8_t *row = w + j * rb;
         float block[QK];
         for (int64_t b = 0; b < nb; ++b) {
-            dequantize_row_block(row, b, type, block);
+            if (panels) {  /* the row's block b put back together from its panel's lane */
+                uint8_t bytes[34];
+                move_panel_block(w + (j / 16 * nb + b) * 16 * block_bytes(type), bytes, type, (int)(j % 16), 0);
+                dequantize_block(bytes, type, block);
+            } else {
+                dequantize_row_block(row, b, type, block);
+            }
             for (int i = 0; i < QK; ++i) store(out, out_bf16, r * k + b * QK + i, block[i]);
         }
     }
@@ -611,9 +661,22 @@ int gguf_tiled_product_bf16(const uint16_t *x, const uint8_t *w, int type, const
     return status;
 }
 
-/* Whether the int8 GEMM decodes `type` (Q4_K's 32-weight blocks lie in its super-blocks: not
- * yet), where it is built (gguf_gemm_supported). */
-int gguf_gemm_decodes(int type) { return type == TYPE_Q8_0 || type == TYPE_Q4_0 || type == TYPE_Q4_1; }
+/* Whether the int8 GEMM decodes `type` (in rows or in panels), where it is built
+ * (gguf_gemm_supported). */
+int gguf_gemm_decodes(int type) { return panel_type(type & ~GGUF_PANELS); }
+
+/* W's n rows of `type` (n a multiple of 16) -> `out`, the same bytes regrouped into panels
+ * (see the top of this file); 1 where the type has no panels or n is not whole panels. */
+int gguf_to_panels(const uint8_t *w, int type, int64_t n, int64_t k, uint8_t *out) {
+    const int64_t rb = row_bytes(type, k), nb = k / QK, bb = block_bytes(type);
+    if (rb == 0 || !panel_type(type) || n % 16) return 1;
+    #pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < n / 16; ++p)
+        for (int64_t kb = 0; kb < nb; ++kb)
+            for (int c = 0; c < 16; ++c)
+                move_panel_block(w + (16 * p + c) * rb + kb * bb, out + (p * nb + kb) * 16 * bb, type, c, 1);
+    return 0;
+}
 
 /*
  * The int8 GEMM, for bf16 x: the int8 product's arithmetic with the weights unpacked once per
@@ -729,6 +792,29 @@ static inline void decode_blocks(const panel_rows_at *p, int type, int64_t kb, _
     }
 }
 
+/* Block kb of a panel (`panel`, the panel's first block) -> codes, *D, *M, as decode_blocks. */
+static inline void decode_panel_block(const uint8_t *panel, int type, int64_t kb, __m512i codes[8], __m512 *D,
+                                      __m512 *M) {
+    const int vectors = panel_code_vectors(type);
+    const uint8_t *at = panel + kb * 16 * block_bytes(type);
+    for (int g = 0; g < vectors; ++g) codes[g] = _mm512_loadu_si512(at + 64 * g);
+    *D = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(at + 64 * vectors)));
+    *M = has_minimum(type) ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(at + 64 * vectors + 32)))
+                           : _mm512_setzero_ps();
+    if (type == TYPE_Q8_0) {
+        for (int g = 0; g < 8; ++g) codes[g] = _mm512_xor_si512(codes[g], _mm512_set1_epi8(-128));
+    } else {
+        split_nibbles(codes);
+    }
+}
+
+/* Block kb of the panel at p, from rows or from panels. */
+static inline __attribute__((always_inline)) void decode_any(const panel_rows_at *p, int panels, int type, int64_t kb,
+                                                             __m512i codes[8], __m512 *D, __m512 *M) {
+    if (panels) decode_panel_block(p->base, type, kb, codes, D, M);
+    else decode_blocks(p, type, kb, codes, D, M);
+}
+
 /* x's blocks as the GEMM reads them (each array (m, k / 32) but qx (m, k)). */
 typedef struct {
     int8_t *qx;
@@ -788,11 +874,12 @@ static inline void store_rows(const __m512 *acc, int64_t t0, int tm, const uint1
 }
 
 /* Rows [j0, j0 + rows) of W (rows <= 16; lanes past them repeat the last row) -> the panel,
- * prefetching the `ahead` bytes of W from `next` (a later panel, contiguous): the panel's 16
- * rows are read a block of each at a time, 16 short streams the hardware prefetchers do not
- * follow from memory. With `one_row` (x of one row), each block is multiplied into *acc as it
- * is decoded instead, the panel never stored. */
-static void unpack_panel(const uint8_t *w, int type, int64_t j0, int rows, int64_t nb, __m512i *codes,
+ * prefetching the `ahead` bytes of W from `next` (a later panel, contiguous): in rows, the
+ * panel's 16 rows are read a block of each at a time, 16 short streams the hardware
+ * prefetchers do not follow from memory; in panels (`panels`: W regrouped, rows == 16), one.
+ * With `one_row` (x of one row), each block is multiplied into *acc as it is decoded instead,
+ * the panel never stored. */
+static void unpack_panel(const uint8_t *w, int type, int panels, int64_t j0, int rows, int64_t nb, __m512i *codes,
                          __m512 *D, __m512 *M, const uint8_t *next, int64_t ahead, const quantized_x *one_row,
                          __m512 *acc) {
     const int64_t stride = nb * block_bytes(type), lines = (ahead + 63) / 64;
@@ -801,12 +888,12 @@ static void unpack_panel(const uint8_t *w, int type, int64_t j0, int rows, int64
     for (int64_t kb = 0, line = 0; kb < nb; ++kb) {
         for (; line < lines * (kb + 1) / nb; ++line) _mm_prefetch((const char *)(next + 64 * line), _MM_HINT_T1);
         if (one_row == NULL) {
-            decode_blocks(&p, type, kb, codes + kb * 8, D + kb, M + kb);
+            decode_any(&p, panels, type, kb, codes + kb * 8, D + kb, M + kb);
             continue;
         }
         __m512i u[8];
         __m512 d, mw;
-        decode_blocks(&p, type, kb, u, &d, &mw);
+        decode_any(&p, panels, type, kb, u, &d, &mw);
         *acc = has_minimum(type) ? block_product(u, d, mw, *one_row, kb, 1, *acc)
                                  : block_product(u, d, mw, *one_row, kb, 0, *acc);
     }
@@ -844,7 +931,9 @@ static void panel_rows(const __m512i *codes, const __m512 *D, const __m512 *M, q
 /* y (m, n) bf16 = x @ W^T + bias on the int8 GEMM: x (m, k) bf16, bias (n) bf16 or NULL. */
 int gguf_gemm_int8_bf16(const uint16_t *x, const uint8_t *w, int type, const uint16_t *bias, uint16_t *y,
                         int64_t m, int64_t n, int64_t k) {
-    if (!gguf_gemm_decodes(type) || k % QK) return 1;
+    const int in_panels = (type & GGUF_PANELS) != 0;
+    type &= ~GGUF_PANELS;
+    if (!gguf_gemm_decodes(type) || k % QK || (in_panels && n % 16)) return 1;
     if (m == 0 || n == 0) return 0;
     const int64_t nb = k / QK, panels = (n + 15) / 16, stride = nb * block_bytes(type);
     quantized_x q = {malloc((size_t)(m * k)), malloc((size_t)(m * nb) * sizeof(float)),
@@ -857,16 +946,16 @@ int gguf_gemm_int8_bf16(const uint16_t *x, const uint8_t *w, int type, const uin
     quantize_x(x, type, m, k, q);
     #pragma omp parallel
     {
-        /* this thread's panel: nb x (8 zmm of codes, 16 D, 16 M) */
-        __m512i *codes = aligned_alloc(64, (size_t)nb * (8 * sizeof(__m512i) + 2 * sizeof(__m512)));
-        __m512 *D = (__m512 *)(codes + nb * 8), *M = D + nb;
-        if (codes == NULL) {
+        /* this thread's panel, for x of several rows: nb x (8 zmm of codes, 16 D, 16 M) */
+        __m512i *codes = m > 1 ? aligned_alloc(64, (size_t)nb * (8 * sizeof(__m512i) + 2 * sizeof(__m512))) : NULL;
+        __m512 *D = codes == NULL ? NULL : (__m512 *)(codes + nb * 8), *M = D == NULL ? NULL : D + nb;
+        if (m > 1 && codes == NULL) {
             #pragma omp atomic write
             status = 2;
         }
         #pragma omp for schedule(static)
         for (int64_t p = 0; p < panels; ++p) {
-            if (codes == NULL) continue;
+            if (m > 1 && codes == NULL) continue;
             const int rows = n - 16 * p < 16 ? (int)(n - 16 * p) : 16;
             /* the panel PREFETCH_PANELS on, if W has it */
             const int64_t ahead_row = 16 * (p + PREFETCH_PANELS);
@@ -874,11 +963,11 @@ int gguf_gemm_int8_bf16(const uint16_t *x, const uint8_t *w, int type, const uin
             const uint8_t *next = ahead ? w + ahead_row * stride : w;
             if (m == 1) {
                 __m512 acc = _mm512_setzero_ps();
-                unpack_panel(w, type, 16 * p, rows, nb, NULL, NULL, NULL, next, ahead, &q, &acc);
+                unpack_panel(w, type, in_panels, 16 * p, rows, nb, NULL, NULL, NULL, next, ahead, &q, &acc);
                 store_rows(&acc, 0, 1, bias, y, 16 * p, rows, n);
                 continue;
             }
-            unpack_panel(w, type, 16 * p, rows, nb, codes, D, M, next, ahead, NULL, NULL);
+            unpack_panel(w, type, in_panels, 16 * p, rows, nb, codes, D, M, next, ahead, NULL, NULL);
             panel_rows(codes, D, M, q, has_minimum(type), bias, y, 16 * p, rows, m, n, k);
         }
         free(codes);
@@ -906,7 +995,8 @@ int gguf_gemm_int8_bf16(const uint16_t *x, const uint8_t *w, int type, const uin
  * at every row count the benchmark times, and of the weight-stationary int8 product from one
  * row (for Q8_0's single row, by a few percent on most shapes). Without the GEMM, the tiled
  * product from tiled_min_rows(type) rows, where it overtakes the weight-stationary one (the
- * same benchmark), and that one below.
+ * same benchmark), and that one below. Panels are made only where the GEMM is built: only it
+ * multiplies them.
  */
 enum { PATH_FLOAT, PATH_INT8, PATH_GEMM, PATH_TILED };  /* cpu_gguf_gemv.PATHS */
 
@@ -926,15 +1016,15 @@ int gguf_product_path(int type, int64_t m, int64_t n, int64_t k) {
 }
 
 /*
- * The products of llama_cpu_layers.c's decoder layer (its gemv_fn), one entry point per type,
- * for any number of rows: x (m, k) bf16, W the rows of blocks (passed where the layer passes a
+ * The products of llama_cpu_layers.c's decoder layer (its gemv_fn), one entry point per type
+ * and layout, for any number of rows: x (m, k) bf16, W the blocks (passed where the layer passes a
  * bf16 weight: the layer only hands it on), bias (n) bf16 or NULL, y (m, n) bf16, on the
  * product gguf_product_path names. gguf_product_bf16 is the same for the op-by-op layers
  * (gguf_linear.py).
  */
 int gguf_product_bf16(const uint16_t *x, const uint8_t *w, int type, const uint16_t *bias, uint16_t *y,
                       int64_t m, int64_t n, int64_t k) {
-    if (row_bytes(type, k) == 0) return 1;
+    if (row_bytes(type & ~GGUF_PANELS, k) == 0) return 1;
     switch (gguf_product_path(type, m, n, k)) {
     case PATH_GEMM: return gguf_gemm_int8_bf16(x, w, type, bias, y, m, n, k);
     case PATH_TILED: return gguf_tiled_product_bf16(x, w, type, bias, y, m, n, k);
@@ -956,6 +1046,21 @@ int gguf_layer_product_q4_0(const uint16_t *x, const void *w, const uint16_t *bi
 int gguf_layer_product_q4_1(const uint16_t *x, const void *w, const uint16_t *bias, uint16_t *y,
                             int64_t m, int64_t n, int64_t k) {
     return gguf_product_bf16(x, w, TYPE_Q4_1, bias, y, m, n, k);
+}
+
+int gguf_layer_product_q8_0_panels(const uint16_t *x, const void *w, const uint16_t *bias, uint16_t *y,
+                                   int64_t m, int64_t n, int64_t k) {
+    return gguf_product_bf16(x, w, TYPE_Q8_0 | GGUF_PANELS, bias, y, m, n, k);
+}
+
+int gguf_layer_product_q4_0_panels(const uint16_t *x, const void *w, const uint16_t *bias, uint16_t *y,
+                                   int64_t m, int64_t n, int64_t k) {
+    return gguf_product_bf16(x, w, TYPE_Q4_0 | GGUF_PANELS, bias, y, m, n, k);
+}
+
+int gguf_layer_product_q4_1_panels(const uint16_t *x, const void *w, const uint16_t *bias, uint16_t *y,
+                                   int64_t m, int64_t n, int64_t k) {
+    return gguf_product_bf16(x, w, TYPE_Q4_1 | GGUF_PANELS, bias, y, m, n, k);
 }
 
 int gguf_layer_product_q4_k(const uint16_t *x, const void *w, const uint16_t *bias, uint16_t *y,

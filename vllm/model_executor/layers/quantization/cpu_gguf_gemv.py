@@ -13,14 +13,16 @@ import torch
 
 from vllm.model_executor.layers import cpu_tile_gemm
 from vllm.model_executor.layers.cpu_product import PRODUCT
+from vllm.model_executor.layers.quantization.gguf_blocks import PANELS
 from vllm.platforms.c_library import CFunction, CLibrary
 
 _ptr, _i64, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _MATMUL = CFunction([_ptr, _int, _ptr, _int, _ptr, _ptr, _i64, _i64, _i64])
 _PRODUCT_BF16 = CFunction([_ptr, _ptr, _int, _ptr, _ptr, _i64, _i64, _i64])
-# The decoder layer's products (llama_cpu_layers.c), one per type: GGMLQuantizationType -> name.
+# The decoder layer's products (llama_cpu_layers.c), one per type and layout: type -> name.
 _LAYER_PRODUCTS = {8: "gguf_layer_product_q8_0", 2: "gguf_layer_product_q4_0", 3: "gguf_layer_product_q4_1",
-                   12: "gguf_layer_product_q4_k"}
+                   12: "gguf_layer_product_q4_k", 8 | PANELS: "gguf_layer_product_q8_0_panels",
+                   2 | PANELS: "gguf_layer_product_q4_0_panels", 3 | PANELS: "gguf_layer_product_q4_1_panels"}
 _LIBRARY = CLibrary(Path(__file__).with_name("cpu_gguf_gemv.c"),
                     "GGUF weights are dequantized with the gguf package for every product",
                     {"gguf_matmul_float": _MATMUL, "gguf_matmul_int8": _MATMUL,
@@ -31,6 +33,7 @@ _LIBRARY = CLibrary(Path(__file__).with_name("cpu_gguf_gemv.c"),
                      "gguf_gemm_decodes": CFunction([_int]),
                      "gguf_product_path": CFunction([_int, _i64, _i64, _i64]),
                      "gguf_use_tile_gemm": CFunction([_ptr]),
+                     "gguf_to_panels": CFunction([_ptr, _int, _i64, _i64, _ptr]),
                      **{name: PRODUCT for name in _LAYER_PRODUCTS.values()}},
                     on_load=lambda lib: lib.gguf_use_tile_gemm(cpu_tile_gemm.kernel_address()))
 
@@ -95,9 +98,23 @@ def gemm_available() -> bool:
 
 
 def gemm_takes(quant_type: int) -> bool:
-    """Whether the int8 GEMM is built here and decodes `quant_type`."""
+    """Whether the int8 GEMM is built here and decodes `quant_type` (in rows or panels)."""
     lib = _LIBRARY.get()
     return gemm_available() and lib.gguf_gemm_decodes(quant_type) == 1
+
+
+def to_panels(blocks: torch.Tensor, quant_type: int, k: int) -> torch.Tensor | None:
+    """blocks: (N, row bytes) of rows of K weights of `quant_type` -> the same bytes regrouped
+    into 16-row panels (cpu_gguf_gemv.c), which the int8 GEMM reads in one stream where from
+    rows it gathers 16 rows' blocks; multiply and dequantize them as `quant_type | PANELS`.
+    None where the GEMM does not take the type here or N is not a multiple of 16."""
+    if quant_type & PANELS or blocks.shape[0] % 16 or not gemm_takes(quant_type):
+        return None
+    assert blocks.dtype == torch.uint8 and blocks.dim() == 2 and blocks.is_contiguous()
+    panels = torch.empty_like(blocks)
+    status = _LIBRARY.get().gguf_to_panels(blocks.data_ptr(), quant_type, blocks.shape[0], k, panels.data_ptr())
+    assert status == 0, f"gguf_to_panels failed with status {status}"
+    return panels
 
 
 @functools.cache

@@ -6,6 +6,11 @@ scales and the 6-bit scales and minimums of their eight 32-weight sub-blocks plu
 (see cpu_gguf_gemv.c for the layouts). The engine holds such a matrix as a uint8 tensor of
 shape (N, K / block size * block bytes): rows stay whole, so slicing output rows (q/k/v, the
 vocabulary) is slicing tensor rows.
+
+Once a model is loaded, the CPU kernels may regroup a weight's rows into 16-row panels for
+their int8 GEMM (cpu_gguf_gemv.to_panels): the same bytes and shape, its type then carrying
+the PANELS flag, a layout rather than a type (`base_type` removes it). Its rows can no longer
+be sliced.
 """
 
 from dataclasses import dataclass
@@ -14,6 +19,12 @@ import torch
 
 # GGMLQuantizationType value -> (name, weights per block, bytes per block).
 _TYPES = {8: ("Q8_0", 32, 34), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 12: ("Q4_K", 256, 144)}
+PANELS = 0x100  # cpu_gguf_gemv.c's GGUF_PANELS
+
+
+def base_type(quant_type: int) -> int:
+    """The GGMLQuantizationType of a type that may carry the PANELS flag."""
+    return quant_type & ~PANELS
 
 
 def supported_type_names() -> list[str]:
@@ -25,7 +36,7 @@ def is_supported(quant_type: int) -> bool:
 
 
 def type_name(quant_type: int) -> str:
-    return _TYPES[quant_type][0]
+    return _TYPES[base_type(quant_type)][0]
 
 
 def block_size(quant_type: int) -> int:

@@ -8,7 +8,8 @@ reads the embedding's blocks. `Linear.matmul` and `VocabParallelEmbedding` then 
   bf16 x                 cpu_gguf_gemv.product, the C decoder layers' product too, x quantized
                          per 32-block to int8 where the CPU has int8 dot products: with
                          AVX512-VNNI the int8 GEMM at every row count (16 output rows of blocks
-                         unpacked at a time for all rows of x); else up to a few rows one pass
+                         unpacked at a time for all rows of x, from the panels `to_panels`
+                         regroups the weights into); else up to a few rows one pass
                          over the blocks, dequantized in registers (int8 or float32 dot
                          products), and from there (batched decodes, prefill chunks) each weight
                          dequantized to bf16 panel by panel for the tile GEMM (cpu_tile_gemm.c)
@@ -27,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vllm.model_executor.layers.quantization import cpu_gguf_gemv
-from vllm.model_executor.layers.quantization.gguf_blocks import GGUFBlocks, type_name
+from vllm.model_executor.layers.quantization.gguf_blocks import PANELS, GGUFBlocks, type_name
 
 # Rows up to which the weight-stationary products serve where no product made for many rows
 # runs (float32 x, or neither the int8 GEMM nor the tile GEMM here): past it, dequantizing the
@@ -66,6 +67,18 @@ def load_blocks(param: nn.Parameter, blocks: GGUFBlocks) -> torch.Tensor:
                          f"of {type_name(param.quant_type)} blocks of {param.in_features} columns "
                          "(the stacked tensors of one layer must share their GGUF type)")
     return blocks.data
+
+
+def to_panels(weight: nn.Parameter) -> None:
+    """Regroups a loaded weight of GGUF blocks into the int8 GEMM's 16-row panels in place, where
+    that GEMM takes it (cpu_gguf_gemv.to_panels; else leaves it in rows). Only for a bf16 model:
+    float32 products read rows. Its rows can no longer be sliced; its (tied) embedding still
+    looks up rows."""
+    assert weight.dense_dtype == torch.bfloat16
+    panels = cpu_gguf_gemv.to_panels(weight.data, weight.quant_type, weight.in_features)
+    if panels is not None:
+        weight.data = panels
+        weight.quant_type |= PANELS
 
 
 def dequantize(weight: nn.Parameter, dtype: torch.dtype, rows: torch.Tensor | None = None) -> torch.Tensor:
