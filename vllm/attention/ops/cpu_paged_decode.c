@@ -7,9 +7,9 @@
  *   key t           -> block block_tables[s][t / 4], row t % 4
  *   keys 0..9       = rows 0-3 of block 7, rows 0-3 of block 2, rows 0-1 of block 9
  *
- * A task attends all heads of one sequence with an online softmax over tiles of keys, and
- * prefetches the next tile's rows while it computes: no gather of the blocks, no padding to
- * the longest sequence, no mask. A sequence with more keys than a task takes (TASK_KEYS) is
+ * A task attends all heads of one sequence with an online softmax over tiles of keys, each
+ * tile's rows read into the cache in one pass before it is computed: no gather of the blocks,
+ * no padding to the longest sequence, no mask. A sequence with more keys than a task takes (TASK_KEYS) is
  * split over several tasks and the parts merged. Scores, softmax and the weighted sum of
  * values stay in float32. Decode attention is bound by reading the cache, and this reads each
  * key and value row once, where gathering the blocks for SDPA reads them, writes a padded copy
@@ -56,21 +56,22 @@ static inline void tile_slots(const int64_t *table, int64_t t0, int64_t n, int64
     }
 }
 
-/* Asks for the cache rows of keys t0 .. t0 + TILE - 1 (below last): computing the current tile
- * hides their memory latency. */
-static inline void prefetch_tile(const int64_t *table, int64_t t0, int64_t last, int64_t block_size,
-                                 const char *key_cache, const char *value_cache, int64_t row_bytes) {
-    for (int64_t i = 0, t = t0; i < TILE && t < last; ++i, ++t) {
-        const int64_t slot = table[t / block_size] * block_size + t % block_size;
-        for (int64_t b = 0; b < row_bytes; b += 64) {
-            __builtin_prefetch(key_cache + slot * row_bytes + b);
-            __builtin_prefetch(value_cache + slot * row_bytes + b);
-        }
-    }
+/* Reads a byte of every cache line of a tile's rows in both caches, before the tile is
+ * computed. From memory, lines arrive at the rate of the misses in flight: the tile's own loads,
+ * spread among its arithmetic, keep few in flight, and software prefetches of the next tile did
+ * not raise that rate; these loads, with nothing between them, keep many, and the arithmetic then
+ * finds the tile in the cache. */
+static inline void load_tile(const char *const *key_rows, const char *const *value_rows, int64_t n,
+                             int64_t row_bytes) {
+    uint8_t sink = 0;
+    for (int64_t i = 0; i < n; ++i)
+        for (int64_t b = 0; b < row_bytes; b += 64)
+            sink |= *(volatile const uint8_t *)(key_rows[i] + b) | *(volatile const uint8_t *)(value_rows[i] + b);
+    (void)sink;
 }
 
 /* The cache rows of keys t0 .. t0 + n - 1 of a sequence, n = min(TILE, last - t0), in both caches
- * (row_bytes apart: all KV heads side by side), and a prefetch of the next tile's; returns n. */
+ * (row_bytes apart: all KV heads side by side), loaded into the cache (load_tile); returns n. */
 static inline int64_t tile_rows(const int64_t *table, int64_t t0, int64_t last, int64_t block_size,
                                 const char *key_cache, const char *value_cache, int64_t row_bytes,
                                 const char **key_rows, const char **value_rows) {
@@ -81,7 +82,7 @@ static inline int64_t tile_rows(const int64_t *table, int64_t t0, int64_t last, 
         key_rows[i] = key_cache + slots[i] * row_bytes;
         value_rows[i] = value_cache + slots[i] * row_bytes;
     }
-    prefetch_tile(table, t0 + TILE, last, block_size, key_cache, value_cache, row_bytes);
+    load_tile(key_rows, value_rows, n, row_bytes);
     return n;
 }
 
