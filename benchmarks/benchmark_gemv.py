@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
+import roofline
 from vllm.model_executor.layers import cpu_gemv
-from vllm.platforms.c_library import CFunction, CLibrary
 
 _ptr, _i64 = ctypes.c_void_p, ctypes.c_int64
 
@@ -51,10 +51,7 @@ def main() -> int:
     if gemv is None:
         print("no C GEMV here (it needs AVX512-BF16 and a C compiler)", file=sys.stderr)
         return 1
-    lib = CLibrary(Path(__file__).with_name("gemv_bandwidth.c"), "nothing to measure", {
-        "read_seconds": CFunction([_ptr, _ptr, _ptr, _i64, ctypes.c_int, _ptr], ctypes.c_double),
-        "gemv_seconds": CFunction([_ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64], ctypes.c_double),
-    }).get()
+    lib = roofline.gemv_bandwidth_library()
     if lib is None:
         print("the benchmark's C could not be built", file=sys.stderr)
         return 1
