@@ -792,20 +792,22 @@ static inline void decode_blocks(const panel_rows_at *p, int type, int64_t kb, _
     }
 }
 
-/* Block kb of a panel (`panel`, the panel's first block) -> codes, *D, *M, as decode_blocks. */
-static inline void decode_panel_block(const uint8_t *panel, int type, int64_t kb, __m512i codes[8], __m512 *D,
-                                      __m512 *M) {
-    const int vectors = panel_code_vectors(type);
+/* Block kb of a panel (`panel`, the panel's first block) -> codes, *D, *M, as decode_blocks.
+ * Each branch loads a constant number of vectors, which stay in registers (a loop bounded by
+ * the type compiles to a call of memcpy into memory). */
+static inline __attribute__((always_inline)) void decode_panel_block(const uint8_t *panel, int type, int64_t kb,
+                                                                     __m512i codes[8], __m512 *D, __m512 *M) {
     const uint8_t *at = panel + kb * 16 * block_bytes(type);
-    for (int g = 0; g < vectors; ++g) codes[g] = _mm512_loadu_si512(at + 64 * g);
-    *D = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(at + 64 * vectors)));
-    *M = has_minimum(type) ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(at + 64 * vectors + 32)))
-                           : _mm512_setzero_ps();
+    *M = _mm512_setzero_ps();
     if (type == TYPE_Q8_0) {
-        for (int g = 0; g < 8; ++g) codes[g] = _mm512_xor_si512(codes[g], _mm512_set1_epi8(-128));
-    } else {
-        split_nibbles(codes);
+        for (int g = 0; g < 8; ++g) codes[g] = _mm512_xor_si512(_mm512_loadu_si512(at + 64 * g), _mm512_set1_epi8(-128));
+        *D = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(at + 512)));
+        return;
     }
+    for (int g = 0; g < 4; ++g) codes[g] = _mm512_loadu_si512(at + 64 * g);
+    split_nibbles(codes);
+    *D = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(at + 256)));
+    if (has_minimum(type)) *M = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(at + 288)));
 }
 
 /* Block kb of the panel at p, from rows or from panels. */
