@@ -63,10 +63,11 @@ class _PrefillDemand:
         return (sum(min(c, budget) for c in self.long_chunks),
                 sum(min(c, budget) for c in self.short_chunks) + min(self.waiting_short, budget))
 
-    def shares(self, budget: int) -> tuple[int, int]:
+    def shares(self, budget: int, needs: tuple[int, int] | None = None) -> tuple[int, int]:
         """(long share, short share) of a prefill budget: the long prompts' up to half of it,
-        the short prompts' the rest, each up to what that kind can take."""
-        long_need, short_need = self.needs(budget)
+        the short prompts' the rest, each up to what that kind can take (`needs`, if the caller
+        has them)."""
+        long_need, short_need = needs or self.needs(budget)
         long_share = min(budget - budget // 2, long_need)
         return long_share, min(budget - long_share, short_need)
 
@@ -76,9 +77,9 @@ class _PrefillDemand:
         as the long prompts can take it, after the deepest long context. (Priced at one context
         for all the prompts, a short prompt beside a long one deep in its prefill would be
         charged the long one's attention, and the step sized well below the target.)"""
-        long_need, _ = self.needs(budget)
-        _, short_share = self.shares(budget)
-        return [(min(long_need, budget - short_share), _deepest(self.running_long)),
+        needs = self.needs(budget)
+        _, short_share = self.shares(budget, needs)
+        return [(min(needs[0], budget - short_share), _deepest(self.running_long)),
                 (short_share, _deepest(self.running_short))]
 
 

@@ -93,8 +93,11 @@ static int64_t row_bytes(int type, int64_t k) {
  * in its super-blocks: not yet). */
 static inline int panel_type(int type) { return type == TYPE_Q8_0 || type == TYPE_Q4_0 || type == TYPE_Q4_1; }
 
-/* Panels: code vectors of 64 bytes per block of 16 rows, and where in a block the codes start. */
+/* Panels: code vectors of 64 bytes per block of 16 rows, where a panel's block holds its 16
+ * d and its 16 m, and where in a row's block the codes start. */
 static inline int panel_code_vectors(int type) { return type == TYPE_Q8_0 ? 8 : 4; }
+static inline int panel_d_at(int type) { return 64 * panel_code_vectors(type); }
+static inline int panel_m_at(int type) { return panel_d_at(type) + 32; }
 static inline int codes_at(int type) { return type == TYPE_Q4_1 ? 4 : 2; }
 
 /* A field of a block: where it is in the row's block and in its lane of the panel's block. */
@@ -108,8 +111,8 @@ static void move_panel_block(const uint8_t *from, uint8_t *to, int type, int c, 
     const int vectors = panel_code_vectors(type);
     struct panel_field fields[10];
     int count = 0;
-    fields[count++] = (struct panel_field){0, 64 * vectors + 2 * c, 2};                        /* d */
-    if (type == TYPE_Q4_1) fields[count++] = (struct panel_field){2, 64 * vectors + 32 + 2 * c, 2};  /* m */
+    fields[count++] = (struct panel_field){0, panel_d_at(type) + 2 * c, 2};                        /* d */
+    if (type == TYPE_Q4_1) fields[count++] = (struct panel_field){2, panel_m_at(type) + 2 * c, 2};  /* m */
     for (int g = 0; g < vectors; ++g) fields[count++] = (struct panel_field){codes_at(type) + 4 * g, 64 * g + 4 * c, 4};
     for (int f = 0; f < count; ++f) {
         const struct panel_field fd = fields[f];
@@ -801,13 +804,13 @@ static inline __attribute__((always_inline)) void decode_panel_block(const uint8
     *M = _mm512_setzero_ps();
     if (type == TYPE_Q8_0) {
         for (int g = 0; g < 8; ++g) codes[g] = _mm512_xor_si512(_mm512_loadu_si512(at + 64 * g), _mm512_set1_epi8(-128));
-        *D = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(at + 512)));
+        *D = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(at + panel_d_at(TYPE_Q8_0))));
         return;
     }
     for (int g = 0; g < 4; ++g) codes[g] = _mm512_loadu_si512(at + 64 * g);
     split_nibbles(codes);
-    *D = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(at + 256)));
-    if (has_minimum(type)) *M = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(at + 288)));
+    *D = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(at + panel_d_at(type))));
+    if (has_minimum(type)) *M = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(at + panel_m_at(type))));
 }
 
 /* Block kb of the panel at p, from rows or from panels. */
