@@ -2,7 +2,7 @@
 
 A Q4_K super-block is 256 weights in 144 bytes: d and dmin (fp16), 12 bytes packing the 6-bit
 scale sc_s and minimum m_s of its 8 sub-blocks of 32, and 128 bytes of nibbles (see
-cpu_gguf_gemv.c); weight i of sub-block s is (d * sc_s) * q_i - dmin * m_s.
+cpu_gguf_gemv_blocks.h); weight i of sub-block s is (d * sc_s) * q_i - dmin * m_s.
 """
 
 import numpy as np

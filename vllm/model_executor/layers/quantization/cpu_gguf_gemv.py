@@ -105,7 +105,7 @@ def gemm_takes(quant_type: int) -> bool:
 
 def to_panels(blocks: torch.Tensor, quant_type: int, k: int) -> torch.Tensor | None:
     """blocks: (N, row bytes) of rows of K weights of `quant_type` -> the same bytes regrouped
-    into 16-row panels (cpu_gguf_gemv.c), which the int8 GEMM reads in one stream where from
+    into 16-row panels (cpu_gguf_gemv_blocks.h), which the int8 GEMM reads in one stream where from
     rows it gathers 16 rows' blocks; multiply and dequantize them as `quant_type | PANELS`.
     None where the GEMM does not take the type here or N is not a multiple of 16."""
     if quant_type & PANELS or blocks.shape[0] % 16 or not gemm_takes(quant_type):

@@ -3,7 +3,7 @@
 A GGUF matrix of N rows of K weights is N rows of K / `block_size(type)` blocks: blocks of 32
 weights, a scale (and, for Q4_1, a minimum) plus 32 codes, or Q4_K's super-blocks of 256, two
 scales and the 6-bit scales and minimums of their eight 32-weight sub-blocks plus 256 codes
-(see cpu_gguf_gemv.c for the layouts). The engine holds such a matrix as a uint8 tensor of
+(see cpu_gguf_gemv_blocks.h for the layouts). The engine holds such a matrix as a uint8 tensor of
 shape (N, K / block size * block bytes): rows stay whole, so slicing output rows (q/k/v, the
 vocabulary) is slicing tensor rows.
 
@@ -19,7 +19,7 @@ import torch
 
 # GGMLQuantizationType value -> (name, weights per block, bytes per block).
 _TYPES = {8: ("Q8_0", 32, 34), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 12: ("Q4_K", 256, 144)}
-PANELS = 0x100  # cpu_gguf_gemv.c's GGUF_PANELS
+PANELS = 0x100  # GGUF_PANELS of cpu_gguf_gemv_blocks.h
 
 
 def base_type(quant_type: int) -> int:

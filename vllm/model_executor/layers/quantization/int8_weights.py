@@ -8,7 +8,7 @@ Every `Linear` weight (q/k/v, o, gate/up, down) is quantized per output row, sym
 so that every weight is within d_r / 2 of d_r * q_ri, the value the products multiply. The
 embedding and the lm_head stay in the run dtype, as vLLM's weight-only int8 methods keep them.
 
-A row is stored as GGUF Q8_0 blocks whose every block carries the row's d (see cpu_gguf_gemv.c):
+A row is stored as GGUF Q8_0 blocks whose every block carries the row's d (see cpu_gguf_gemv_blocks.h):
 
     row r:  [d_r][q_r0 .. q_r31]  [d_r][q_r32 .. q_r63]  ...     34 bytes per 32 weights
 

@@ -1,0 +1,265 @@
+/*
+ * Part of cpu_gguf_gemv.c, the int8 GEMM's decoding and inner loops (HAVE_GGUF_GEMM where
+ * AVX512-VNNI is built).
+ *
+ * The int8 GEMM, for bf16 x: the int8 product's arithmetic with the weights unpacked once per
+ * call instead of once per row of x. Every type is, per block of 32,
+ *
+ *   w_i = D * (u_i - offset) + M      u_i its unsigned byte codes
+ *   Q8_0: u = q + 128, offset 128, M = 0     Q4_0: u = q, offset 8, M = 0     Q4_1: D = d, M = m
+ *
+ * and with x's block quantized as for gguf_matmul_int8 (dx, codes qx, sx = sum of qx):
+ *
+ *   sum_i w_i x_i ~= D * dx * (dot(u, qx) - offset * sx) + M * dx * sx
+ *
+ * the integer part exact in int32 (vpdpbusd: u8 times s8, from -offset * sx). A panel of 16
+ * output rows is unpacked per thread into vpdpbusd's layout, one zmm lane per output row:
+ *
+ *   codes[kb][g]  lane c: u_4g .. u_4g+3 of block kb of row j0 + c        (g = 0 .. 7)
+ *   D[kb], M[kb]  lane c: D and M of block kb of row j0 + c
+ *
+ * so that x's dword g (its codes 4g .. 4g + 3) broadcast against codes[kb][g] gives 16 rows'
+ * partial dot products at once (a Q4 block's nibble bytes need no reordering: dword g of its
+ * 16 bytes holds codes 4g .. 4g + 3 in its low halves and 16 + 4g ... in its high ones, the
+ * codes of x's dwords g and 4 + g). Every tile of up to 16 rows of x then multiplies into the
+ * panel: per block and row of x, 8 vpdpbusd, a conversion to float, a multiply and one or two
+ * multiply-adds for 16 outputs. Threads take panels; x is quantized once per call. Which
+ * product serves which rows: gguf_product_path.
+ */
+#ifndef VLLM_CPU_GGUF_GEMV_PANELS_H
+#define VLLM_CPU_GGUF_GEMV_PANELS_H
+
+#include <stdlib.h>
+
+#include "cpu_gguf_gemv_blocks.h"
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define HAVE_GGUF_GEMM 1
+#define GEMM_TILE 16  /* rows of x per pass over a panel: their 16 accumulators stay in registers */
+#define PREFETCH_PANELS 4  /* how far ahead a panel's unpacking prefetches W, into L2 */
+
+
+/* The panel's 16 rows (lanes past its last row repeat that row): row c starts at base + offset[c]. */
+typedef struct {
+    const uint8_t *base;
+    int64_t offset[16];
+} panel_rows_at;
+
+/* a, b, c, d -> the 128-bit lanes 0 .. 3 of a zmm (written out: the lane is an immediate, which
+ * an unoptimized build does not get from a loop). */
+static inline __m512i lanes_of(__m128i a, __m128i b, __m128i c, __m128i d) {
+    return _mm512_inserti32x4(_mm512_inserti32x4(_mm512_inserti32x4(_mm512_castsi128_si512(a), b, 1), c, 2), d, 3);
+}
+
+/* 16 bytes at `at` of each row's block -> v[g] (g = 0 .. 3), lane c: dword g of row c. Rows c,
+ * c + 4, c + 8, c + 12 go to the 128-bit lanes of r[c], then a 4 x 4 transpose in each lane. */
+static inline void load_dwords(const panel_rows_at *p, int64_t at, __m512i v[4]) {
+    __m512i r[4], t[4];
+#define ROW16(c) _mm_loadu_si128((const __m128i *)(p->base + p->offset[c] + at))
+    for (int c = 0; c < 4; ++c) r[c] = lanes_of(ROW16(c), ROW16(c + 4), ROW16(c + 8), ROW16(c + 12));
+#undef ROW16
+    t[0] = _mm512_unpacklo_epi32(r[0], r[1]);
+    t[1] = _mm512_unpackhi_epi32(r[0], r[1]);
+    t[2] = _mm512_unpacklo_epi32(r[2], r[3]);
+    t[3] = _mm512_unpackhi_epi32(r[2], r[3]);
+    v[0] = _mm512_unpacklo_epi64(t[0], t[2]);
+    v[1] = _mm512_unpackhi_epi64(t[0], t[2]);
+    v[2] = _mm512_unpacklo_epi64(t[1], t[3]);
+    v[3] = _mm512_unpackhi_epi64(t[1], t[3]);
+}
+
+/* The dword at `at` of each row's block, lane c for row c (as load_dwords, one dword a row). */
+static inline __m512i load_words(const panel_rows_at *p, int64_t at) {
+    __m512i r[4];
+#define ROW4(c) _mm_loadu_si32(p->base + p->offset[c] + at)
+    for (int c = 0; c < 4; ++c) r[c] = lanes_of(ROW4(c), ROW4(c + 4), ROW4(c + 8), ROW4(c + 12));
+#undef ROW4
+    return _mm512_unpacklo_epi64(_mm512_unpacklo_epi32(r[0], r[1]), _mm512_unpacklo_epi32(r[2], r[3]));
+}
+
+/* float16 in the low (high = 0) or high half of each lane -> float32. */
+static inline __m512 halves_to_float(__m512i words, int high) {
+    return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(high ? _mm512_srli_epi32(words, 16) : words));
+}
+
+/* Nibble bytes: the low halves of dword g are codes 4g .. 4g + 3, the high halves 16 + 4g ... */
+static inline void split_nibbles(__m512i codes[8]) {
+    const __m512i low = _mm512_set1_epi8(15);
+    for (int g = 0; g < 4; ++g) {
+        codes[4 + g] = _mm512_and_si512(_mm512_srli_epi16(codes[g], 4), low);
+        codes[g] = _mm512_and_si512(codes[g], low);
+    }
+}
+
+/* The per-type part of the GEMM: code_offset, has_minimum and decode_blocks (a new type adds
+ * its case to each). */
+static inline int code_offset(int type) { return type == TYPE_Q8_0 ? 128 : type == TYPE_Q4_0 ? 8 : 0; }
+static inline int has_minimum(int type) { return type == TYPE_Q4_1; }
+
+/* Block kb (weights 32 kb .. 32 kb + 31) of the rows of p -> codes[g] (lane c: u_4g .. u_4g+3
+ * of row c), *D, *M. */
+static inline void decode_blocks(const panel_rows_at *p, int type, int64_t kb, __m512i codes[8], __m512 *D,
+                                 __m512 *M) {
+    const int64_t at = kb * block_bytes(type);
+    const __m512i first = load_words(p, at);  /* d, and m or codes */
+    *D = halves_to_float(first, 0);
+    *M = _mm512_setzero_ps();
+    switch (type) {
+    case TYPE_Q8_0:
+        load_dwords(p, at + 2, codes);
+        load_dwords(p, at + 18, codes + 4);
+        for (int g = 0; g < 8; ++g) codes[g] = _mm512_xor_si512(codes[g], _mm512_set1_epi8(-128));
+        break;
+    case TYPE_Q4_0:
+        load_dwords(p, at + 2, codes);
+        split_nibbles(codes);
+        break;
+    default:
+        *M = halves_to_float(first, 1);
+        load_dwords(p, at + 4, codes);
+        split_nibbles(codes);
+        break;
+    }
+}
+
+/* Block kb of a panel (`panel`, the panel's first block) -> codes, *D, *M, as decode_blocks.
+ * Each branch loads a constant number of vectors, which stay in registers (a loop bounded by
+ * the type compiles to a call of memcpy into memory). */
+static inline __attribute__((always_inline)) void decode_panel_block(const uint8_t *panel, int type, int64_t kb,
+                                                                     __m512i codes[8], __m512 *D, __m512 *M) {
+    const uint8_t *at = panel + kb * 16 * block_bytes(type);
+    *M = _mm512_setzero_ps();
+    if (type == TYPE_Q8_0) {
+        for (int g = 0; g < 8; ++g) codes[g] = _mm512_xor_si512(_mm512_loadu_si512(at + 64 * g), _mm512_set1_epi8(-128));
+        *D = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(at + panel_d_at(TYPE_Q8_0))));
+        return;
+    }
+    for (int g = 0; g < 4; ++g) codes[g] = _mm512_loadu_si512(at + 64 * g);
+    split_nibbles(codes);
+    *D = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(at + panel_d_at(type))));
+    if (has_minimum(type)) *M = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(at + panel_m_at(type))));
+}
+
+/* Block kb of the panel at p, from rows or from panels. */
+static inline __attribute__((always_inline)) void decode_any(const panel_rows_at *p, int panels, int type, int64_t kb,
+                                                             __m512i codes[8], __m512 *D, __m512 *M) {
+    if (panels) decode_panel_block(p->base, type, kb, codes, D, M);
+    else decode_blocks(p, type, kb, codes, D, M);
+}
+
+/* x's blocks as the GEMM reads them (each array (m, k / 32) but qx (m, k)). */
+typedef struct {
+    int8_t *qx;
+    float *dx, *dxsx;  /* dx * sx, for the minimums */
+    int32_t *start;    /* -offset * sx: where each block's integer dot product starts */
+} quantized_x;
+
+/* bf16 x (m, k) -> its blocks' codes, with gguf_matmul_int8's arithmetic (quantize_block). */
+static void quantize_x(const uint16_t *x, int type, int64_t m, int64_t k, quantized_x q) {
+    const int64_t blocks = m * (k / QK);
+    const int offset = code_offset(type);
+    #pragma omp parallel for schedule(static) if (blocks >= 256)
+    for (int64_t i = 0; i < blocks; ++i) {
+        const __m512 lo = bf16x16_to_float(x + i * QK), hi = bf16x16_to_float(x + i * QK + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+        const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        /* conversions round to nearest even, as nearbyintf does */
+        const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(id)));
+        const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(id)));
+        _mm_storeu_si128((__m128i *)(q.qx + i * QK), _mm512_cvtepi32_epi8(qlo));
+        _mm_storeu_si128((__m128i *)(q.qx + i * QK + 16), _mm512_cvtepi32_epi8(qhi));
+        const int32_t s = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+        q.dx[i] = d;
+        q.dxsx[i] = d * (float)s;
+        q.start[i] = -offset * s;
+    }
+}
+
+/* 16 float32 -> bf16 with float_to_bf16's rounding (nearest even, NaN kept quiet). */
+static inline __m256i bf16_of(__m512 v) {
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i half = _mm512_srli_epi32(bits, 16);
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                  _mm512_and_si512(half, _mm512_set1_epi32(1)))), 16);
+    r = _mm512_mask_or_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), half, _mm512_set1_epi32(0x40));
+    return _mm512_cvtepi32_epi16(r);
+}
+
+/* acc + x block xb's share of the panel's block (codes u, D, M) in its 16 output rows. */
+static inline __attribute__((always_inline)) __m512 block_product(
+        const __m512i u[8], __m512 D, __m512 M, quantized_x q, int64_t xb, const int with_minimum, __m512 acc) {
+    const int32_t *xs = (const int32_t *)(q.qx + xb * QK);
+    __m512i dot = _mm512_set1_epi32(q.start[xb]);
+    for (int g = 0; g < 8; ++g) dot = _mm512_dpbusd_epi32(dot, u[g], _mm512_set1_epi32(xs[g]));
+    acc = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(q.dx[xb])), D, acc);
+    return with_minimum ? _mm512_fmadd_ps(M, _mm512_set1_ps(q.dxsx[xb]), acc) : acc;
+}
+
+/* Row t0 + t of y, output rows [j0, j0 + rows): acc[t] plus the bias, to bf16. */
+static inline void store_rows(const __m512 *acc, int64_t t0, int tm, const uint16_t *bias, uint16_t *y,
+                              int64_t j0, int rows, int64_t n) {
+    const __mmask16 lanes = (__mmask16)((1u << rows) - 1);
+    const __m512 b = bias == NULL ? _mm512_setzero_ps() : _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, bias + j0)), 16));
+    for (int t = 0; t < tm; ++t)
+        _mm256_mask_storeu_epi16(y + (t0 + t) * n + j0, lanes, bf16_of(_mm512_add_ps(acc[t], b)));
+}
+
+/* Rows [j0, j0 + rows) of W (rows <= 16; lanes past them repeat the last row) -> the panel,
+ * prefetching the `ahead` bytes of W from `next` (a later panel, contiguous): in rows, the
+ * panel's 16 rows are read a block of each at a time, 16 short streams the hardware
+ * prefetchers do not follow from memory; in panels (`panels`: W regrouped, rows == 16), one.
+ * With `one_row` (x of one row), each block is multiplied into *acc as it is decoded instead,
+ * the panel never stored. */
+static void unpack_panel(const uint8_t *w, int type, int panels, int64_t j0, int rows, int64_t nb, __m512i *codes,
+                         __m512 *D, __m512 *M, const uint8_t *next, int64_t ahead, const quantized_x *one_row,
+                         __m512 *acc) {
+    const int64_t stride = nb * block_bytes(type), lines = (ahead + 63) / 64;
+    panel_rows_at p = {.base = w + j0 * stride};
+    for (int c = 0; c < 16; ++c) p.offset[c] = (c < rows ? c : rows - 1) * stride;
+    for (int64_t kb = 0, line = 0; kb < nb; ++kb) {
+        for (; line < lines * (kb + 1) / nb; ++line) _mm_prefetch((const char *)(next + 64 * line), _MM_HINT_T1);
+        if (one_row == NULL) {
+            decode_any(&p, panels, type, kb, codes + kb * 8, D + kb, M + kb);
+            continue;
+        }
+        __m512i u[8];
+        __m512 d, mw;
+        decode_any(&p, panels, type, kb, u, &d, &mw);
+        *acc = has_minimum(type) ? block_product(u, d, mw, *one_row, kb, 1, *acc)
+                                 : block_product(u, d, mw, *one_row, kb, 0, *acc);
+    }
+}
+
+/* Rows [t0, t0 + TM) of x times the panel (output rows [j0, j0 + rows)) into y; TM and
+ * with_minimum are constants in each caller, so the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void panel_tile(
+        const __m512i *codes, const __m512 *D, const __m512 *M, quantized_x q, int64_t t0, const int TM,
+        const int with_minimum, const uint16_t *bias, uint16_t *y, int64_t j0, int rows, int64_t n, int64_t k) {
+    const int64_t nb = k / QK;
+    __m512 acc[GEMM_TILE];
+    for (int t = 0; t < TM; ++t) acc[t] = _mm512_setzero_ps();
+    for (int64_t kb = 0; kb < nb; ++kb) {
+        __m512i u[8];
+        for (int g = 0; g < 8; ++g) u[g] = _mm512_load_si512(codes + kb * 8 + g);
+        for (int t = 0; t < TM; ++t) acc[t] = block_product(u, D[kb], M[kb], q, (t0 + t) * nb + kb, with_minimum, acc[t]);
+    }
+    store_rows(acc, t0, TM, bias, y, j0, rows, n);
+}
+
+/* All m rows of x times the panel: tiles of 16, the rest in tiles of 8, 4, 2, 1. */
+static void panel_rows(const __m512i *codes, const __m512 *D, const __m512 *M, quantized_x q, int with_minimum,
+                       const uint16_t *bias, uint16_t *y, int64_t j0, int rows, int64_t m, int64_t n, int64_t k) {
+    int64_t t0 = 0;
+#define PANEL_TILES(TM)                                                                                   \
+    for (; m - t0 >= (TM); t0 += (TM)) {                                                                 \
+        if (with_minimum) panel_tile(codes, D, M, q, t0, (TM), 1, bias, y, j0, rows, n, k);             \
+        else panel_tile(codes, D, M, q, t0, (TM), 0, bias, y, j0, rows, n, k);                           \
+    }
+    PANEL_TILES(16) PANEL_TILES(8) PANEL_TILES(4) PANEL_TILES(2) PANEL_TILES(1)
+#undef PANEL_TILES
+}
+
+#endif
+
+#endif  /* VLLM_CPU_GGUF_GEMV_PANELS_H */

@@ -1,0 +1,198 @@
+/*
+ * Part of cpu_gguf_gemv.c: the weight-stationary products' inner loops (gguf_matmul_float's
+ * where AVX-512 is built, gguf_matmul_int8's where int8 dot products are: HAVE_GGUF_INT8_ROWS):
+ * one weight row times up to TILE rows of x while its blocks are in L1, Q4_K a super-block at
+ * a time.
+ */
+#ifndef VLLM_CPU_GGUF_GEMV_ROWS_H
+#define VLLM_CPU_GGUF_GEMV_ROWS_H
+
+#include <stdlib.h>
+
+#include "bf16.h"
+#include "cpu_gguf_gemv_blocks.h"
+
+#define TILE 4   /* rows of x multiplied into a weight row per pass over it */
+
+static inline void store(void *y, int bf16, int64_t index, float value) {
+    if (bf16) ((uint16_t *)y)[index] = float_to_bf16(value);
+    else ((float *)y)[index] = value;
+}
+
+/* bias[j] in float32 (bias in x's dtype, or NULL: none). */
+static inline float bias_at(const void *bias, int bf16, int64_t j) {
+    if (bias == NULL) return 0.0f;
+    return bf16 ? bf16_to_float(((const uint16_t *)bias)[j]) : ((const float *)bias)[j];
+}
+
+/* x as float32: itself, or a widened copy of bf16 x that the caller frees. */
+static const float *float_rows(const void *x, int bf16, int64_t count, float **owned) {
+    *owned = NULL;
+    if (!bf16) return (const float *)x;
+    float *copy = malloc((size_t)count * sizeof *copy);
+    if (copy == NULL) return NULL;
+    for (int64_t i = 0; i < count; ++i) copy[i] = bf16_to_float(((const uint16_t *)x)[i]);
+    return *owned = copy;
+}
+
+#ifdef __AVX512F__
+static inline __attribute__((always_inline)) void row_float(
+        const uint8_t *row, int type, const float *xf, float b0, void *y, int bf16, int64_t j,
+        int64_t t0, int tm, int64_t n, int64_t k) {
+    const int64_t bb = block_bytes(type), nb = k / QK;
+    __m512 acc[TILE];
+    for (int t = 0; t < TILE; ++t) acc[t] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+        __m512 lo, hi;
+        dequantize_block16(row + b * bb, type, &lo, &hi);
+        for (int t = 0; t < tm; ++t) {
+            const float *xt = xf + (t0 + t) * k + b * QK;
+            acc[t] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xt), acc[t]);
+            acc[t] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xt + 16), acc[t]);
+        }
+    }
+    for (int t = 0; t < tm; ++t) store(y, bf16, (t0 + t) * n + j, _mm512_reduce_add_ps(acc[t]) + b0);
+}
+
+/* row_float for Q4_K, a super-block at a time (its scales unpacked once for its 8 sub-blocks),
+ * with tm a constant in each caller (the sums then stay in registers). */
+static inline __attribute__((always_inline)) void rows_float_q4_k(
+        const uint8_t *row, const float *xf, float b0, void *y, int bf16, int64_t j, int64_t t0, const int tm,
+        int64_t n, int64_t k) {
+    __m512 acc[TILE];
+    for (int t = 0; t < tm; ++t) acc[t] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < k; i += QK_K) {
+        const uint8_t *sb = row + i / QK_K * block_bytes(TYPE_Q4_K);
+        const struct q4_k_scales u = q4_k_scales(sb);
+        for (int s = 0; s < 8; ++s) {
+            __m512 lo, hi;
+            q4_k_sub_block16(sb, &u, s, &lo, &hi);
+            for (int t = 0; t < tm; ++t) {
+                const float *xt = xf + (t0 + t) * k + i + s * QK;
+                acc[t] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xt), acc[t]);
+                acc[t] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xt + 16), acc[t]);
+            }
+        }
+    }
+    for (int t = 0; t < tm; ++t) store(y, bf16, (t0 + t) * n + j, _mm512_reduce_add_ps(acc[t]) + b0);
+}
+
+static void row_float_q4_k(const uint8_t *row, const float *xf, float b0, void *y, int bf16, int64_t j,
+                           int64_t t0, int tm, int64_t n, int64_t k) {
+    switch (tm) {
+    case 1: rows_float_q4_k(row, xf, b0, y, bf16, j, t0, 1, n, k); break;
+    case 2: rows_float_q4_k(row, xf, b0, y, bf16, j, t0, 2, n, k); break;
+    case 3: rows_float_q4_k(row, xf, b0, y, bf16, j, t0, 3, n, k); break;
+    default: rows_float_q4_k(row, xf, b0, y, bf16, j, t0, TILE, n, k); break;
+    }
+}
+#endif
+
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+#define HAVE_GGUF_INT8_ROWS 1
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define DPBUSD _mm256_dpbusd_epi32      /* sum of 4 u8 * s8 products into each int32 lane */
+#else
+#define DPBUSD _mm256_dpbusd_avx_epi32
+#endif
+
+/* Codes of one block of x: qx = round(x / dx), dx = max|x| / 127; *sum = sum of the codes. */
+static void quantize_block(const float *x, int8_t *qx, float *dx, int32_t *sum) {
+    float amax = 0.0f;
+    for (int i = 0; i < QK; ++i) amax = fmaxf(amax, fabsf(x[i]));
+    const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+    int32_t s = 0;
+    for (int i = 0; i < QK; ++i) {
+        qx[i] = (int8_t)nearbyintf(x[i] * id);
+        s += qx[i];
+    }
+    *dx = d;
+    *sum = s;
+}
+
+/* The 32 codes of a weight block as bytes: unsigned nibbles (Q4_1) or signed (Q4_0, Q8_0). */
+static inline __m256i weight_codes(const uint8_t *b, int type) {
+    if (type == TYPE_Q8_0) return _mm256_loadu_si256((const __m256i *)(b + 2));
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)(b + (type == TYPE_Q4_1 ? 4 : 2)));
+    const __m128i low = _mm_set1_epi8(15);
+    const __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), low), _mm_and_si128(bytes, low));
+    return type == TYPE_Q4_0 ? _mm256_sub_epi8(q, _mm256_set1_epi8(8)) : q;
+}
+
+static inline float reduce(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* One weight row times up to TILE rows of quantized x; `type` is a constant in each caller. */
+static inline __attribute__((always_inline)) void row_int8(
+        const uint8_t *row, int type, const int8_t *qx, const float *dx, const int32_t *sx,
+        float b0, void *y, int bf16, int64_t j, int64_t t0, int tm, int64_t n, int64_t k) {
+    const int64_t bb = block_bytes(type), nb = k / QK;
+    __m256 acc[TILE];
+    float shift[TILE] = {0};  /* Q4_1: sum over blocks of m * dx * sum(qx) */
+    for (int t = 0; t < TILE; ++t) acc[t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t *blk = row + b * bb;
+        const float dw = half_to_float(blk), mw = type == TYPE_Q4_1 ? half_to_float(blk + 2) : 0.0f;
+        const __m256i q = weight_codes(blk, type);
+        /* vpdpbusd multiplies unsigned by signed bytes: signed weight codes give their sign to x. */
+        const __m256i wu = type == TYPE_Q4_1 ? q : _mm256_sign_epi8(q, q);
+        for (int t = 0; t < tm; ++t) {
+            const int64_t xb = (t0 + t) * nb + b;
+            __m256i xs = _mm256_loadu_si256((const __m256i *)(qx + xb * QK));
+            if (type != TYPE_Q4_1) xs = _mm256_sign_epi8(xs, q);
+            const __m256i dot = DPBUSD(_mm256_setzero_si256(), wu, xs);
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dw * dx[xb]), acc[t]);
+            if (type == TYPE_Q4_1) shift[t] += mw * dx[xb] * (float)sx[xb];
+        }
+    }
+    for (int t = 0; t < tm; ++t) store(y, bf16, (t0 + t) * n + j, reduce(acc[t]) + shift[t] + b0);
+}
+
+/* row_int8 for Q4_K, a super-block at a time (its scales unpacked once for its 8 sub-blocks,
+ * each a Q4_1 block of scale d * sc_s and offset -dmin * m_s), with tm a constant in each caller
+ * (the sums then stay in registers). */
+static inline __attribute__((always_inline)) void rows_int8_q4_k(
+        const uint8_t *row, const int8_t *qx, const float *dx, const int32_t *sx, float b0, void *y, int bf16,
+        int64_t j, int64_t t0, const int tm, int64_t n, int64_t k) {
+    const int64_t nb = k / QK;
+    __m256 acc[TILE];
+    float shift[TILE];  /* sum over sub-blocks of -dmin * m_s * dx * sum(qx) */
+    for (int t = 0; t < tm; ++t) {
+        acc[t] = _mm256_setzero_ps();
+        shift[t] = 0.0f;
+    }
+    for (int64_t b = 0; b < nb; b += 8) {
+        const uint8_t *sb = row + b / 8 * block_bytes(TYPE_Q4_K);
+        const struct q4_k_scales u = q4_k_scales(sb);
+        for (int s = 0; s < 8; ++s) {
+            const __m256i bytes = _mm256_loadu_si256((const __m256i *)(sb + 16 + 32 * (s / 2)));
+            const __m256i q = _mm256_and_si256(s % 2 ? _mm256_srli_epi16(bytes, 4) : bytes, _mm256_set1_epi8(15));
+            const float dw = q4_k_scale(&u, s), mw = q4_k_min(&u, s);
+            for (int t = 0; t < tm; ++t) {
+                const int64_t xb = (t0 + t) * nb + b + s;
+                const __m256i dot = DPBUSD(_mm256_setzero_si256(), q, _mm256_loadu_si256((const __m256i *)(qx + xb * QK)));
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dw * dx[xb]), acc[t]);
+                shift[t] -= mw * dx[xb] * (float)sx[xb];
+            }
+        }
+    }
+    for (int t = 0; t < tm; ++t) store(y, bf16, (t0 + t) * n + j, reduce(acc[t]) + shift[t] + b0);
+}
+
+static void row_int8_q4_k(const uint8_t *row, const int8_t *qx, const float *dx, const int32_t *sx, float b0,
+                          void *y, int bf16, int64_t j, int64_t t0, int tm, int64_t n, int64_t k) {
+    switch (tm) {
+    case 1: rows_int8_q4_k(row, qx, dx, sx, b0, y, bf16, j, t0, 1, n, k); break;
+    case 2: rows_int8_q4_k(row, qx, dx, sx, b0, y, bf16, j, t0, 2, n, k); break;
+    case 3: rows_int8_q4_k(row, qx, dx, sx, b0, y, bf16, j, t0, 3, n, k); break;
+    default: rows_int8_q4_k(row, qx, dx, sx, b0, y, bf16, j, t0, TILE, n, k); break;
+    }
+}
+#endif
+
+#endif  /* VLLM_CPU_GGUF_GEMV_ROWS_H */
