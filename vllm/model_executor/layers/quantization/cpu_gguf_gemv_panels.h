@@ -21,7 +21,7 @@
  * so that x's dword g (its codes 4g .. 4g + 3) broadcast against codes[kb][g] gives 16 rows'
  * partial dot products at once (a Q4 block's nibble bytes need no reordering: dword g of its
  * 16 bytes holds codes 4g .. 4g + 3 in its low halves and 16 + 4g ... in its high ones, the
- * codes of x's dwords g and 4 + g). Every tile of up to 16 rows of x then multiplies into the
+ * codes of x's dwords g and 4 + g). Every tile of up to 8 rows of x then multiplies into the
  * panel: per block and row of x, 8 vpdpbusd, a conversion to float, a multiply and one or two
  * multiply-adds for 16 outputs. Threads take panels; x is quantized once per call. Which
  * product serves which rows: gguf_product_path.
@@ -35,7 +35,7 @@
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define HAVE_GGUF_GEMM 1
-#define GEMM_TILE 16  /* rows of x per pass over a panel: their 16 accumulators stay in registers */
+#define GEMM_TILE 8  /* rows of x per pass over a panel: their dot products and sums stay in registers */
 #define PREFETCH_PANELS 4  /* how far ahead a panel's unpacking prefetches W, into L2 */
 
 
@@ -185,14 +185,25 @@ static inline __m256i bf16_of(__m512 v) {
     return _mm512_cvtepi32_epi16(r);
 }
 
+/* Dword g (codes 4 g .. 4 g + 3) of x block xb, in every lane. */
+static inline __m512i x_codes(quantized_x q, int64_t xb, int g) {
+    return _mm512_set1_epi32(((const int32_t *)(q.qx + xb * QK))[g]);
+}
+
+/* acc + x block xb's share of the panel's block (its integer dot product `dot` with the codes,
+ * D, M) in its 16 output rows. */
+static inline __attribute__((always_inline)) __m512 block_epilogue(
+        __m512i dot, __m512 D, __m512 M, quantized_x q, int64_t xb, const int with_minimum, __m512 acc) {
+    acc = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(q.dx[xb])), D, acc);
+    return with_minimum ? _mm512_fmadd_ps(M, _mm512_set1_ps(q.dxsx[xb]), acc) : acc;
+}
+
 /* acc + x block xb's share of the panel's block (codes u, D, M) in its 16 output rows. */
 static inline __attribute__((always_inline)) __m512 block_product(
         const __m512i u[8], __m512 D, __m512 M, quantized_x q, int64_t xb, const int with_minimum, __m512 acc) {
-    const int32_t *xs = (const int32_t *)(q.qx + xb * QK);
     __m512i dot = _mm512_set1_epi32(q.start[xb]);
-    for (int g = 0; g < 8; ++g) dot = _mm512_dpbusd_epi32(dot, u[g], _mm512_set1_epi32(xs[g]));
-    acc = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(q.dx[xb])), D, acc);
-    return with_minimum ? _mm512_fmadd_ps(M, _mm512_set1_ps(q.dxsx[xb]), acc) : acc;
+    for (int g = 0; g < 8; ++g) dot = _mm512_dpbusd_epi32(dot, u[g], x_codes(q, xb, g));
+    return block_epilogue(dot, D, M, q, xb, with_minimum, acc);
 }
 
 /* Row t0 + t of y, output rows [j0, j0 + rows): acc[t] plus the bias, to bf16. */
@@ -232,7 +243,9 @@ static void unpack_panel(const uint8_t *w, int type, int panels, int64_t j0, int
 }
 
 /* Rows [t0, t0 + TM) of x times the panel (output rows [j0, j0 + rows)) into y; TM and
- * with_minimum are constants in each caller, so the accumulators stay in registers. */
+ * with_minimum are constants in each caller, so the dot products and sums stay in registers.
+ * Each code vector of a block multiplies into the TM rows' dot products in turn: consecutive
+ * vpdpbusd are independent, where a row's 8 in a row would each wait for the one before. */
 static inline __attribute__((always_inline)) void panel_tile(
         const __m512i *codes, const __m512 *D, const __m512 *M, quantized_x q, int64_t t0, const int TM,
         const int with_minimum, const uint16_t *bias, uint16_t *y, int64_t j0, int rows, int64_t n, int64_t k) {
@@ -240,14 +253,19 @@ static inline __attribute__((always_inline)) void panel_tile(
     __m512 acc[GEMM_TILE];
     for (int t = 0; t < TM; ++t) acc[t] = _mm512_setzero_ps();
     for (int64_t kb = 0; kb < nb; ++kb) {
-        __m512i u[8];
-        for (int g = 0; g < 8; ++g) u[g] = _mm512_load_si512(codes + kb * 8 + g);
-        for (int t = 0; t < TM; ++t) acc[t] = block_product(u, D[kb], M[kb], q, (t0 + t) * nb + kb, with_minimum, acc[t]);
+        const int64_t xb = t0 * nb + kb;  /* row t0 + t's block: xb + t * nb */
+        __m512i dot[GEMM_TILE];
+        for (int t = 0; t < TM; ++t) dot[t] = _mm512_set1_epi32(q.start[xb + t * nb]);
+        for (int g = 0; g < 8; ++g) {
+            const __m512i u = _mm512_load_si512(codes + kb * 8 + g);
+            for (int t = 0; t < TM; ++t) dot[t] = _mm512_dpbusd_epi32(dot[t], u, x_codes(q, xb + t * nb, g));
+        }
+        for (int t = 0; t < TM; ++t) acc[t] = block_epilogue(dot[t], D[kb], M[kb], q, xb + t * nb, with_minimum, acc[t]);
     }
     store_rows(acc, t0, TM, bias, y, j0, rows, n);
 }
 
-/* All m rows of x times the panel: tiles of 16, the rest in tiles of 8, 4, 2, 1. */
+/* All m rows of x times the panel: tiles of 8, the rest in tiles of 4, 2, 1. */
 static void panel_rows(const __m512i *codes, const __m512 *D, const __m512 *M, quantized_x q, int with_minimum,
                        const uint16_t *bias, uint16_t *y, int64_t j0, int rows, int64_t m, int64_t n, int64_t k) {
     int64_t t0 = 0;
@@ -256,7 +274,7 @@ static void panel_rows(const __m512i *codes, const __m512 *D, const __m512 *M, q
         if (with_minimum) panel_tile(codes, D, M, q, t0, (TM), 1, bias, y, j0, rows, n, k);             \
         else panel_tile(codes, D, M, q, t0, (TM), 0, bias, y, j0, rows, n, k);                           \
     }
-    PANEL_TILES(16) PANEL_TILES(8) PANEL_TILES(4) PANEL_TILES(2) PANEL_TILES(1)
+    PANEL_TILES(8) PANEL_TILES(4) PANEL_TILES(2) PANEL_TILES(1)
 #undef PANEL_TILES
 }
 
