@@ -127,9 +127,10 @@ def test_int8_product_is_dequantize_then_matmul_of_quantized_activations(name, m
     assert np.all(np.abs(out - exact) <= bound)
 
 
-# (tokens, output rows, K): 1 row, a 16-row tile and one more, tiles of 16, 8, 4 and 2 + 1 rows
-# (40 = 16 + 16 + 8; 31 = 16 + 8 + 4 + 2 + 1); 16-row panels, one and a partial one, several.
-GEMM_SHAPES = [(1, 16, 32), (5, 17, 96), (16, 48, 576), (17, 33, 160), (31, 7, 64), (40, 80, 1536)]
+# (tokens, output rows, K): up to a tile of 8 rows each block multiplied as it is decoded (1, 5,
+# 8), past it tiles of 8, 4, 2 and 1 rows on an unpacked panel (16, 17 = 8 + 8 + 1, 31 = 8 + 8 +
+# 8 + 4 + 2 + 1, 40); 16-row panels, one and a partial one, several.
+GEMM_SHAPES = [(1, 16, 32), (5, 17, 96), (8, 33, 160), (16, 48, 576), (17, 33, 160), (31, 7, 64), (40, 80, 1536)]
 # The types the int8 GEMM decodes: 32-weight blocks one after another (not Q4_K's super-blocks).
 GEMM_TYPES = ["Q8_0", "Q4_0", "Q4_1"]
 
@@ -156,13 +157,16 @@ def test_gemm_is_dequantize_then_matmul_of_quantized_activations(name, m, n, k):
 @pytest.mark.parametrize("name", GEMM_TYPES)
 def test_gemm_rows_do_not_depend_on_the_other_rows(name):
     """Each row of x sums its blocks in the same order whatever tile it falls in: a token's
-    result is the same bits in a step of 40 rows as alone (80 000 outputs, so that a float32
-    rounding that differs shows through the rounding to bf16)."""
+    result is the same bits in a step of 40 rows (tiles on an unpacked panel) and of 5 (blocks
+    multiplied as they are decoded) as alone (80 000 outputs, so that a float32 rounding that
+    differs shows through the rounding to bf16)."""
     data, _ = _blocks(TYPES[name], 2008, 576, seed=3)
     x = _x(40, 576, torch.bfloat16, seed=4)
     together = cpu_gguf_gemv.product(x, data, TYPES[name], None, path="gemm")
+    fives = torch.cat([cpu_gguf_gemv.product(x[i:i + 5], data, TYPES[name], None, path="gemm") for i in range(0, 40, 5)])
     alone = torch.cat([cpu_gguf_gemv.product(x[i:i + 1], data, TYPES[name], None, path="gemm") for i in range(40)])
     assert torch.equal(alone, together)
+    assert torch.equal(alone, fives)
 
 
 @pytest.mark.skipif(not cpu_gguf_gemv.gemm_available(), reason="the CPU has no AVX512-VNNI")

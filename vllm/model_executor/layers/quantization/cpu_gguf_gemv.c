@@ -241,28 +241,27 @@ int gguf_gemm_int8_bf16(const uint16_t *x, const uint8_t *w, int type, const uin
     quantize_x(x, type, m, k, q);
     #pragma omp parallel
     {
-        /* this thread's panel, for x of several rows: nb x (8 zmm of codes, 16 D, 16 M) */
-        __m512i *codes = m > 1 ? aligned_alloc(64, (size_t)nb * (8 * sizeof(__m512i) + 2 * sizeof(__m512))) : NULL;
+        /* this thread's panel, for x of more rows than a tile: nb x (8 zmm of codes, 16 D, 16 M) */
+        const int few_rows = m <= GEMM_TILE;
+        __m512i *codes = few_rows ? NULL : aligned_alloc(64, (size_t)nb * (8 * sizeof(__m512i) + 2 * sizeof(__m512)));
         __m512 *D = codes == NULL ? NULL : (__m512 *)(codes + nb * 8), *M = D == NULL ? NULL : D + nb;
-        if (m > 1 && codes == NULL) {
+        if (!few_rows && codes == NULL) {
             #pragma omp atomic write
             status = 2;
         }
         #pragma omp for schedule(static)
         for (int64_t p = 0; p < panels; ++p) {
-            if (m > 1 && codes == NULL) continue;
+            if (!few_rows && codes == NULL) continue;
             const int rows = n - 16 * p < 16 ? (int)(n - 16 * p) : 16;
             /* the panel PREFETCH_PANELS on, if W has it */
             const int64_t ahead_row = 16 * (p + PREFETCH_PANELS);
             const int64_t ahead = ahead_row >= n ? 0 : (n - ahead_row < 16 ? n - ahead_row : 16) * stride;
             const uint8_t *next = ahead ? w + ahead_row * stride : w;
-            if (m == 1) {
-                __m512 acc = _mm512_setzero_ps();
-                unpack_panel(w, type, in_panels, 16 * p, rows, nb, NULL, NULL, NULL, next, ahead, &q, &acc);
-                store_rows(&acc, 0, 1, bias, y, 16 * p, rows, n);
+            if (few_rows) {
+                multiply_panel_rows(w, type, in_panels, 16 * p, rows, nb, next, ahead, q, m, bias, y, n);
                 continue;
             }
-            unpack_panel(w, type, in_panels, 16 * p, rows, nb, codes, D, M, next, ahead, NULL, NULL);
+            unpack_panel(w, type, in_panels, 16 * p, rows, nb, codes, D, M, next, ahead);
             panel_rows(codes, D, M, q, has_minimum(type), bias, y, 16 * p, rows, m, n, k);
         }
         free(codes);

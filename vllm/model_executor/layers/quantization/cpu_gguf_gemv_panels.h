@@ -23,8 +23,9 @@
  * 16 bytes holds codes 4g .. 4g + 3 in its low halves and 16 + 4g ... in its high ones, the
  * codes of x's dwords g and 4 + g). Every tile of up to 8 rows of x then multiplies into the
  * panel: per block and row of x, 8 vpdpbusd, a conversion to float, a multiply and one or two
- * multiply-adds for 16 outputs. Threads take panels; x is quantized once per call. Which
- * product serves which rows: gguf_product_path.
+ * multiply-adds for 16 outputs. x of up to 8 rows needs no unpacked copy: each block is
+ * multiplied into all its rows as it is decoded (multiply_panel). Threads take panels; x is
+ * quantized once per call. Which product serves which rows: gguf_product_path.
  */
 #ifndef VLLM_CPU_GGUF_GEMV_PANELS_H
 #define VLLM_CPU_GGUF_GEMV_PANELS_H
@@ -198,12 +199,20 @@ static inline __attribute__((always_inline)) __m512 block_epilogue(
     return with_minimum ? _mm512_fmadd_ps(M, _mm512_set1_ps(q.dxsx[xb]), acc) : acc;
 }
 
-/* acc + x block xb's share of the panel's block (codes u, D, M) in its 16 output rows. */
-static inline __attribute__((always_inline)) __m512 block_product(
-        const __m512i u[8], __m512 D, __m512 M, quantized_x q, int64_t xb, const int with_minimum, __m512 acc) {
-    __m512i dot = _mm512_set1_epi32(q.start[xb]);
-    for (int g = 0; g < 8; ++g) dot = _mm512_dpbusd_epi32(dot, u[g], x_codes(q, xb, g));
-    return block_epilogue(dot, D, M, q, xb, with_minimum, acc);
+/* acc[t] (t < TM) + x block xb + t * nb's share of the panel's block (codes u, D, M) in its 16
+ * output rows: each code vector multiplies into the TM rows' dot products in turn, so
+ * consecutive vpdpbusd are independent, where a row's 8 in a row would each wait for the one
+ * before. TM and with_minimum are constants in each caller: the dot products stay in registers. */
+static inline __attribute__((always_inline)) void tile_block(const __m512i *u, __m512 D, __m512 M, quantized_x q,
+                                                             int64_t xb, int64_t nb, const int TM,
+                                                             const int with_minimum, __m512 *acc) {
+    __m512i dot[GEMM_TILE];
+    for (int t = 0; t < TM; ++t) dot[t] = _mm512_set1_epi32(q.start[xb + t * nb]);
+    for (int g = 0; g < 8; ++g) {
+        const __m512i ug = u[g];
+        for (int t = 0; t < TM; ++t) dot[t] = _mm512_dpbusd_epi32(dot[t], ug, x_codes(q, xb + t * nb, g));
+    }
+    for (int t = 0; t < TM; ++t) acc[t] = block_epilogue(dot[t], D, M, q, xb + t * nb, with_minimum, acc[t]);
 }
 
 /* Row t0 + t of y, output rows [j0, j0 + rows): acc[t] plus the bias, to bf16. */
@@ -216,52 +225,78 @@ static inline void store_rows(const __m512 *acc, int64_t t0, int tm, const uint1
         _mm256_mask_storeu_epi16(y + (t0 + t) * n + j0, lanes, bf16_of(_mm512_add_ps(acc[t], b)));
 }
 
-/* Rows [j0, j0 + rows) of W (rows <= 16; lanes past them repeat the last row) -> the panel,
- * prefetching the `ahead` bytes of W from `next` (a later panel, contiguous): in rows, the
- * panel's 16 rows are read a block of each at a time, 16 short streams the hardware
- * prefetchers do not follow from memory; in panels (`panels`: W regrouped, rows == 16), one.
- * With `one_row` (x of one row), each block is multiplied into *acc as it is decoded instead,
- * the panel never stored. */
-static void unpack_panel(const uint8_t *w, int type, int panels, int64_t j0, int rows, int64_t nb, __m512i *codes,
-                         __m512 *D, __m512 *M, const uint8_t *next, int64_t ahead, const quantized_x *one_row,
-                         __m512 *acc) {
-    const int64_t stride = nb * block_bytes(type), lines = (ahead + 63) / 64;
+/* Where the rows [j0, j0 + rows) of W (rows <= 16; lanes past them repeat the last row) start. */
+static inline panel_rows_at panel_at(const uint8_t *w, int type, int64_t j0, int rows, int64_t nb) {
+    const int64_t stride = nb * block_bytes(type);
     panel_rows_at p = {.base = w + j0 * stride};
     for (int c = 0; c < 16; ++c) p.offset[c] = (c < rows ? c : rows - 1) * stride;
+    return p;
+}
+
+/* The prefetches due by the end of block kb of nb, of `lines` lines from `next`; *line: the
+ * first not yet issued. */
+static inline void prefetch_until(const uint8_t *next, int64_t lines, int64_t kb, int64_t nb, int64_t *line) {
+    for (; *line < lines * (kb + 1) / nb; ++*line) _mm_prefetch((const char *)(next + 64 * *line), _MM_HINT_T1);
+}
+
+/* Rows [j0, j0 + rows) of W -> the panel, prefetching the `ahead` bytes of W from `next` (a
+ * later panel, contiguous): in rows, the panel's 16 rows are read a block of each at a time,
+ * 16 short streams the hardware prefetchers do not follow from memory; in panels (`panels`: W
+ * regrouped, rows == 16), one. Not inlined: inlined into the GEMM's loop beside
+ * multiply_panel's copies, it compiled to slower code. */
+__attribute__((noinline)) static void unpack_panel(const uint8_t *w, int type, int panels, int64_t j0, int rows,
+                                                   int64_t nb, __m512i *codes, __m512 *D, __m512 *M,
+                                                   const uint8_t *next, int64_t ahead) {
+    const panel_rows_at p = panel_at(w, type, j0, rows, nb);
     for (int64_t kb = 0, line = 0; kb < nb; ++kb) {
-        for (; line < lines * (kb + 1) / nb; ++line) _mm_prefetch((const char *)(next + 64 * line), _MM_HINT_T1);
-        if (one_row == NULL) {
-            decode_any(&p, panels, type, kb, codes + kb * 8, D + kb, M + kb);
-            continue;
-        }
+        prefetch_until(next, (ahead + 63) / 64, kb, nb, &line);
+        decode_any(&p, panels, type, kb, codes + kb * 8, D + kb, M + kb);
+    }
+}
+
+/* All TM rows of x (TM <= GEMM_TILE) times the panel of W's rows [j0, j0 + rows) into y, each
+ * block multiplied as it is decoded, the panel never stored (prefetching as unpack_panel). */
+static inline __attribute__((always_inline)) void multiply_panel(
+        const uint8_t *w, int type, int panels, int64_t j0, int rows, int64_t nb, const uint8_t *next,
+        int64_t ahead, quantized_x q, const int TM, const int with_minimum, const uint16_t *bias, uint16_t *y,
+        int64_t n) {
+    const panel_rows_at p = panel_at(w, type, j0, rows, nb);
+    __m512 acc[GEMM_TILE];
+    for (int t = 0; t < TM; ++t) acc[t] = _mm512_setzero_ps();
+    for (int64_t kb = 0, line = 0; kb < nb; ++kb) {
+        prefetch_until(next, (ahead + 63) / 64, kb, nb, &line);
         __m512i u[8];
-        __m512 d, mw;
-        decode_any(&p, panels, type, kb, u, &d, &mw);
-        *acc = has_minimum(type) ? block_product(u, d, mw, *one_row, kb, 1, *acc)
-                                 : block_product(u, d, mw, *one_row, kb, 0, *acc);
+        __m512 D, M;
+        decode_any(&p, panels, type, kb, u, &D, &M);
+        tile_block(u, D, M, q, kb, nb, TM, with_minimum, acc);
+    }
+    store_rows(acc, 0, TM, bias, y, j0, rows, n);
+}
+
+/* multiply_panel for x of m <= GEMM_TILE rows. */
+static void multiply_panel_rows(const uint8_t *w, int type, int panels, int64_t j0, int rows, int64_t nb,
+                                const uint8_t *next, int64_t ahead, quantized_x q, int64_t m, const uint16_t *bias,
+                                uint16_t *y, int64_t n) {
+    switch (m) {
+#define FEW_ROWS(TM)                                                                                      \
+    case TM:                                                                                              \
+        if (has_minimum(type)) multiply_panel(w, type, panels, j0, rows, nb, next, ahead, q, TM, 1, bias, y, n); \
+        else multiply_panel(w, type, panels, j0, rows, nb, next, ahead, q, TM, 0, bias, y, n);           \
+        break;
+    FEW_ROWS(1) FEW_ROWS(2) FEW_ROWS(3) FEW_ROWS(4) FEW_ROWS(5) FEW_ROWS(6) FEW_ROWS(7) FEW_ROWS(8)
+#undef FEW_ROWS
     }
 }
 
 /* Rows [t0, t0 + TM) of x times the panel (output rows [j0, j0 + rows)) into y; TM and
- * with_minimum are constants in each caller, so the dot products and sums stay in registers.
- * Each code vector of a block multiplies into the TM rows' dot products in turn: consecutive
- * vpdpbusd are independent, where a row's 8 in a row would each wait for the one before. */
+ * with_minimum are constants in each caller, so the sums stay in registers. */
 static inline __attribute__((always_inline)) void panel_tile(
         const __m512i *codes, const __m512 *D, const __m512 *M, quantized_x q, int64_t t0, const int TM,
         const int with_minimum, const uint16_t *bias, uint16_t *y, int64_t j0, int rows, int64_t n, int64_t k) {
     const int64_t nb = k / QK;
     __m512 acc[GEMM_TILE];
     for (int t = 0; t < TM; ++t) acc[t] = _mm512_setzero_ps();
-    for (int64_t kb = 0; kb < nb; ++kb) {
-        const int64_t xb = t0 * nb + kb;  /* row t0 + t's block: xb + t * nb */
-        __m512i dot[GEMM_TILE];
-        for (int t = 0; t < TM; ++t) dot[t] = _mm512_set1_epi32(q.start[xb + t * nb]);
-        for (int g = 0; g < 8; ++g) {
-            const __m512i u = _mm512_load_si512(codes + kb * 8 + g);
-            for (int t = 0; t < TM; ++t) dot[t] = _mm512_dpbusd_epi32(dot[t], u, x_codes(q, xb + t * nb, g));
-        }
-        for (int t = 0; t < TM; ++t) acc[t] = block_epilogue(dot[t], D[kb], M[kb], q, xb + t * nb, with_minimum, acc[t]);
-    }
+    for (int64_t kb = 0; kb < nb; ++kb) tile_block(codes + kb * 8, D[kb], M[kb], q, t0 * nb + kb, nb, TM, with_minimum, acc);
     store_rows(acc, t0, TM, bias, y, j0, rows, n);
 }
 
