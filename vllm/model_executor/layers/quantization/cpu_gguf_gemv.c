@@ -115,7 +115,6 @@ int gguf_matmul_float(const void *x, int bf16, const uint8_t *w, int type, const
 #ifdef HAVE_GGUF_INT8_ROWS
 int gguf_int8_supported(void) { return 1; }
 
-
 int gguf_matmul_int8(const void *x, int bf16, const uint8_t *w, int type, const void *bias, void *y,
                      int64_t m, int64_t n, int64_t k) {
     const int64_t rb = row_bytes(type, k), nb = k / QK;
@@ -161,6 +160,7 @@ int gguf_matmul_int8(const void *x, int bf16, const uint8_t *w, int type, const 
 
 #endif
 
+/* The tiled product (cpu_gguf_gemv_tiles.h): W dequantized panel by panel for cpu_tile_gemm.c. */
 typedef int (*tile_gemm_fn)(const uint16_t *x, const uint16_t *tiles, const uint16_t *bias, uint16_t *y,
                             int64_t m, int64_t n, int64_t k);
 static tile_gemm_fn tile_gemm;  /* cpu_tile_gemm.c's tile_gemm_bf16, given once by gguf_use_tile_gemm */
@@ -172,7 +172,6 @@ int gguf_use_tile_gemm(void *gemm) {
 }
 
 static int tiled_fits(int64_t n, int64_t k) { return tile_gemm != NULL && n % 16 == 0 && k % QK == 0; }
-
 
 /* y (m, n) = x @ W^T + bias on the tile GEMM, W dequantized panel by panel; 1 where the tile
  * GEMM is not given or the shape does not fit it. */
@@ -221,7 +220,6 @@ int gguf_to_panels(const uint8_t *w, int type, int64_t n, int64_t k, uint8_t *ou
 
 #ifdef HAVE_GGUF_GEMM
 int gguf_gemm_supported(void) { return 1; }
-
 
 /* y (m, n) bf16 = x @ W^T + bias on the int8 GEMM: x (m, k) bf16, bias (n) bf16 or NULL. */
 int gguf_gemm_int8_bf16(const uint16_t *x, const uint8_t *w, int type, const uint16_t *bias, uint16_t *y,

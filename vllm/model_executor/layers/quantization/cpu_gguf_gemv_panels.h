@@ -39,7 +39,6 @@
 #define GEMM_TILE 8  /* rows of x per pass over a panel: their dot products and sums stay in registers */
 #define PREFETCH_PANELS 4  /* how far ahead a panel's unpacking prefetches W, into L2 */
 
-
 /* The panel's 16 rows (lanes past its last row repeat that row): row c starts at base + offset[c]. */
 typedef struct {
     const uint8_t *base;
