@@ -199,7 +199,8 @@ def test_workloads(tiny_checkpoints, tmp_path):
     result = json.loads(out.read_text())
     for backend in ("vllm", "hf"):
         values = result["workloads"][backend]
-        for key in ("A_total_tokens_per_s", "B_ttft_s", "C_decode_tokens_per_s", "D_wall_s"):
+        for key in ("A_total_tokens_per_s", "B_ttft_s", "C_decode_tokens_per_s", "D_wall_s",
+                    "C_memory_bound_after_bytes_per_s", "C_fraction_of_memory_bandwidth"):
             assert values[key] > 0, (backend, key)
     e = result["workloads"]["vllm"]["E"]
     assert e["chunked"]["p99_gap_s"] <= e["chunked"]["max_gap_s"]
