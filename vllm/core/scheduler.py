@@ -63,13 +63,10 @@ class _PrefillDemand:
         return (sum(min(c, budget) for c in self.long_chunks),
                 sum(min(c, budget) for c in self.short_chunks) + min(self.waiting_short, budget))
 
-    def shares(self, budget: int, needs: tuple[int, int] | None = None) -> tuple[int, int]:
+    def shares(self, budget: int) -> tuple[int, int]:
         """(long share, short share) of a prefill budget: the long prompts' up to half of it,
-        the short prompts' the rest, each up to what that kind can take (`needs`, if the caller
-        has them)."""
-        long_need, short_need = needs or self.needs(budget)
-        long_share = min(budget - budget // 2, long_need)
-        return long_share, min(budget - long_share, short_need)
+        the short prompts' the rest, each up to what that kind can take."""
+        return _split(budget, *self.needs(budget))
 
     def priced_chunks(self, budget: int) -> list[tuple[int, int]]:
         """The (num_tokens, context_len) chunks a prefill budget buys, for the step-time model:
@@ -77,10 +74,16 @@ class _PrefillDemand:
         as the long prompts can take it, after the deepest long context. (Priced at one context
         for all the prompts, a short prompt beside a long one deep in its prefill would be
         charged the long one's attention, and the step sized well below the target.)"""
-        needs = self.needs(budget)
-        _, short_share = self.shares(budget, needs)
-        return [(min(needs[0], budget - short_share), _deepest(self.running_long)),
+        long_need, short_need = self.needs(budget)
+        _, short_share = _split(budget, long_need, short_need)
+        return [(min(long_need, budget - short_share), _deepest(self.running_long)),
                 (short_share, _deepest(self.running_short))]
+
+
+def _split(budget: int, long_need: int, short_need: int) -> tuple[int, int]:
+    """_PrefillDemand.shares for known needs."""
+    long_share = min(budget - budget // 2, long_need)
+    return long_share, min(budget - long_share, short_need)
 
 
 def _deepest(seqs: list[Sequence]) -> int:

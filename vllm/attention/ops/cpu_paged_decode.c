@@ -10,8 +10,8 @@
  * A task attends all heads of one sequence with an online softmax over tiles of keys, each
  * tile's rows read into the cache in one pass before it is computed: no gather of the blocks,
  * no padding to the longest sequence, no mask. A sequence with more keys than a task takes
- * (TASK_KEYS) is split over several tasks and the parts merged. Scores, softmax and the weighted sum of
- * values stay in float32. Decode attention is bound by reading the cache, and this reads each
+ * (TASK_KEYS) is split over several tasks and the parts merged. Scores, softmax and the
+ * weighted sum of values stay in float32. Decode attention is bound by reading the cache, and this reads each
  * key and value row once, where gathering the blocks for SDPA reads them, writes a padded copy
  * and reads that again. bf16 caches with 1-4 query heads per KV head (head_dim 64) or 1-2
  * (head_dim 128) take a copy on AVX512-BF16 dot products with the value sums in registers, so
