@@ -14,10 +14,8 @@ setup(
     description="Chunked-prefill LLM inference for Intel Gaudi (HPU), with a tested CPU path",
     python_requires=">=3.11",
     packages=find_packages(include=["vllm", "vllm.*"]),
-    # C kernels, compiled at run time (vllm/platforms/c_build.py)
-    package_data={"vllm.attention.ops": ["*.c"], "vllm.model_executor.layers": ["*.c"],
-                  "vllm.model_executor.models": ["*.c"],
-                  "vllm.platforms": ["*.h"]},
+    # The C kernels' sources, compiled on first use for the CPU they run on (vllm/platforms/c_build.py)
+    package_data={"vllm": ["csrc/cpu/*.c", "csrc/cpu/*.h"]},
     install_requires=_requirements(),
     entry_points={"console_scripts": ["vllm = vllm.entrypoints.cli.main:main"]},
     extras_require={

@@ -75,6 +75,33 @@ def test_library_the_cpu_does_not_support_is_unavailable(probe_source):
     assert library.get() is None and library.address("twice") is None
 
 
+def test_included_headers_are_followed_through_headers_to_the_kernel_directory(tmp_path):
+    (tmp_path / "outer.h").write_text('#include "inner.h"\n#include <stdint.h>\n')
+    (tmp_path / "inner.h").write_text('#include "bf16.h"\n#include "outer.h"\n')  # a cycle, and a shared one
+    (tmp_path / "unused.h").write_text("")
+    source = tmp_path / "probe.c"
+    source.write_text('#include "outer.h"\n  #  include "inner.h"\n')
+    assert c_build.included_headers(source) == sorted(
+        [tmp_path / "outer.h", tmp_path / "inner.h", c_build.KERNEL_SOURCES / "bf16.h"])
+
+
+@needs_cc
+def test_a_library_is_rebuilt_when_a_header_it_includes_changes(probe_source):
+    probe_source.write_text('#include "probe.h"\n' + _PROBE_SOURCE)
+    header = probe_source.with_name("probe.h")
+    header.write_text("#define PROBE 1\n")
+
+    def built() -> set[str]:
+        assert c_build.load_c_library(probe_source, "") is not None
+        return {p.name for p in (probe_source.parent / "cache").rglob("*.so")}
+
+    first = built()
+    probe_source.with_name("unrelated.h").write_text("#define OTHER 1\n")
+    assert built() == first  # a header it does not include leaves its key alone
+    header.write_text("#define PROBE 2\n")
+    assert len(built() - first) == 1
+
+
 def test_library_is_unavailable_with_the_kernels_switched_off(monkeypatch, tmp_path):
     monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path))
     monkeypatch.setenv("VLLM_CPU_C_KERNELS", "0")

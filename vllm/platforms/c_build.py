@@ -1,8 +1,9 @@
 """Builds the engine's small C kernels for this CPU on first use, and loads them with ctypes.
 
-Each kernel is one self-contained C file (no torch headers, so a build takes about a second),
-compiled with the system compiler into VLLM_CACHE_ROOT (default ~/.cache/vllm), once per
-source, compiler flags and CPU. Without a compiler, if the build fails, or with
+The kernels' sources and headers are in vllm/csrc/cpu/ (`KERNEL_SOURCES`), shipped with the
+package. Each kernel is one C file and the headers it includes (no torch headers, so a build
+takes about a second), compiled with the system compiler into VLLM_CACHE_ROOT (default
+~/.cache/vllm), once per source, the headers it includes, compiler flags and CPU. Without a compiler, if the build fails, or with
 VLLM_CPU_C_KERNELS=0, `load_c_library` returns None and the caller keeps its torch path.
 
 VLLM_C_SANITIZE=address builds them with AddressSanitizer and UndefinedBehaviorSanitizer instead
@@ -13,6 +14,7 @@ runtime preloaded (LD_PRELOAD=$(cc -print-file-name=libasan.so)), and the first 
 import ctypes
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -23,11 +25,10 @@ from vllm.platforms.cpu import cpu_flags
 
 logger = init_logger(__name__)
 
-# Headers shared by the kernels (bf16.h) live beside this file.
-_INCLUDE = Path(__file__).parent
+KERNEL_SOURCES = Path(__file__).parents[1] / "csrc" / "cpu"
 # -fopenmp links libgomp, the OpenMP runtime torch's CPU wheels load: the kernels' threads are
 # torch's threads (same soname, one runtime in the process).
-_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-shared", "-fPIC", "-std=c11", f"-I{_INCLUDE}"]
+_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-shared", "-fPIC", "-std=c11", f"-I{KERNEL_SOURCES}"]
 
 
 def c_kernels_enabled() -> bool:
@@ -64,6 +65,25 @@ def _compile(compiler: str, source: Path, library: Path, flags: list[str]) -> st
     return None
 
 
+_LOCAL_INCLUDE = re.compile(rb'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)
+
+
+def included_headers(source: Path) -> list[Path]:
+    """The quoted headers `source` includes, directly or through other headers, found as the
+    compiler finds them: beside the including file, then in KERNEL_SOURCES."""
+    found: dict[Path, None] = {}
+    pending = [source]
+    while pending:
+        including = pending.pop()
+        for name in _LOCAL_INCLUDE.findall(including.read_bytes()):
+            name = name.decode()
+            header = next((d / name for d in (including.parent, KERNEL_SOURCES) if (d / name).is_file()), None)
+            if header is not None and header not in found:  # a missing one fails the compile itself
+                found[header] = None
+                pending.append(header)
+    return sorted(found)
+
+
 def load_c_library(source: Path, fallback: str) -> ctypes.CDLL | None:
     """The built library of `source`, or None (logged, naming `fallback`, the path used instead)."""
     if not c_kernels_enabled():
@@ -72,9 +92,8 @@ def load_c_library(source: Path, fallback: str) -> ctypes.CDLL | None:
     if compiler is None:
         logger.warning("No C compiler found for %s: %s", source.name, fallback)
         return None
-    # Shared headers, and headers beside the source (a kernel split into parts), key the build.
-    headers = sorted({*_INCLUDE.glob("*.h"), *source.parent.glob("*.h")})
-    text = source.read_bytes() + b"".join(h.read_bytes() for h in headers)
+    # The headers it includes key the build with the source.
+    text = source.read_bytes() + b"".join(h.read_bytes() for h in included_headers(source))
     flags = _FLAGS + sanitizer_flags()  # the later -O wins
     build = " ".join([compiler, *flags, *sorted(cpu_flags())])
     key = hashlib.sha256(text + build.encode()).hexdigest()[:16]

@@ -1,11 +1,12 @@
 """A C kernel file as its Python wrapper sees it: built on first use, its functions typed once.
 
 Each wrapper of a C kernel (vllm/attention/ops/cpu_*.py, vllm/model_executor/layers/cpu_*.py,
-vllm/model_executor/models/llama_cpu_layers.py) declares one `CLibrary`: the source beside it,
-the path that runs where it is unavailable, the ctypes signature of every function it calls,
-and, where the CPU decides, the C function that says whether the kernels run here:
+vllm/model_executor/models/llama_cpu_layers.py) declares one `CLibrary`: its source in
+vllm/csrc/cpu/, the path that runs where it is unavailable, the ctypes signature of every
+function it calls, and, where the CPU decides, the C function that says whether the kernels run
+here:
 
-    _LIBRARY = CLibrary(Path(__file__).with_name("cpu_gemv.c"), "linear layers use oneDNN",
+    _LIBRARY = CLibrary(KERNEL_SOURCES / "cpu_gemv.c", "linear layers use oneDNN",
                         {"gemv_bf16": CFunction([ptr, ptr, ptr, ptr, i64, i64, i64])},
                         supported="gemv_supported")
     lib = _LIBRARY.get()                      # None: keep the torch path
@@ -19,7 +20,9 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from vllm.platforms.c_build import load_c_library
+from vllm.platforms.c_build import KERNEL_SOURCES, load_c_library
+
+__all__ = ["KERNEL_SOURCES", "CFunction", "CLibrary"]
 
 
 class CFunction(NamedTuple):

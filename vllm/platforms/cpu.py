@@ -76,7 +76,7 @@ class CpuPlatform(Platform):
     symbolic_token_count = True
     # Every step is padded to a captured bucket or runs eagerly: the parameter guards can go.
     skip_guards_after_warmup = True
-    # Decodes of a few rows run on the C GEMV (vllm/model_executor/layers/cpu_gemv.c), faster
+    # Decodes of a few rows run on the C GEMV (vllm/csrc/cpu/cpu_gemv.c), faster
     # than oneDNN at larger padded sizes, so small buckets pay; 2, not 1, because dynamo gives
     # size 1 a graph of its own while 2 shares the symbolic one.
     min_token_bucket = 2

@@ -2,8 +2,8 @@
 
 Every token of the step first writes its key/value into the paged cache (through
 `slot_mapping`). Where the C kernels build, they read the cache in place: all decodes go to
-vllm/attention/ops/cpu_paged_decode.c, and all prefill chunks (context and own keys in one pass)
-to vllm/attention/ops/cpu_paged_prefill.c. Elsewhere the step's sequences are attended in the
+vllm/csrc/cpu/cpu_paged_decode.c, and all prefill chunks (context and own keys in one pass)
+to vllm/csrc/cpu/cpu_paged_prefill.c. Elsewhere the step's sequences are attended in the
 groups of its metadata (vllm/attention/backends/cpu_metadata.py), one vectorized call per group:
 a prefill chunk attends to its own tokens causally (no cache read, no mask) and, if earlier
 chunks exist, to their cached keys without a causal mask (all of them precede the chunk); the

@@ -13,8 +13,8 @@ prefill chunks of very different lengths; see `_bands`):
                                         + earlier chunks from the cache  [2, ctx_blocks * block_size]
 
 On CPU the C kernels take the place of the groups and read the cache in place: `PagedDecodes`
-hands all decodes to vllm/attention/ops/cpu_paged_decode.c, and `PagedPrefills` all prefill
-chunks to vllm/attention/ops/cpu_paged_prefill.c. How the groups are attended:
+hands all decodes to vllm/csrc/cpu/cpu_paged_decode.c, and `PagedPrefills` all prefill
+chunks to vllm/csrc/cpu/cpu_paged_prefill.c. How the groups are attended:
 vllm/attention/backends/cpu_attn.py.
 """
 

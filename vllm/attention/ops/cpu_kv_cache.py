@@ -5,14 +5,13 @@ caller keeps `index_copy_`.
 """
 
 import ctypes
-from pathlib import Path
 
 import torch
 
-from vllm.platforms.c_library import CFunction, CLibrary
+from vllm.platforms.c_library import KERNEL_SOURCES, CFunction, CLibrary
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
-_LIBRARY = CLibrary(Path(__file__).with_name("cpu_kv_cache.c"), "the KV cache is written by index_copy_",
+_LIBRARY = CLibrary(KERNEL_SOURCES / "cpu_kv_cache.c", "the KV cache is written by index_copy_",
                     {"write_kv_rows": CFunction([_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64])})
 
 

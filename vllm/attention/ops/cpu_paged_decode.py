@@ -7,17 +7,16 @@ vllm/attention/backends/cpu_attn.py.
 """
 
 import ctypes
-from pathlib import Path
 
 import torch
 
-from vllm.platforms.c_library import CFunction, CLibrary
+from vllm.platforms.c_library import KERNEL_SOURCES, CFunction, CLibrary
 
 _FUNCTIONS = {torch.bfloat16: "paged_decode_bf16", torch.float32: "paged_decode_f32"}
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 _DECODE = CFunction([_ptr] * 6 + [_i64] * 7 + [ctypes.c_float])
 _LIBRARY = CLibrary(
-    Path(__file__).with_name("cpu_paged_decode.c"), "decode attention gathers the cache blocks instead",
+    KERNEL_SOURCES / "cpu_paged_decode.c", "decode attention gathers the cache blocks instead",
     {**{name: _DECODE for name in _FUNCTIONS.values()},
      "paged_decode_max_heads": CFunction([], _i64), "paged_decode_max_head_dim": CFunction([], _i64),
      "paged_decode_use_amx": CFunction([ctypes.c_int])},

@@ -8,14 +8,13 @@ keep the gather + flash-attention path in vllm/attention/backends/cpu_attn.py.
 """
 
 import ctypes
-from pathlib import Path
 
 import torch
 
-from vllm.platforms.c_library import CFunction, CLibrary
+from vllm.platforms.c_library import KERNEL_SOURCES, CFunction, CLibrary
 
 _LIBRARY = CLibrary(
-    Path(__file__).with_name("cpu_paged_prefill.c"), "prefills keep torch's flash attention",
+    KERNEL_SOURCES / "cpu_paged_prefill.c", "prefills keep torch's flash attention",
     {"paged_prefill_bf16": CFunction([ctypes.c_void_p] * 8 + [ctypes.c_int64] * 8 + [ctypes.c_float]),
      "paged_prefill_head_dim": CFunction([]), "paged_prefill_use_amx": CFunction([ctypes.c_int])},
     supported="paged_prefill_supported",

@@ -5,14 +5,13 @@ oneDNN for every row count.
 """
 
 import functools
-from pathlib import Path
 
 import torch
 
 from vllm.model_executor.layers.cpu_product import PRODUCT, call_product
-from vllm.platforms.c_library import CLibrary
+from vllm.platforms.c_library import KERNEL_SOURCES, CLibrary
 
-_LIBRARY = CLibrary(Path(__file__).with_name("cpu_gemv.c"), "linear layers use oneDNN for decode rows too",
+_LIBRARY = CLibrary(KERNEL_SOURCES / "cpu_gemv.c", "linear layers use oneDNN for decode rows too",
                     {"gemv_bf16": PRODUCT}, supported="gemv_supported")
 
 

@@ -9,14 +9,13 @@ with VLLM_CPU_C_KERNELS=0, the torch ops run.
 """
 
 import ctypes
-from pathlib import Path
 
 import torch
 
-from vllm.platforms.c_library import CFunction, CLibrary
+from vllm.platforms.c_library import KERNEL_SOURCES, CFunction, CLibrary
 
 _ptr, _i64 = ctypes.c_void_p, ctypes.c_int64
-_LIBRARY = CLibrary(Path(__file__).with_name("cpu_layer_ops.c"), "norms and rotary run as torch ops", {
+_LIBRARY = CLibrary(KERNEL_SOURCES / "cpu_layer_ops.c", "norms and rotary run as torch ops", {
     "rms_norm_bf16": CFunction([_ptr, _ptr, _ptr, _i64, _i64, ctypes.c_float]),
     "add_rms_norm_bf16": CFunction([_ptr, _ptr, _ptr, _ptr, _i64, _i64, ctypes.c_float]),
     "rotary_bf16": CFunction([_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64]),

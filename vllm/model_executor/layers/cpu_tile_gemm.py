@@ -9,15 +9,14 @@ run on oneDNN's blocked copy instead.
 
 import ctypes
 import functools
-from pathlib import Path
 
 import torch
 
 from vllm.model_executor.layers.cpu_product import PRODUCT, call_product
-from vllm.platforms.c_library import CFunction, CLibrary
+from vllm.platforms.c_library import KERNEL_SOURCES, CFunction, CLibrary
 
 _ptr, _i64 = ctypes.c_void_p, ctypes.c_int64
-_LIBRARY = CLibrary(Path(__file__).with_name("cpu_tile_gemm.c"), "products of 5-512 rows stay on oneDNN",
+_LIBRARY = CLibrary(KERNEL_SOURCES / "cpu_tile_gemm.c", "products of 5-512 rows stay on oneDNN",
                     {"tile_gemm_bf16": PRODUCT, "tile_gemm_silu_mul_bf16": PRODUCT,
                      "tile_pack_bf16": CFunction([_ptr, _ptr, _i64, _i64]),
                      "tile_gemm_fits": CFunction([_i64, _i64]),

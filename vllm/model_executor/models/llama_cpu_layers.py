@@ -24,7 +24,6 @@ op-by-op path runs every step. Captured graphs keep the torch layers.
 """
 
 import ctypes
-from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -34,7 +33,7 @@ from vllm.attention.ops import cpu_paged_decode, cpu_paged_prefill
 from vllm.model_executor.layers import cpu_gemv, cpu_tile_gemm
 from vllm.model_executor.layers.linear import PACKED_MAX_ROWS, gemv_rows
 from vllm.model_executor.layers.quantization import cpu_gguf_gemv, gguf_linear
-from vllm.platforms.c_library import CFunction, CLibrary
+from vllm.platforms.c_library import KERNEL_SOURCES, CFunction, CLibrary
 
 _ptr, _i64 = ctypes.c_void_p, ctypes.c_int64
 
@@ -59,7 +58,7 @@ class _Step(ctypes.Structure):
                 ("attend_prefills", _ptr)]
 
 
-_LIBRARY = CLibrary(Path(__file__).with_name("llama_cpu_layers.c"), "the layers run op by op", {
+_LIBRARY = CLibrary(KERNEL_SOURCES / "llama_cpu_layers.c", "the layers run op by op", {
     "llama_layer": CFunction([ctypes.POINTER(_Layer), ctypes.POINTER(_Step), _ptr, _ptr, _ptr, _ptr]),
     "llama_layer_workspace": CFunction([ctypes.POINTER(_Layer), _i64], _i64),
 })

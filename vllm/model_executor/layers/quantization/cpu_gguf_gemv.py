@@ -7,14 +7,13 @@ with the gguf package instead (gguf_linear.py); where the CPU has no int8 dot pr
 
 import ctypes
 import functools
-from pathlib import Path
 
 import torch
 
 from vllm.model_executor.layers import cpu_tile_gemm
 from vllm.model_executor.layers.cpu_product import PRODUCT
 from vllm.model_executor.layers.quantization.gguf_blocks import PANELS
-from vllm.platforms.c_library import CFunction, CLibrary
+from vllm.platforms.c_library import KERNEL_SOURCES, CFunction, CLibrary
 
 _ptr, _i64, _int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _MATMUL = CFunction([_ptr, _int, _ptr, _int, _ptr, _ptr, _i64, _i64, _i64])
@@ -23,7 +22,7 @@ _PRODUCT_BF16 = CFunction([_ptr, _ptr, _int, _ptr, _ptr, _i64, _i64, _i64])
 _LAYER_PRODUCTS = {8: "gguf_layer_product_q8_0", 2: "gguf_layer_product_q4_0", 3: "gguf_layer_product_q4_1",
                    12: "gguf_layer_product_q4_k", 8 | PANELS: "gguf_layer_product_q8_0_panels",
                    2 | PANELS: "gguf_layer_product_q4_0_panels", 3 | PANELS: "gguf_layer_product_q4_1_panels"}
-_LIBRARY = CLibrary(Path(__file__).with_name("cpu_gguf_gemv.c"),
+_LIBRARY = CLibrary(KERNEL_SOURCES / "cpu_gguf_gemv.c",
                     "GGUF weights are dequantized with the gguf package for every product",
                     {"gguf_matmul_float": _MATMUL, "gguf_matmul_int8": _MATMUL,
                      "gguf_int8_supported": CFunction([]),

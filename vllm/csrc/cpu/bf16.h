@@ -1,4 +1,4 @@
-/* bf16 <-> float32 for the C kernels that vllm/platforms/c_build.py builds (on its include path). */
+/* bf16 <-> float32 for the C kernels beside it. */
 #ifndef VLLM_BF16_H
 #define VLLM_BF16_H
 

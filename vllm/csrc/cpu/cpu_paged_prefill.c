@@ -10,7 +10,7 @@
  * One task = 16 queries of one head. Their scores are computed transposed, keys down and
  * queries across, so that the softmax over keys runs down the columns (one vector per key,
  * no horizontal reductions), 32 keys a step, with a lazy running softmax
- * (vllm/platforms/lazy_softmax.h). Scores, the weights' sums and the output are float32; the
+ * (lazy_softmax.h). Scores, the weights' sums and the output are float32; the
  * weights enter the product with the values as bf16, as in torch's CPU flash attention. The
  * values are packed once per call as V^T, 32 keys a step (pack_values), the keys read in place.
  * Two copies of a task share this: on AMX tiles (cpu_paged_prefill_amx.h), and on AVX512-BF16

@@ -1,5 +1,5 @@
-/* Addressing the paged KV cache, for the C kernels that vllm/platforms/c_build.py builds (on its
- * include path). A sequence's key t lives in block table[t / block_size], row t % block_size. */
+/* Addressing the paged KV cache, for the C kernels beside it. A sequence's key t lives in block
+ * table[t / block_size], row t % block_size. */
 #ifndef VLLM_PAGED_CACHE_H
 #define VLLM_PAGED_CACHE_H
 

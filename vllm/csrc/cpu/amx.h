@@ -1,4 +1,4 @@
-/* AMX tile set-up shared by the C kernels that vllm/platforms/c_build.py builds (on its include path). */
+/* AMX tile set-up shared by the C kernels beside it. */
 #ifndef VLLM_AMX_H
 #define VLLM_AMX_H
 

@@ -1,5 +1,5 @@
 /* The element-wise steps of a Llama decoder layer on bf16 rows, rounded where torch's eager
- * bf16 ops round, for the C kernels that vllm/platforms/c_build.py builds (on its include path). */
+ * bf16 ops round, for the C kernels beside it. */
 #ifndef VLLM_LAYER_OPS_H
 #define VLLM_LAYER_OPS_H
 

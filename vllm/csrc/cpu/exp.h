@@ -1,4 +1,4 @@
-/* A vectorizable e^x for the C kernels that vllm/platforms/c_build.py builds (on its include path). */
+/* A vectorizable e^x for the C kernels beside it. */
 #ifndef VLLM_EXP_H
 #define VLLM_EXP_H
 

@@ -1,5 +1,5 @@
 /* The online softmax of the AMX attention kernels, 16 rows of scores at a time in the lanes of
- * AVX512 vectors (for vllm/platforms/c_build.py's kernels; on its include path).
+ * AVX512 vectors (for the C kernels beside it).
  *
  * Each lane is one row of the softmax (a query, or a query head). Scores come in 16-lane rows,
  * one per key; the weights leave as bf16 pairs of keys, the layout of an AMX operand tile

@@ -8,7 +8,7 @@
  *   O^T (64 dims x 16 queries) += V^T (dims x 32 keys, packed once per call) . P^T (pairs of keys x queries)
  *
  * O^T stays in four accumulator tiles across all keys, Q^T in two: the softmax
- * (vllm/platforms/lazy_softmax.h) raises its running maximum only when a score exceeds it by
+ * (lazy_softmax.h) raises its running maximum only when a score exceeds it by
  * more than 2^8 in weight, and only then is O^T stored, rescaled and reloaded. A step's weights
  * are first computed against the running maximum as it stands, which most steps keep
  * (lazy_softmax_accept), so most skip the pass over their scores for the maximum.

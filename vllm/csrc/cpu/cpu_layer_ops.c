@@ -6,7 +6,7 @@
  * In eager torch they are 7 (8 with the add), 4 and 2 ops, each a pass over the rows with its
  * own dispatch and its own output written to memory and read back by the next. Here each step
  * reads its rows once and keeps the intermediates in registers. Rounding follows torch's eager bf16 ops
- * (vllm/platforms/layer_ops.h, shared with the C decoder layer, llama_cpu_layers.c).
+ * (layer_ops.h, shared with the C decoder layer, llama_cpu_layers.c).
  *
  * Layouts: rows of x and y contiguous; rotary's x rows `x_stride` elements apart (q and k
  * inside a qkv row), its heads contiguous, its output (rows, heads, d) contiguous.
