@@ -117,6 +117,16 @@ def test_a_busy_process_counts_as_others_and_costs_a_thread():
     assert calls == [2, 1] and governor.threads == 1
 
 
+@pytest.mark.skipif(read_cpu_times() is None, reason="needs /proc/stat")
+def test_a_waited_for_child_counts_as_the_workers_own_time():
+    # A C kernel built on first use: the compiler is a child the worker waits for.
+    before = read_cpu_times()
+    subprocess.run([sys.executable, "-c", "import time\nend = time.process_time() + 0.5\n"
+                    "while time.process_time() < end: pass"], check=True)
+    after = read_cpu_times()
+    assert after.own - before.own >= 0.45
+
+
 def test_the_cpu_worker_adapts_unless_the_user_fixed_the_count(monkeypatch, tiny_checkpoints):
     from vllm import LLM, SamplingParams
 

@@ -34,7 +34,8 @@ _TAKE_MARGIN = 0.3  # of a core, at most, used by others before a thread is take
 
 @dataclass(frozen=True)
 class CpuTimes:
-    """Seconds since an arbitrary origin: wall clock, all cores' busy time, this process's."""
+    """Seconds since an arbitrary origin: wall clock, all cores' busy time, this process's
+    (with its waited-for children's)."""
     wall: float
     busy: float
     own: float
@@ -42,7 +43,8 @@ class CpuTimes:
 
 def read_cpu_times() -> CpuTimes | None:
     """The machine's busy time from /proc/stat (Linux) and this process's CPU time, all
-    threads; None where /proc/stat cannot be read."""
+    threads, with that of the children it has waited for (the compiler building a C kernel on
+    first use works for the worker, not against it); None where /proc/stat cannot be read."""
     try:
         with open("/proc/stat") as f:
             fields = f.readline().split()
@@ -53,7 +55,9 @@ def read_cpu_times() -> CpuTimes | None:
     # user nice system idle iowait irq softirq steal ...: idle and iowait are the idle time.
     jiffies = [int(x) for x in fields[1:]]
     busy = sum(jiffies) - jiffies[3] - (jiffies[4] if len(jiffies) > 4 else 0)
-    return CpuTimes(time.monotonic(), busy / os.sysconf("SC_CLK_TCK"), time.process_time())
+    children = os.times()
+    return CpuTimes(time.monotonic(), busy / os.sysconf("SC_CLK_TCK"),
+                    time.process_time() + children.children_user + children.children_system)
 
 
 def threads_for(others: float, current: int, max_threads: int) -> int:
