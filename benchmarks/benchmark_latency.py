@@ -122,7 +122,8 @@ def main(args: argparse.Namespace) -> dict:
         results["roofline"] = roofline.compute_roofline(
             args.model, dtype, all_records,
             fallback={"elapsed": sum(latencies), "prefill_tokens": stats["num_prefill_tokens"],
-                      "decode_tokens": stats["num_decode_tokens"], "num_steps": stats["num_steps"]})
+                      "decode_tokens": stats["num_decode_tokens"], "num_steps": stats["num_steps"]},
+            weight_bytes=engine_setup.decode_weight_bytes(llm))
         roofline.print_roofline(results["roofline"])
 
     mode = "chunked" if args.enable_chunked_prefill else "unchunked"

@@ -111,7 +111,8 @@ def run_vllm(requests: list[dict], args: argparse.Namespace) -> dict:
         extra["roofline"] = roofline.compute_roofline(
             args.model, extra["dtype"], recorder.records,
             fallback={"elapsed": elapsed, "prefill_tokens": stats["num_prefill_tokens"],
-                      "decode_tokens": stats["num_decode_tokens"], "num_steps": stats["num_steps"]})
+                      "decode_tokens": stats["num_decode_tokens"], "num_steps": stats["num_steps"]},
+            weight_bytes=engine_setup.decode_weight_bytes(llm))
     return {"elapsed": elapsed, "extra": extra}
 
 

@@ -47,10 +47,11 @@ class Engine:
         self.llm, self.init_seconds = engine_setup.build_llm(args, **overrides)
         self.engine = self.llm.llm_engine
 
-    def resident_weight_bytes(self) -> int:
-        """Bytes of the model's weights in memory (quantized ones at their own size); one rank."""
-        from vllm.model_executor.model_loader import resident_weight_bytes
-        return resident_weight_bytes(self.engine.runner.model)
+    def decode_weight_bytes(self) -> int:
+        """Bytes of the weights a decode step reads, as loaded (GGUF blocks at their own size)."""
+        weight_bytes = engine_setup.decode_weight_bytes(self.llm)
+        assert weight_bytes is not None, "the workloads run the model in this process"
+        return weight_bytes
 
     def generate(self, prompts: list[list[int]], output_len: int) -> float:
         from vllm import SamplingParams
@@ -197,7 +198,7 @@ def run(args: argparse.Namespace) -> dict:
             if backend != "llama.cpp":
                 weight_bytes = params["total"] * bytes_per_param  # a tied LM head counts once
                 if backend == "vllm":  # as loaded: GGUF blocks at their own bytes
-                    weight_bytes = runner.resident_weight_bytes()
+                    weight_bytes = runner.decode_weight_bytes()
                 # A shared machine's bandwidth moves between runs minutes apart: the bound is
                 # measured again right after C's runs, and the higher of the two is quoted.
                 after = roofline.measure_memory_bandwidth()["bytes_per_s"]

@@ -98,3 +98,20 @@ def engine_dtype_name(llm_or_engine, requested: str) -> str:
     if dtype is not None:
         return str(dtype).replace("torch.", "")
     return resolve_dtype_name(requested)
+
+
+def decode_weight_bytes(llm_or_engine) -> int | None:
+    """Bytes of the weights one decode step reads, as the engine holds them (GGUF blocks at
+    their own size): every parameter but the embedding table, which a step reads a row of,
+    unless the LM head is that table. None where the model does not run in this process."""
+    engine = getattr(llm_or_engine, "llm_engine", llm_or_engine)
+    runner = getattr(engine.model_executor, "runner", None)
+    if runner is None:
+        return None
+    from vllm.model_executor.model_loader import resident_weight_bytes
+    model = runner.model
+    total = resident_weight_bytes(model)
+    if not model.tie_word_embeddings:
+        table = model.model.embed_tokens.weight
+        total -= table.numel() * table.element_size()
+    return total

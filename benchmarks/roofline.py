@@ -137,25 +137,30 @@ def measure_machine_roofline(dtype_name: str) -> dict:
 
 
 def roofline_report(params: dict, dtype_name: str, machine: dict, records: list[StepRecord] | None,
-                    fallback: dict | None = None) -> dict:
+                    fallback: dict | None = None, weight_bytes: int | None = None) -> dict:
     """Prefill as a fraction of the matmul peak, decode as a fraction of memory bandwidth.
 
     Prefill: the steps that computed any prefill tokens (prefill-only and mixed steps);
       achieved FLOP/s = 2 x (matmul_body x tokens computed + lm_head x rows sampled) / their time.
       Attention FLOPs are left out, so this slightly understates the work at long contexts.
     Decode: the steps that computed only decode tokens; each reads every weight once, so
-      achieved bytes/s = (matmul_body + lm_head) x dtype bytes x decode steps per second.
+      achieved bytes/s = weight bytes x decode steps per second, the weight bytes as the engine
+      holds them (`weight_bytes`: GGUF blocks at their own size) or, without them,
+      (matmul_body + lm_head) x dtype bytes.
     `fallback` ({"elapsed", "prefill_tokens", "decode_tokens", "num_steps"}) is used when no
     per-step records exist: then the whole run counts for both (a lower bound).
     """
     elem = _DTYPE_BYTES.get(dtype_name, 2)
     peak = machine["matmul"]["flops_per_s"]
     bandwidth = machine["memory"]["bytes_per_s"]
-    weight_bytes = (params["matmul_body"] + params["lm_head"]) * elem
+    as_loaded = weight_bytes is not None
+    if not as_loaded:
+        weight_bytes = (params["matmul_body"] + params["lm_head"]) * elem
     report = {
         "dtype": dtype_name,
         "params": params,
         "weight_bytes_per_step": weight_bytes,
+        "weight_bytes_source": "as loaded" if as_loaded else "parameters x dtype",
         "flops_per_token": 2 * params["matmul_body"],
         "peak_matmul_flops_per_s": peak,
         "matmul_benchmark": machine["matmul"],
@@ -217,12 +222,13 @@ def roofline_report(params: dict, dtype_name: str, machine: dict, records: list[
 
 
 def compute_roofline(model: str | None, dtype_name: str, records: list[StepRecord] | None,
-                     fallback: dict | None = None) -> dict:
-    """Parameter counts + machine measurements + the report; errors become {"error": ...}."""
+                     fallback: dict | None = None, weight_bytes: int | None = None) -> dict:
+    """Parameter counts + machine measurements + the report; errors become {"error": ...}.
+    `weight_bytes`: the weights' bytes as the engine holds them, where known."""
     try:
         params = model_param_counts(resolve_model_path(model))
         machine = measure_machine_roofline(dtype_name)
-        return roofline_report(params, dtype_name, machine, records, fallback)
+        return roofline_report(params, dtype_name, machine, records, fallback, weight_bytes)
     except Exception as e:  # a roofline problem must not lose the benchmark's result
         return {"error": f"{type(e).__name__}: {e}"}
 
@@ -242,5 +248,5 @@ def print_roofline(report: dict | None) -> None:
               f"{100 * pre['fraction_of_matmul_peak']:.1f}% of the matmul peak")
     if dec and dec.get("fraction_of_bandwidth") is not None:
         print(f"  decode: {dec['decode_steps_per_s']:.2f} steps/s x "
-              f"{report['weight_bytes_per_step'] / 1e6:.1f} MB of weights = "
+              f"{report['weight_bytes_per_step'] / 1e6:.1f} MB of weights ({report['weight_bytes_source']}) = "
               f"{100 * dec['fraction_of_bandwidth']:.1f}% of the memory bandwidth")

@@ -66,6 +66,7 @@ def check_roofline(roofline: dict) -> None:
     assert roofline["memory_bandwidth_bytes_per_s"] > 0
     assert 0 < roofline["prefill"]["fraction_of_matmul_peak"] < 1
     assert 0 < roofline["decode"]["fraction_of_bandwidth"] < 1
+    assert roofline["weight_bytes_source"] == "as loaded"  # the engine's own weights, in this process
 
 
 # --------------------------------------------------------------------------- throughput
@@ -171,7 +172,7 @@ def test_latency(tiny_checkpoints, tmp_path):
     proc = run_script("benchmark_latency.py", "--model", tiny_checkpoints["llama"],
                       "--input-len", "8", "--output-len", "4", "--batch-size", "2",
                       "--num-iters-warmup", "1", "--num-iters", "3", *ENGINE,
-                      "--output-json", str(out))
+                      "--quantization", "int8", "--output-json", str(out))
     check_ok(proc)
     assert re.search(r"^Avg latency: [0-9.e-]+ seconds$", proc.stdout, re.M), proc.stdout
     assert re.search(r"^99% percentile latency: [0-9.e-]+ seconds$", proc.stdout, re.M)
@@ -186,6 +187,11 @@ def test_latency(tiny_checkpoints, tmp_path):
     assert stats["num_prefill_tokens"] + stats["num_decode_tokens"] == 3 * 2 * (8 + 3)
     assert result["avg_decode_steps"] == 3
     check_roofline(result["roofline"])
+    # int8 weights: a decode step reads the linear layers' Q8_0 blocks (34 bytes per 32 weights,
+    # not 64) and the bf16 lm_head; the norms, a few hundred of the body's parameters, stay bf16.
+    params = result["roofline"]["params"]
+    saved = 2 * (params["matmul_body"] + params["lm_head"]) - result["roofline"]["weight_bytes_per_step"]
+    assert 0.9 * params["matmul_body"] < saved <= (2 - 34 / 32) * params["matmul_body"]
 
 
 # --------------------------------------------------------------------------- workloads A-E
