@@ -23,8 +23,9 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_server(model: str, port: int, *flags: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model, "--host", "127.0.0.1",
+def start_server(model: str, port: int, *flags: str,
+                 entry: tuple[str, ...] = ("vllm.entrypoints.cli.main", "serve")) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", *entry, model, "--host", "127.0.0.1",
            "--port", str(port), "--served-model-name", "tiny", "--dtype", "float32",
            "--max-model-len", "1024", "--block-size", "16", "--max-num-batched-tokens", "64",
            "--max-num-seqs", "4", "--enforce-eager", "--kv-cache-memory-bytes", str(32 * 2**20), *flags]
@@ -99,9 +100,30 @@ def test_serve_shuts_down_gracefully(tiny_checkpoints, sig, shutdown_timeout, fi
     assert "Traceback" not in output, output
 
 
-def test_serve_rejects_bad_flags(tiny_checkpoints):
+def test_the_api_server_module_serves_with_the_same_flags(tiny_checkpoints):
+    # `python -m vllm.entrypoints.openai.api_server --model MODEL`, the entry point older vLLM
+    # guides start the server with.
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = start_server(f"--model={tiny_checkpoints['llama']}", port,
+                        entry=("vllm.entrypoints.openai.api_server",))
+    try:
+        wait_healthy(proc, url)
+        body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 5, "ignore_eos": True}
+        completion = httpx2.post(f"{url}/v1/completions", json=body, timeout=60).json()
+        assert completion["usage"]["completion_tokens"] == 5
+        proc.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0 and "Traceback" not in output, output
+
+
+@pytest.mark.parametrize("entry", [("vllm.entrypoints.cli.main", "serve"), ("vllm.entrypoints.openai.api_server",)])
+def test_serve_rejects_bad_flags(tiny_checkpoints, entry):
     result = subprocess.run(
-        [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", tiny_checkpoints["llama"],
+        [sys.executable, "-m", *entry, tiny_checkpoints["llama"],
          "--max-num-seqs", "many"], cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
         capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "--max-num-seqs" in result.stderr

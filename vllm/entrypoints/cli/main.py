@@ -1,13 +1,11 @@
 """The `vllm` command: `vllm serve MODEL [flags]` starts the OpenAI-compatible server."""
 
 import argparse
-import asyncio
-import logging
 import sys
 
 import vllm
-from vllm.entrypoints.openai.api_server import run_server
-from vllm.entrypoints.openai.cli_args import engine_args_from, make_arg_parser
+from vllm.entrypoints.openai.api_server import serve_from_cli
+from vllm.entrypoints.openai.cli_args import make_arg_parser
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -17,13 +15,7 @@ def main(argv: list[str] | None = None) -> int:
     serve = commands.add_parser("serve", help="start the OpenAI-compatible HTTP server",
                                 usage="vllm serve [MODEL] [flags]")
     make_arg_parser(serve)
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
-    try:
-        asyncio.run(run_server(args, engine_args_from(args)))
-    except ValueError as e:  # a bad flag value or combination, named in the message
-        serve.error(str(e))
-    return 0
+    return serve_from_cli(serve, parser.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP server: a FastAPI app on one AsyncLLMEngine (or, with
 data_parallel_size > 1, a DataParallelEngine over replicas of it), served by uvicorn."""
 
+import argparse
 import asyncio
 import contextlib
 import gc
@@ -9,6 +10,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 from argparse import Namespace
 from collections.abc import AsyncIterator, Awaitable
 from http import HTTPStatus
@@ -23,6 +25,7 @@ import vllm
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.engine.async_llm_engine import AsyncEngineDeadError, AsyncLLMEngine
 from vllm.engine.metrics import LoggingStatLogger, PrometheusStatLogger, log_interval_from_env
+from vllm.entrypoints.openai.cli_args import engine_args_from, make_arg_parser
 from vllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -258,3 +261,27 @@ async def run_server(args: Namespace, engine_args: AsyncEngineArgs) -> None:
     host, port = sock.getsockname()[:2]
     logger.info("Serving %s on http://%s:%d", ", ".join(names), host, port)
     await serve_http(app, sock, log_level=args.uvicorn_log_level, shutdown_timeout=args.shutdown_timeout)
+
+
+def serve_from_cli(parser: argparse.ArgumentParser, args: Namespace) -> int:
+    """Serves for parsed flags until a signal; a bad flag value or combination exits through
+    `parser.error`, naming it."""
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    try:
+        asyncio.run(run_server(args, engine_args_from(args)))
+    except ValueError as e:
+        parser.error(str(e))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m vllm.entrypoints.openai.api_server --model MODEL [flags]`, the server's older
+    entry point, with the flags of `vllm serve`."""
+    parser = make_arg_parser(argparse.ArgumentParser(
+        prog="python -m vllm.entrypoints.openai.api_server",
+        description="vLLM's OpenAI-compatible HTTP server (the same as `vllm serve`)"))
+    return serve_from_cli(parser, parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
