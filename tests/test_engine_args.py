@@ -104,7 +104,10 @@ def test_settings_that_do_not_apply_on_cpu_are_logged(tiny_checkpoints, caplog, 
 
 
 @pytest.mark.parametrize("field,value", [("gpu_memory_utilization", 0.0),
-                                         ("gpu_memory_utilization", 1.5), ("swap_space", -1)])
+                                         ("gpu_memory_utilization", 1.5), ("swap_space", -1),
+                                         # 0 is a value, refused, not "unset": None means the default
+                                         ("max_num_seqs", 0), ("max_model_len", 0),
+                                         ("kv_cache_memory_bytes", 0), ("max_num_batched_tokens", 0)])
 def test_out_of_range_values(tiny_checkpoints, field, value):
     with pytest.raises(ValueError, match=field):
         EngineArgs(model=tiny_checkpoints["llama"], **{field: value}).create_engine_config(CpuPlatform())

@@ -250,7 +250,7 @@ class EngineArgs:
         dtype = resolve_dtype(self.dtype, platform.default_dtype)
 
         max_positions = getattr(hf_config, "max_position_embeddings", None)
-        max_model_len = self.max_model_len or max_positions
+        max_model_len = self.max_model_len if self.max_model_len is not None else max_positions
         if max_model_len is None:
             raise ValueError("the model config has no max_position_embeddings; pass max_model_len")
         if max_positions is not None and max_model_len > max_positions:
@@ -284,12 +284,13 @@ class EngineArgs:
                                                           model_weight_bytes(hf_config, dtype))
         cache_config = CacheConfig(
             block_size=self.block_size,
-            kv_cache_memory_bytes=kv_cache_bytes or kv_cache_bytes_from_env(),
+            kv_cache_memory_bytes=kv_cache_bytes if kv_cache_bytes is not None else kv_cache_bytes_from_env(),
             num_gpu_blocks_override=self.num_gpu_blocks_override,
             enable_prefix_caching=self.enable_prefix_caching)
         scheduler_config = SchedulerConfig(
             max_num_batched_tokens=budget,
-            max_num_seqs=self.max_num_seqs or min(DEFAULT_MAX_NUM_SEQS, budget),
+            max_num_seqs=(self.max_num_seqs if self.max_num_seqs is not None
+                          else min(DEFAULT_MAX_NUM_SEQS, budget)),
             max_model_len=max_model_len,
             enable_chunked_prefill=self.enable_chunked_prefill,
             max_num_partial_prefills=self.max_num_partial_prefills,
