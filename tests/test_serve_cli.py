@@ -47,6 +47,14 @@ def wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float = 180.0) -> 
     raise AssertionError("the server did not come up")
 
 
+def stop_with_sigterm(proc: subprocess.Popen) -> str:
+    """Its output, once SIGTERM has stopped it cleanly (status 0, no traceback)."""
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and "Traceback" not in output, output
+    return output
+
+
 def stream_events(url: str, max_tokens: int, events: list, first: threading.Event) -> None:
     body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": max_tokens, "ignore_eos": True,
             "stream": True}
@@ -112,12 +120,10 @@ def test_the_api_server_module_serves_with_the_same_flags(tiny_checkpoints):
         body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 5, "ignore_eos": True}
         completion = httpx2.post(f"{url}/v1/completions", json=body, timeout=60).json()
         assert completion["usage"]["completion_tokens"] == 5
-        proc.send_signal(signal.SIGTERM)
-        output, _ = proc.communicate(timeout=60)
+        stop_with_sigterm(proc)
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 0 and "Traceback" not in output, output
 
 
 @pytest.mark.parametrize("entry", [("vllm.entrypoints.cli.main", "serve"), ("vllm.entrypoints.openai.api_server",)])
