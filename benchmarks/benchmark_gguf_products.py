@@ -6,8 +6,8 @@ on the weight's rows ("gemm") and on its 16-row panels as a loaded bf16 model ho
 ("bf16"). The paths of a shape are timed in turns, best of several rounds, so that a busy
 machine slows them alike; with --copies 30 each call reads its weight from memory, as a step
 through the model's 30 layers does. The shapes are the default model's (q|k|v, o, gate|up,
-down, and with --lm-head its Q8_0 lm_head; for Q4_K, whose rows are super-blocks of 256, K
-rounded up to 768 and 1536); cpu_gguf_gemv.c's gguf_product_path encodes which product each
+down, and with --lm-head its Q8_0 lm_head; for Q4_K and Q6_K, whose rows are super-blocks of 256,
+K rounded up to 768 and 1536); cpu_gguf_gemv.c's gguf_product_path encodes which product each
 row count of a type takes from what this measures.
 
     PYTHONPATH=$PWD python benchmarks/benchmark_gguf_products.py --copies 30 --lm-head \
@@ -26,19 +26,22 @@ SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (N, K) of SmolLM2
 LM_HEAD = (49152, 576)  # its tied Q8_0 embedding
 ROWS = [1, 2, 3, 4, 6, 8, 16, 32, 64, 128, 256, 512]
 INT8_MAX_ROWS = 16  # the weight-stationary product unpacks each block once per row: far behind past this
-TYPES = {"Q8_0": 8, "Q4_0": 2, "Q4_1": 3, "Q4_K": 12}
+TYPES = {"Q8_0": 8, "Q4_0": 2, "Q4_1": 3, "Q4_K": 12, "Q6_K": 14}
+SUPER_BLOCKS = {"Q4_K": 144, "Q6_K": 210}  # bytes per 256 weights of the types the gguf package cannot quantize
 
 
 def _random_blocks(quant_type: int, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
-    """(n, row bytes) uint8: the gguf package's blocks of random weights; Q4_K, which it cannot
-    quantize, random bytes with d and dmin of 2^-10."""
+    """(n, row bytes) uint8: the gguf package's blocks of random weights; Q4_K and Q6_K, which it
+    cannot quantize, random bytes with scales (d and dmin; d) of 2^-10."""
     import gguf
 
-    if quant_type != TYPES["Q4_K"]:
+    name = gguf.GGMLQuantizationType(quant_type).name
+    if name not in SUPER_BLOCKS:
         data = gguf.quants.quantize(rng.standard_normal((n, k)).astype(np.float32), gguf.GGMLQuantizationType(quant_type))
         return np.ascontiguousarray(data)
-    blocks = rng.integers(0, 256, (n, k // 256, 144), dtype=np.uint8)
-    blocks[..., 0:4] = np.full(2, 2.0 ** -10, dtype=np.float16).view(np.uint8)
+    blocks = rng.integers(0, 256, (n, k // 256, SUPER_BLOCKS[name]), dtype=np.uint8)
+    scales = slice(0, 4) if name == "Q4_K" else slice(208, 210)
+    blocks[..., scales] = np.full(scales.stop // 2 - scales.start // 2, 2.0 ** -10, dtype=np.float16).view(np.uint8)
     return blocks.reshape(n, -1)
 
 
@@ -64,7 +67,7 @@ def main() -> None:
     from vllm.model_executor.layers.quantization.gguf_blocks import PANELS
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--types", default="Q4_1,Q8_0,Q4_0", help="comma-separated subset of Q8_0,Q4_0,Q4_1,Q4_K")
+    parser.add_argument("--types", default="Q4_1,Q8_0,Q4_0", help="comma-separated subset of Q8_0,Q4_0,Q4_1,Q4_K,Q6_K")
     parser.add_argument("--rows", default=",".join(map(str, ROWS)), help="comma-separated row counts of x")
     parser.add_argument("--lm-head", action="store_true", help=f"also the lm_head shape {LM_HEAD} (Q8_0 only)")
     parser.add_argument("--copies", type=int, default=1,
@@ -81,7 +84,7 @@ def main() -> None:
         quant_type = TYPES[name]
         shapes = SHAPES + ([LM_HEAD] if args.lm_head and name == "Q8_0" else [])
         for n, k in shapes:
-            if name == "Q4_K":
+            if name in SUPER_BLOCKS:
                 k = -(-k // 256) * 256
             data = _random_blocks(quant_type, n, k, rng)
             copies = 1 if (n, k) == LM_HEAD else args.copies  # 56 MB in bf16: read from memory anyway

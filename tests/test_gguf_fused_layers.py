@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.q4_k_blocks import Q4_K, quantize_q4_k
+from tests.k_quant_blocks import Q4_K, Q6_K, quantize_q4_k, quantize_q6_k
 from tests.test_fused_layers import _assert_fused_matches_op_by_op
 from tests.utils import avx2_only_env, build_tiny_checkpoint, random_prompts, tokens_op_by_op_then_fused
 from vllm import LLM, SamplingParams
@@ -26,19 +26,20 @@ from vllm.platforms.cpu import cpu_flags
 
 gguf = pytest.importorskip("gguf")
 
-TYPES = {"Q8_0": 8, "Q4_0": 2, "Q4_1": 3, "Q4_K": Q4_K}
+TYPES = {"Q8_0": 8, "Q4_0": 2, "Q4_1": 3, "Q4_K": Q4_K, "Q6_K": Q6_K}
 BLOCK = 16
 
 
 def _quantize(quant_type: int, weights: np.ndarray) -> torch.Tensor:
-    """(n, k) float32 -> (n, row bytes) uint8 blocks of `quant_type` (Q4_K by tests/q4_k_blocks.py)."""
-    if quant_type == Q4_K:
-        return torch.from_numpy(quantize_q4_k(weights))
+    """(n, k) float32 -> (n, row bytes) uint8 blocks of `quant_type` (Q4_K and Q6_K by
+    tests/k_quant_blocks.py)."""
+    if quant_type in (Q4_K, Q6_K):
+        return torch.from_numpy((quantize_q4_k if quant_type == Q4_K else quantize_q6_k)(weights))
     return torch.from_numpy(np.ascontiguousarray(gguf.quants.quantize(weights, gguf.GGMLQuantizationType(quant_type))))
 
 
 def _cases(shapes: list[tuple[int, int, int]]) -> list[tuple[str, int, int, int]]:
-    """(type, m, n, k) for each type and shape, k rounded up to whole blocks (Q4_K: 256)."""
+    """(type, m, n, k) for each type and shape, k rounded up to whole blocks (Q4_K, Q6_K: 256)."""
     return [(name, m, n, -(-k // block_size(TYPES[name])) * block_size(TYPES[name]))
             for name in TYPES for m, n, k in shapes]
 
@@ -157,10 +158,11 @@ def _quantized(quantizable_llm, name: str) -> LLM:
 @pytest.mark.parametrize("contexts,chunks", [([37], []), ([5, 200, 16], []), ([11 * i % 170 for i in range(16)], []),
                                              ([130, 3], [(1, 0), (2, 200)]), ([7], [(100, 30)])])
 @pytest.mark.parametrize("quantizable_llm,name", [("llama", "Q8_0"), ("llama", "Q4_0"), ("llama", "Q4_1"),
-                                                  ("llama", "Q4_K"), ("qwen2", "Q4_1")], indirect=["quantizable_llm"])
+                                                  ("llama", "Q4_K"), ("llama", "Q6_K"), ("qwen2", "Q4_1")],
+                         indirect=["quantizable_llm"])
 def test_quantized_steps_match_op_by_op(quantizable_llm, name, contexts, chunks):
     """Same hidden states and cache writes from the C layers and the op-by-op layers on the
-    same blocks (each type on Llama, hidden size 256 for Q4_K's super-blocks; Qwen2's q/k/v
+    same blocks (each type on Llama, hidden size 256 for the super-blocks; Qwen2's q/k/v
     biases on Q4_1), for 1-16 decodes and prefill chunks with and without decodes: products of 1
     to 101 rows, on the int8 GEMM where it runs and decodes the type (else 1-3 rows on the int8
     or float32 product, 16 and 101 on the tiled one); the GEMM's types in its panels."""

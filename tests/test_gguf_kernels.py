@@ -1,6 +1,6 @@
 """The C products on GGUF blocks (cpu_gguf_gemv.c) against the gguf package's dequantize followed
-by a float64 matmul, on blocks the gguf package quantizes from random weights (Q4_K: random
-super-blocks, tests/q4_k_blocks.py)."""
+by a float64 matmul, on blocks the gguf package quantizes from random weights (Q4_K and Q6_K:
+random super-blocks, tests/k_quant_blocks.py)."""
 
 import os
 import platform
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.q4_k_blocks import Q4_K, random_q4_k
+from tests.k_quant_blocks import Q4_K, Q6_K, random_q4_k, random_q6_k
 from tests.utils import avx2_only_env
 from vllm.model_executor.layers.quantization import cpu_gguf_gemv
 from vllm.model_executor.layers.quantization.gguf_blocks import PANELS, block_size, row_bytes
@@ -22,16 +22,16 @@ gguf = pytest.importorskip("gguf")
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None or not cpu_gguf_gemv.available(),
                                 reason="the GGUF kernels need a C compiler")
 
-TYPES = {"Q8_0": 8, "Q4_0": 2, "Q4_1": 3, "Q4_K": Q4_K}
+TYPES = {"Q8_0": 8, "Q4_0": 2, "Q4_1": 3, "Q4_K": Q4_K, "Q6_K": Q6_K}
 # (tokens, output rows, K): odd row counts, 1 to 8 tokens; K not a multiple of 256 (CASES rounds it
-# up to whole super-blocks for Q4_K: 1 to 3 of them).
+# up to whole super-blocks for Q4_K and Q6_K: 1 to 3 of them).
 SHAPES = [(1, 1, 32), (1, 7, 96), (2, 33, 160), (3, 64, 576), (5, 17, 288), (8, 65, 544)]
 X_BLOCK = 32  # the int8 product quantizes x per 32 columns
 _EPS32 = 2.0 ** -24  # float32 unit roundoff
 
 
 def _whole_blocks(name: str, k: int) -> int:
-    """k rounded up to whole blocks of type `name` (Q4_K rows are super-blocks of 256)."""
+    """k rounded up to whole blocks of type `name` (Q4_K and Q6_K rows are super-blocks of 256)."""
     size = block_size(TYPES[name])
     return -(-k // size) * size
 
@@ -41,11 +41,11 @@ CASES = [(name, m, n, _whole_blocks(name, k)) for name in TYPES for m, n, k in S
 
 
 def _blocks(quant_type: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, np.ndarray]:
-    """Random weights in GGUF blocks (Q4_K: random super-blocks): ((n, row bytes) uint8, the gguf
-    package's (n, k) float32)."""
+    """Random weights in GGUF blocks (Q4_K, Q6_K: random super-blocks): ((n, row bytes) uint8, the
+    gguf package's (n, k) float32)."""
     rng = np.random.default_rng(seed)
-    if quant_type == Q4_K:
-        data = random_q4_k(n, k, rng)
+    if quant_type in (Q4_K, Q6_K):
+        data = (random_q4_k if quant_type == Q4_K else random_q6_k)(n, k, rng)
     else:
         weights = (rng.standard_normal((n, k)) * rng.uniform(0.01, 2.0, (n, 1))).astype(np.float32)
         data = gguf.quants.quantize(weights, gguf.GGMLQuantizationType(quant_type))
@@ -219,13 +219,22 @@ def test_bf16_products_take_the_gemm_where_it_runs(name, m):
 
 
 @pytest.mark.skipif(not cpu_gguf_gemv.tiled_fits(48), reason="no tile GEMM here")
-def test_q4_k_takes_the_weight_stationary_then_the_tiled_product():
-    """The int8 GEMM does not decode Q4_K: a few rows take the weight-stationary product, more
-    the tiled one, wherever the GEMM is built or not."""
-    assert not cpu_gguf_gemv.gemm_takes(Q4_K)
-    assert cpu_gguf_gemv.product_path(Q4_K, 1, 48, 256) in ("int8", "float")
-    assert cpu_gguf_gemv.product_path(Q4_K, 64, 48, 256) == "tiled"
-    assert cpu_gguf_gemv.batched_fits(Q4_K, 48, 256) and not cpu_gguf_gemv.batched_fits(Q4_K, 40, 256)
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K"])
+def test_super_blocks_take_the_weight_stationary_then_the_tiled_product(name):
+    """The int8 GEMM does not decode super-blocks: a few rows take the weight-stationary product,
+    more the tiled one, wherever the GEMM is built or not."""
+    quant_type = TYPES[name]
+    assert not cpu_gguf_gemv.gemm_takes(quant_type)
+    assert cpu_gguf_gemv.product_path(quant_type, 1, 48, 256) == ("int8" if cpu_gguf_gemv.int8_available() else "float")
+    assert cpu_gguf_gemv.product_path(quant_type, 64, 48, 256) == "tiled"
+    assert cpu_gguf_gemv.batched_fits(quant_type, 48, 256) and not cpu_gguf_gemv.batched_fits(quant_type, 40, 256)
+    data, dense = _blocks(quant_type, 48, 512, seed=5)
+    x = _x(64, 512, torch.bfloat16, seed=5)
+    want = x.double().numpy() @ dense.astype(np.float64).T
+    got = cpu_gguf_gemv.product(x, data, quant_type, None).double().numpy()  # the tiled product
+    # bf16 tiles (a relative 2^-9 per weight) and bf16 output (2^-9)
+    bound = 2.0 ** -8 * (np.abs(x.double().numpy()) @ np.abs(dense.astype(np.float64)).T) + 2.0 ** -8 * np.abs(want)
+    assert np.all(np.abs(got - want) <= bound + 1e-30)
 
 
 def test_int8_product_is_where_the_isa_has_it():

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from tests.q4_k_blocks import quantize_q4_k
+from tests.k_quant_blocks import quantize_q4_k
 from vllm import EngineArgs
 from vllm.model_executor.layers.quantization.gguf_blocks import GGUFBlocks
 from vllm.model_executor.model_loader.gguf_weights import iter_gguf_weights

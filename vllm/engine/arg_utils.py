@@ -76,7 +76,7 @@ class EngineArgs:
     override_generation_config: dict = arg(
         {}, "generation config fields over the loaded ones, e.g. '{\"temperature\": 0.5}'")
     quantization: str | None = arg(
-        None, "weight quantization; gguf: a .gguf model's Q8_0, Q4_0, Q4_1 and Q4_K tensors stay in "
+        None, "weight quantization; gguf: a .gguf model's Q8_0, Q4_0, Q4_1, Q4_K and Q6_K tensors stay in "
         "their blocks and are dequantized inside the products (CPU); int8: every linear layer's "
         "weight quantized at load to int8 with one scale per output channel (CPU; any checkpoint, "
         "a .gguf file's tensors dequantized first; the embedding and lm_head stay in dtype); none: "

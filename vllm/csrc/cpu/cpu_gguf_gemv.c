@@ -22,7 +22,8 @@
  * C decoder layers (llama_cpu_layers.c) call it through one entry point per type and layout.
  *
  * Layouts (contiguous): x (m, k) float32 or bf16; W n rows of whole blocks; y (m, n) in x's
- * dtype. k must be a multiple of the type's block (32 weights, 256 for Q4_K), as GGUF rows are.
+ * dtype. k must be a multiple of the type's block (32 weights, 256 for Q4_K and Q6_K), as GGUF
+ * rows are.
  *
  * Panels (cpu_gguf_gemv_blocks.h): only the GEMM and gguf_dequantize read them; the other products
  * return 1 for them.
@@ -88,6 +89,7 @@ int gguf_matmul_float(const void *x, int bf16, const uint8_t *w, int type, const
             case TYPE_Q8_0: row_float(row, TYPE_Q8_0, xf, b0, y, bf16, j, t0, tm, n, k); break;
             case TYPE_Q4_0: row_float(row, TYPE_Q4_0, xf, b0, y, bf16, j, t0, tm, n, k); break;
             case TYPE_Q4_K: row_float_q4_k(row, xf, b0, y, bf16, j, t0, tm, n, k); break;
+            case TYPE_Q6_K: row_float(row, TYPE_Q6_K, xf, b0, y, bf16, j, t0, tm, n, k); break;
             default: row_float(row, TYPE_Q4_1, xf, b0, y, bf16, j, t0, tm, n, k); break;
             }
             continue;
@@ -140,6 +142,7 @@ int gguf_matmul_int8(const void *x, int bf16, const uint8_t *w, int type, const 
             case TYPE_Q8_0: row_int8(row, TYPE_Q8_0, qx, dx, sx, b0, y, bf16, j, t0, tm, n, k); break;
             case TYPE_Q4_0: row_int8(row, TYPE_Q4_0, qx, dx, sx, b0, y, bf16, j, t0, tm, n, k); break;
             case TYPE_Q4_K: row_int8_q4_k(row, qx, dx, sx, b0, y, bf16, j, t0, tm, n, k); break;
+            case TYPE_Q6_K: row_int8_q6_k(row, qx, dx, b0, y, bf16, j, t0, tm, n, k); break;
             default: row_int8(row, TYPE_Q4_1, qx, dx, sx, b0, y, bf16, j, t0, tm, n, k); break;
             }
         }
@@ -297,6 +300,7 @@ static int64_t tiled_min_rows(int type) {
     case TYPE_Q4_1: return 4;
     case TYPE_Q4_0: return 5;
     case TYPE_Q4_K: return 5;  /* K rounded up to whole super-blocks: gguf_products_q4_k.json */
+    case TYPE_Q6_K: return 12;  /* gguf_products_q6_k.json */
     default: return 6;
     }
 }
@@ -358,4 +362,9 @@ int gguf_layer_product_q4_1_panels(const uint16_t *x, const void *w, const uint1
 int gguf_layer_product_q4_k(const uint16_t *x, const void *w, const uint16_t *bias, uint16_t *y,
                             int64_t m, int64_t n, int64_t k) {
     return gguf_product_bf16(x, w, TYPE_Q4_K, bias, y, m, n, k);
+}
+
+int gguf_layer_product_q6_k(const uint16_t *x, const void *w, const uint16_t *bias, uint16_t *y,
+                            int64_t m, int64_t n, int64_t k) {
+    return gguf_product_bf16(x, w, TYPE_Q6_K, bias, y, m, n, k);
 }

@@ -17,9 +17,17 @@
  *         bytes 4-7  [hi2(m_4..7)  | m_0..3]       holds q_j of sub-block 2 p in its low half and
  *         bytes 8-11 [lo4(m_4..7)  | lo4(sc_4..7)] q_j of sub-block 2 p + 1 in its high half
  *
+ *   Q6_K  [128 bytes: ql][64 bytes: qh][16 int8 scales sc_r][d]   a super-block of 256 weights,
+ *         6-bit codes q_i in 16 runs r of 16, each with a signed scale:  w_i = (d * sc_r) * (q_i - 32)
+ *
+ *   weight 128 h + 32 j + l (h = 0, 1; j = 0..3; l = 0..31), in run 8 h + 2 j + l / 16: its low 4
+ *         bits are byte 64 h + 32 (j % 2) + l of ql (the low half for j < 2, else the high half),
+ *         its high 2 bits are bits 2 j and 2 j + 1 of byte 32 h + l of qh
+ *
  * Dequantizing sees every type as blocks of 32 weights (a Q4_K sub-block is one, its scale and
- * minimum unpacked from its super-block's); the weight-stationary products on Q4_K walk a row
- * a super-block at a time, unpacking its scales once for its 8 sub-blocks.
+ * minimum unpacked from its super-block's; a Q6_K block is j of half h above, two runs); the
+ * weight-stationary products on Q4_K walk a row a super-block at a time, unpacking its scales
+ * once for its 8 sub-blocks.
  *
  * Panels: where the int8 GEMM runs, a model's weights of the types it decodes are regrouped
  * once, after loading, into 16-row panels (gguf_to_panels), and passed as `type | GGUF_PANELS`.
@@ -41,12 +49,12 @@
 #include <immintrin.h>
 #endif
 
-enum { TYPE_Q4_0 = 2, TYPE_Q4_1 = 3, TYPE_Q8_0 = 8, TYPE_Q4_K = 12 };  /* GGMLQuantizationType values */
+enum { TYPE_Q4_0 = 2, TYPE_Q4_1 = 3, TYPE_Q8_0 = 8, TYPE_Q4_K = 12, TYPE_Q6_K = 14 };  /* GGMLQuantizationType values */
 
 #define GGUF_PANELS 0x100  /* a layout flag on a type: its rows regrouped into 16-row panels */
 
-#define QK 32    /* weights per block (per sub-block of Q4_K) */
-#define QK_K 256 /* weights per Q4_K super-block */
+#define QK 32    /* weights per block (per sub-block of Q4_K, per block of Q6_K) */
+#define QK_K 256 /* weights per super-block of Q4_K and Q6_K */
 
 static int64_t block_bytes(int type) {
     switch (type) {
@@ -54,13 +62,17 @@ static int64_t block_bytes(int type) {
     case TYPE_Q4_1: return 20;
     case TYPE_Q8_0: return 34;
     case TYPE_Q4_K: return 144;
+    case TYPE_Q6_K: return 210;
     default: return 0;
     }
 }
 
+/* Whether a block of `type` is a super-block of QK_K weights (else QK). */
+static inline int is_super_block(int type) { return type == TYPE_Q4_K || type == TYPE_Q6_K; }
+
 /* Bytes of a row of k weights of `type`; 0 for an unknown type or k not whole blocks. */
 static int64_t row_bytes(int type, int64_t k) {
-    const int64_t weights = type == TYPE_Q4_K ? QK_K : QK;
+    const int64_t weights = is_super_block(type) ? QK_K : QK;
     return k % weights ? 0 : k / weights * block_bytes(type);
 }
 
@@ -170,9 +182,34 @@ static inline const uint8_t *q4_k_sub_block(const uint8_t *sb, int s, int *shift
     return sb + 16 + 32 * (s / 2);
 }
 
+/* Block s (weights 32 s .. 32 s + 31) of the Q6_K super-block sb: its code bytes, the shifts
+ * that bring its bits down, and the scales d * sc_r of its two runs of 16. */
+struct q6_k_block {
+    const uint8_t *ql, *qh;
+    int ql_shift, qh_shift;
+    float scale[2];
+};
+
+static inline struct q6_k_block q6_k_block(const uint8_t *sb, int s) {
+    const int h = s / 4, j = s % 4;
+    const int8_t *sc = (const int8_t *)(sb + 192) + 8 * h + 2 * j;
+    const float d = half_to_float(sb + 208);
+    return (struct q6_k_block){sb + 64 * h + 32 * (j % 2), sb + 128 + 32 * h, 4 * (j / 2), 2 * j,
+                               {d * (float)sc[0], d * (float)sc[1]}};
+}
+
 /* Block b (weights 32 b .. 32 b + 31) of a row of `type` -> 32 float32, as dequantize_block;
- * for Q4_K, sub-block b % 8 of super-block b / 8, with the gguf package's roundings. */
+ * for Q4_K, sub-block b % 8 of super-block b / 8, for Q6_K block b % 8 of super-block b / 8,
+ * with the gguf package's roundings (a run's scale d * sc_r, then one multiply). */
 static inline void dequantize_row_block(const uint8_t *row, int64_t b, int type, float *out) {
+    if (type == TYPE_Q6_K) {
+        const struct q6_k_block q = q6_k_block(row + b / 8 * block_bytes(type), (int)(b % 8));
+        for (int i = 0; i < QK; ++i) {
+            const int code = (q.ql[i] >> q.ql_shift & 15) | (q.qh[i] >> q.qh_shift & 3) << 4;
+            out[i] = (float)(code - 32) * q.scale[i / 16];
+        }
+        return;
+    }
     if (type != TYPE_Q4_K) {
         dequantize_block(row + b * block_bytes(type), type, out);
         return;
@@ -220,9 +257,29 @@ static inline __attribute__((always_inline)) void q4_k_sub_block16(const uint8_t
     *hi = _mm512_sub_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(qhi), d), m);
 }
 
+/* A Q6_K block as 2 x 16 float32 (its two runs), with dequantize_row_block's roundings. */
+static inline __attribute__((always_inline)) void q6_k_block16(const struct q6_k_block *q, __m512 *lo, __m512 *hi) {
+    __m512 *out[2] = {lo, hi};
+    for (int r = 0; r < 2; ++r) {
+        const __m512i l = _mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q->ql + 16 * r))),
+                                            _mm512_set1_epi32(q->ql_shift));
+        const __m512i h = _mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q->qh + 16 * r))),
+                                            _mm512_set1_epi32(q->qh_shift));
+        const __m512i code = _mm512_or_si512(_mm512_and_si512(l, _mm512_set1_epi32(15)),
+                                             _mm512_slli_epi32(_mm512_and_si512(h, _mm512_set1_epi32(3)), 4));
+        *out[r] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(code, _mm512_set1_epi32(32))),
+                                _mm512_set1_ps(q->scale[r]));
+    }
+}
+
 /* Block b of a row of `type` as 2 x 16 float32, as dequantize_row_block. */
 static inline __attribute__((always_inline)) void dequantize_row_block16(const uint8_t *row, int64_t b, int type,
                                                                          __m512 *lo, __m512 *hi) {
+    if (type == TYPE_Q6_K) {
+        const struct q6_k_block q = q6_k_block(row + b / 8 * block_bytes(type), (int)(b % 8));
+        q6_k_block16(&q, lo, hi);
+        return;
+    }
     if (type != TYPE_Q4_K) {
         dequantize_block16(row + b * block_bytes(type), type, lo, hi);
         return;

@@ -2,7 +2,7 @@
  * Part of cpu_gguf_gemv.c: the weight-stationary products' inner loops (gguf_matmul_float's
  * where AVX-512 is built, gguf_matmul_int8's where int8 dot products are: HAVE_GGUF_INT8_ROWS):
  * one weight row times up to TILE rows of x while its blocks are in L1, Q4_K a super-block at
- * a time.
+ * a time, Q6_K a block of two runs at a time.
  */
 #ifndef VLLM_CPU_GGUF_GEMV_ROWS_H
 #define VLLM_CPU_GGUF_GEMV_ROWS_H
@@ -39,12 +39,12 @@ static const float *float_rows(const void *x, int bf16, int64_t count, float **o
 static inline __attribute__((always_inline)) void row_float(
         const uint8_t *row, int type, const float *xf, float b0, void *y, int bf16, int64_t j,
         int64_t t0, int tm, int64_t n, int64_t k) {
-    const int64_t bb = block_bytes(type), nb = k / QK;
+    const int64_t nb = k / QK;
     __m512 acc[TILE];
     for (int t = 0; t < TILE; ++t) acc[t] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
         __m512 lo, hi;
-        dequantize_block16(row + b * bb, type, &lo, &hi);
+        dequantize_row_block16(row, b, type, &lo, &hi);
         for (int t = 0; t < tm; ++t) {
             const float *xt = xf + (t0 + t) * k + b * QK;
             acc[t] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xt), acc[t]);
@@ -191,6 +191,68 @@ static void row_int8_q4_k(const uint8_t *row, const int8_t *qx, const float *dx,
     case 2: rows_int8_q4_k(row, qx, dx, sx, b0, y, bf16, j, t0, 2, n, k); break;
     case 3: rows_int8_q4_k(row, qx, dx, sx, b0, y, bf16, j, t0, 3, n, k); break;
     default: rows_int8_q4_k(row, qx, dx, sx, b0, y, bf16, j, t0, TILE, n, k); break;
+    }
+}
+
+/* The signed codes q_i - 32 of block j of a Q6_K half super-block, as bytes, from the half's
+ * low-bit bytes ql (two vectors: bytes 0-31 and 32-63) and high-bit bytes qh. The shifts act on
+ * 16-bit lanes; the masks keep each byte's own bits. j is a constant in each caller. */
+static inline __attribute__((always_inline)) __m256i q6_k_codes(const __m256i ql[2], __m256i qh, const int j) {
+    const __m256i l = ql[j % 2];
+    const __m256i low = _mm256_and_si256(j < 2 ? l : _mm256_srli_epi16(l, 4), _mm256_set1_epi8(15));
+    /* bits 2 j and 2 j + 1 of qh to bits 4 and 5 */
+    const __m256i high = j == 0 ? _mm256_slli_epi16(qh, 4) : j == 1 ? _mm256_slli_epi16(qh, 2)
+                       : j == 2 ? qh : _mm256_srli_epi16(qh, 2);
+    return _mm256_sub_epi8(_mm256_or_si256(low, _mm256_and_si256(high, _mm256_set1_epi8(0x30))),
+                           _mm256_set1_epi8(32));
+}
+
+/* row_int8 for Q6_K, a super-block at a time (its scale read once, each half's code bytes
+ * loaded once for its 4 blocks), with tm a constant in each caller: a block's 8 int32 lanes of
+ * dot products are its first run's (lanes 0-3) and its second's (4-7), each scaled by its
+ * run's d * sc_r. */
+static inline __attribute__((always_inline)) void rows_int8_q6_k(
+        const uint8_t *row, const int8_t *qx, const float *dx, float b0, void *y, int bf16, int64_t j,
+        int64_t t0, const int tm, int64_t n, int64_t k) {
+    const int64_t nb = k / QK;
+    __m256 acc[TILE];
+    for (int t = 0; t < tm; ++t) acc[t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b += 8) {
+        const uint8_t *sb = row + b / 8 * block_bytes(TYPE_Q6_K);
+        const float d = half_to_float(sb + 208);
+        const int8_t *sc = (const int8_t *)(sb + 192);
+        for (int h = 0; h < 2; ++h) {
+            const __m256i ql[2] = {_mm256_loadu_si256((const __m256i *)(sb + 64 * h)),
+                                   _mm256_loadu_si256((const __m256i *)(sb + 64 * h + 32))};
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(sb + 128 + 32 * h));
+#define Q6_K_BLOCK(J)                                                                                   \
+            {                                                                                           \
+                const __m256i codes = q6_k_codes(ql, qh, J);                                            \
+                /* vpdpbusd multiplies unsigned by signed bytes: the signed codes give their sign to x. */ \
+                const __m256i wu = _mm256_sign_epi8(codes, codes);                                      \
+                const __m256 scale = _mm256_set_m128(_mm_set1_ps(d * (float)sc[8 * h + 2 * (J) + 1]),  \
+                                                     _mm_set1_ps(d * (float)sc[8 * h + 2 * (J)]));      \
+                for (int t = 0; t < tm; ++t) {                                                          \
+                    const int64_t xb = (t0 + t) * nb + b + 4 * h + (J);                                 \
+                    const __m256i xs = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(qx + xb * QK)), codes); \
+                    const __m256i dot = DPBUSD(_mm256_setzero_si256(), wu, xs);                         \
+                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(scale, _mm256_set1_ps(dx[xb])), acc[t]); \
+                }                                                                                       \
+            }
+            Q6_K_BLOCK(0) Q6_K_BLOCK(1) Q6_K_BLOCK(2) Q6_K_BLOCK(3)
+#undef Q6_K_BLOCK
+        }
+    }
+    for (int t = 0; t < tm; ++t) store(y, bf16, (t0 + t) * n + j, reduce(acc[t]) + b0);
+}
+
+static void row_int8_q6_k(const uint8_t *row, const int8_t *qx, const float *dx, float b0, void *y, int bf16,
+                          int64_t j, int64_t t0, int tm, int64_t n, int64_t k) {
+    switch (tm) {
+    case 1: rows_int8_q6_k(row, qx, dx, b0, y, bf16, j, t0, 1, n, k); break;
+    case 2: rows_int8_q6_k(row, qx, dx, b0, y, bf16, j, t0, 2, n, k); break;
+    case 3: rows_int8_q6_k(row, qx, dx, b0, y, bf16, j, t0, 3, n, k); break;
+    default: rows_int8_q6_k(row, qx, dx, b0, y, bf16, j, t0, TILE, n, k); break;
     }
 }
 #endif

@@ -1,5 +1,5 @@
 """Reads a GGUF checkpoint's tensors under Hugging Face Llama parameter names: dequantized to
-float32, or, with `keep_quantized`, its Q8_0/Q4_0/Q4_1/Q4_K matrices left in their blocks."""
+float32, or, with `keep_quantized`, its Q8_0/Q4_0/Q4_1/Q4_K/Q6_K matrices left in their blocks."""
 
 import functools
 import os

@@ -256,8 +256,9 @@ class LlamaForCausalLM(nn.Module):
     def _blocks_for(param: nn.Parameter, target: str, tensor: torch.Tensor | GGUFBlocks,
                     loaded: set[str]) -> torch.Tensor:
         """The rows of blocks to copy into `param` (made a weight of blocks on its first tensor);
-        a parameter is all blocks or all dense."""
+        a parameter is loaded from all GGUF blocks (dequantized where their types differ) or all
+        dense tensors."""
         written = any(name.split("#")[0] == target for name in loaded)
-        if not isinstance(tensor, GGUFBlocks) or (written and not gguf_linear.is_quantized(param)):
+        if not isinstance(tensor, GGUFBlocks) or (written and not gguf_linear.takes_blocks(param)):
             raise ValueError(f"{target} is loaded from both quantized and unquantized GGUF tensors")
         return gguf_linear.load_blocks(param, tensor)

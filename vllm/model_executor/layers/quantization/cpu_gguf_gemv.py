@@ -20,7 +20,8 @@ _MATMUL = CFunction([_ptr, _int, _ptr, _int, _ptr, _ptr, _i64, _i64, _i64])
 _PRODUCT_BF16 = CFunction([_ptr, _ptr, _int, _ptr, _ptr, _i64, _i64, _i64])
 # The decoder layer's products (llama_cpu_layers.c), one per type and layout: type -> name.
 _LAYER_PRODUCTS = {8: "gguf_layer_product_q8_0", 2: "gguf_layer_product_q4_0", 3: "gguf_layer_product_q4_1",
-                   12: "gguf_layer_product_q4_k", 8 | PANELS: "gguf_layer_product_q8_0_panels",
+                   12: "gguf_layer_product_q4_k", 14: "gguf_layer_product_q6_k",
+                   8 | PANELS: "gguf_layer_product_q8_0_panels",
                    2 | PANELS: "gguf_layer_product_q4_0_panels", 3 | PANELS: "gguf_layer_product_q4_1_panels"}
 _LIBRARY = CLibrary(KERNEL_SOURCES / "cpu_gguf_gemv.c",
                     "GGUF weights are dequantized with the gguf package for every product",

@@ -1,9 +1,10 @@
 """GGUF's quantized block types that the engine keeps quantized in memory.
 
 A GGUF matrix of N rows of K weights is N rows of K / `block_size(type)` blocks: blocks of 32
-weights, a scale (and, for Q4_1, a minimum) plus 32 codes, or Q4_K's super-blocks of 256, two
-scales and the 6-bit scales and minimums of their eight 32-weight sub-blocks plus 256 codes
-(see cpu_gguf_gemv_blocks.h for the layouts). The engine holds such a matrix as a uint8 tensor of
+weights, a scale (and, for Q4_1, a minimum) plus 32 codes, or super-blocks of 256: Q4_K's, two
+scales and the 6-bit scales and minimums of their eight 32-weight sub-blocks plus 256 codes,
+and Q6_K's, one scale, the 8-bit scales of their sixteen runs of 16 and 256 6-bit codes (see
+vllm/csrc/cpu/cpu_gguf_gemv_blocks.h for the layouts). The engine holds such a matrix as a uint8 tensor of
 shape (N, K / block size * block bytes): rows stay whole, so slicing output rows (q/k/v, the
 vocabulary) is slicing tensor rows.
 
@@ -18,7 +19,8 @@ from dataclasses import dataclass
 import torch
 
 # GGMLQuantizationType value -> (name, weights per block, bytes per block).
-_TYPES = {8: ("Q8_0", 32, 34), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 12: ("Q4_K", 256, 144)}
+_TYPES = {8: ("Q8_0", 32, 34), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 12: ("Q4_K", 256, 144),
+          14: ("Q6_K", 256, 210)}
 PANELS = 0x100  # GGUF_PANELS of cpu_gguf_gemv_blocks.h
 
 

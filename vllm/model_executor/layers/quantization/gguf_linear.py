@@ -50,10 +50,22 @@ def mark_quantized(model: nn.Module) -> None:
             module.quantized = is_quantized(module.weight)
 
 
+def takes_blocks(param: nn.Parameter) -> bool:
+    """Whether `param`, already written, takes further GGUF tensors (`load_blocks`)."""
+    return is_quantized(param) or getattr(param, "mixed_gguf_types", False)
+
+
 def load_blocks(param: nn.Parameter, blocks: GGUFBlocks) -> torch.Tensor:
     """Turns `param`, a (rows, in) weight, into rows of `blocks`' type on its first GGUF tensor
     (uninitialised, as the model created it); returns the (rows, row bytes) data for the
-    parameter's weight loader to copy in, like a dense tensor."""
+    parameter's weight loader to copy in, like a dense tensor.
+
+    The tensors stacked into one weight may differ in type (llama.cpp's Q4_K_M files keep some
+    layers' v in Q6_K beside q and k in Q4_K). Such a weight holds one layout, so it is
+    dequantized to the dtype it stands in for: the rows loaded so far, then each tensor as it
+    comes (returned dense, (rows, in))."""
+    if getattr(param, "mixed_gguf_types", False):
+        return dequantize_blocks(blocks.data, blocks.quant_type, blocks.in_features, param.dtype)
     if not is_quantized(param):
         if param.dim() != 2 or param.shape[1] != blocks.in_features:
             raise ValueError(f"GGUF blocks of shape {blocks.shape} for a weight of shape {tuple(param.shape)}")
@@ -62,10 +74,14 @@ def load_blocks(param: nn.Parameter, blocks: GGUFBlocks) -> torch.Tensor:
         param.quant_type = blocks.quant_type
         param.requires_grad_(False)  # integer data cannot take a gradient
         param.data = torch.empty(param.shape[0], blocks.data.shape[1], dtype=torch.uint8)
-    elif (param.quant_type, param.in_features) != (blocks.quant_type, blocks.in_features):
-        raise ValueError(f"{type_name(blocks.quant_type)} blocks of {blocks.in_features} columns for a weight "
-                         f"of {type_name(param.quant_type)} blocks of {param.in_features} columns "
-                         "(the stacked tensors of one layer must share their GGUF type)")
+    elif param.in_features != blocks.in_features:
+        raise ValueError(f"GGUF blocks of {blocks.in_features} columns for a weight of {param.in_features} columns")
+    elif param.quant_type != blocks.quant_type:
+        # Rows not yet written dequantize to whatever they hold until their tensor overwrites them.
+        param.data = dequantize(param, param.dense_dtype)                       # (rows, in)
+        param.quant_type = None
+        param.mixed_gguf_types = True
+        return dequantize_blocks(blocks.data, blocks.quant_type, blocks.in_features, param.dtype)
     return blocks.data
 
 
@@ -83,13 +99,19 @@ def to_panels(weight: nn.Parameter) -> None:
 
 def dequantize(weight: nn.Parameter, dtype: torch.dtype, rows: torch.Tensor | None = None) -> torch.Tensor:
     """weight's rows `rows` (R,) (all if None) -> (R, in) in dtype."""
+    return dequantize_blocks(weight.data, weight.quant_type, weight.in_features, dtype, rows)
+
+
+def dequantize_blocks(blocks: torch.Tensor, quant_type: int, in_features: int, dtype: torch.dtype,
+                      rows: torch.Tensor | None = None) -> torch.Tensor:
+    """blocks (N, row bytes) of `quant_type`, its rows `rows` (R,) (all if None) -> (R, in) in
+    dtype (float32: the gguf package's values)."""
     if cpu_gguf_gemv.available():
-        return cpu_gguf_gemv.dequantize(weight.data, weight.quant_type, weight.in_features, dtype, rows)
+        return cpu_gguf_gemv.dequantize(blocks, quant_type, in_features, dtype, rows)
     from gguf import GGMLQuantizationType, quants
 
-    data = weight.data if rows is None else weight.data[rows]
-    dense = quants.dequantize(data.numpy(), GGMLQuantizationType(weight.quant_type))
-    return torch.from_numpy(dense).to(dtype)
+    data = blocks if rows is None else blocks[rows]
+    return torch.from_numpy(quants.dequantize(data.numpy(), GGMLQuantizationType(quant_type))).to(dtype)
 
 
 def _matmul(x: torch.Tensor, blocks: torch.Tensor, quant_type: int, in_features: int,
@@ -102,13 +124,7 @@ def _matmul(x: torch.Tensor, blocks: torch.Tensor, quant_type: int, in_features:
         return cpu_gguf_gemv.product(x, blocks, quant_type, bias)  # the C decoder layers' product
     if small:
         return cpu_gguf_gemv.matmul(x, blocks, quant_type, int8_activations=False, bias=bias)
-    if cpu_gguf_gemv.available():
-        dense = cpu_gguf_gemv.dequantize(blocks, quant_type, in_features, x.dtype)   # (out, in)
-    else:
-        from gguf import GGMLQuantizationType, quants
-
-        dense = torch.from_numpy(quants.dequantize(blocks.numpy(), GGMLQuantizationType(quant_type))).to(x.dtype)
-    return F.linear(x, dense, bias)
+    return F.linear(x, dequantize_blocks(blocks, quant_type, in_features, x.dtype), bias)
 
 
 @torch.library.custom_op("vllm::gguf_linear", mutates_args=())

@@ -1,6 +1,7 @@
-"""quantization="gguf" on a Q4_K GGUF file: a tiny random Llama (hidden size 256, so every
-matrix is whole super-blocks) with every matrix written as Q4_K and SmolLM2's tokenizer, against
-the same file's weights dequantized when loaded (the unquantized path)."""
+"""quantization="gguf" on k-quant GGUF files: a tiny random Llama (hidden size 256, so every
+matrix is whole super-blocks) with SmolLM2's tokenizer, written with every matrix Q4_K, or as
+llama.cpp writes Q4_K_M (Q6_K for the output matrix and, in some layers, attn_v and ffn_down),
+against the same file's weights dequantized when loaded (the unquantized path)."""
 
 import functools
 import logging
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.q4_k_blocks import Q4_K, quantize_q4_k
+from tests.k_quant_blocks import Q4_K, Q6_K, quantize_q4_k, quantize_q6_k
 from tests.utils import build_tiny_checkpoint, random_prompts, smollm2_path
 from vllm import LLM, EngineArgs, SamplingParams
 from vllm.model_executor.layers.quantization import cpu_gguf_gemv
@@ -36,8 +37,14 @@ def _gguf_name(hf_name: str) -> str:
     return f"blk.{layer}.{_LAYER_NAMES[rest]}"
 
 
-def _write_q4_k_gguf(checkpoint: str, path: str) -> str:
-    """The Llama checkpoint's matrices as Q4_K (norms float32) in a GGUF file at `path`, with its
+_QUANTIZE = {Q4_K: quantize_q4_k, Q6_K: quantize_q6_k}
+# As llama.cpp's Q4_K_M: the output matrix and some layers' attn_v and ffn_down in Q6_K.
+_Q4_K_M_Q6_K = ("output.weight", "blk.0.attn_v.weight", "blk.0.ffn_down.weight")
+
+
+def _write_k_quant_gguf(checkpoint: str, path: str, q6_k: tuple[str, ...] = ()) -> str:
+    """The Llama checkpoint's matrices as Q4_K, those named in `q6_k` as Q6_K (norms float32), in
+    a GGUF file at `path`, with its
     config as llama.* fields and the tokenizer fields of SmolLM2's GGUF (the checkpoint's
     tokenizer). The weights are random, so q/k rows are written in their Hugging Face order."""
     from safetensors.torch import load_file
@@ -62,7 +69,9 @@ def _write_q4_k_gguf(checkpoint: str, path: str) -> str:
     for name, weight in load_file(os.path.join(checkpoint, "model.safetensors")).items():
         weight = weight.float().numpy()
         if weight.ndim == 2:
-            writer.add_tensor(_gguf_name(name), quantize_q4_k(weight), raw_dtype=gguf.GGMLQuantizationType.Q4_K)
+            quant_type = Q6_K if _gguf_name(name) in q6_k else Q4_K
+            writer.add_tensor(_gguf_name(name), _QUANTIZE[quant_type](weight),
+                              raw_dtype=gguf.GGMLQuantizationType(quant_type))
         else:
             writer.add_tensor(_gguf_name(name), weight)
     writer.write_header_to_file()
@@ -73,10 +82,20 @@ def _write_q4_k_gguf(checkpoint: str, path: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def q4_k_gguf(tokenizer_dir, tmp_path_factory) -> str:
-    root = tmp_path_factory.mktemp("q4_k")
-    checkpoint = build_tiny_checkpoint("llama", str(root / "hf"), tokenizer_dir, hidden_size=256)
-    return _write_q4_k_gguf(checkpoint, str(root / "tiny.Q4_K.gguf"))
+def tiny_checkpoint(tokenizer_dir, tmp_path_factory) -> str:
+    return build_tiny_checkpoint("llama", str(tmp_path_factory.mktemp("k_quant") / "hf"), tokenizer_dir,
+                                 hidden_size=256)
+
+
+@pytest.fixture(scope="module")
+def q4_k_gguf(tiny_checkpoint, tmp_path_factory) -> str:
+    return _write_k_quant_gguf(tiny_checkpoint, str(tmp_path_factory.mktemp("q4_k") / "tiny.Q4_K.gguf"))
+
+
+@pytest.fixture(scope="module")
+def q4_k_m_gguf(tiny_checkpoint, tmp_path_factory) -> str:
+    return _write_k_quant_gguf(tiny_checkpoint, str(tmp_path_factory.mktemp("q4_k_m") / "tiny.Q4_K_M.gguf"),
+                               _Q4_K_M_Q6_K)
 
 
 @functools.cache
@@ -105,6 +124,27 @@ def test_q4_k_float32_greedy_identical_to_dequantized_weights(q4_k_gguf):
     ours, ref = _run(q4_k_gguf, "gguf")[0], _run(q4_k_gguf, "none")[0]
     assert ours == ref
     assert len({tuple(t) for t in ours}) > 1 and len({*np.concatenate(ours).tolist()}) > 8  # not one token on repeat
+
+
+@pytest.mark.skipif(not cpu_gguf_gemv.available(), reason="the GGUF kernels need a C compiler")
+def test_a_q4_k_m_file_keeps_each_matrix_in_its_own_type(q4_k_m_gguf):
+    """llama.cpp's usual mix of types runs quantized: the Q6_K matrices (the lm_head among them)
+    stay in their blocks beside the Q4_K ones, and float32 greedy tokens are those of the same
+    weights dequantized when loaded."""
+    assert _resolved(q4_k_m_gguf, CpuPlatform()) == "gguf"
+    ours, llm = _run(q4_k_m_gguf, "gguf")
+    model = llm.llm_engine.runner.model
+    types = {name: getattr(p, "quant_type", None) for name, p in model.named_parameters() if p.dim() == 2}
+    assert types.pop("lm_head.weight") == Q6_K
+    assert types.pop("model.layers.0.mlp.down_proj.weight") == Q6_K
+    # q, k and v are one stacked matrix: with Q6_K v beside Q4_K q and k, it is dequantized, to
+    # the values the unquantized path loads.
+    qkv = "model.layers.0.self_attn.qkv_proj.weight"
+    assert types.pop(qkv) is None
+    assert set(types.values()) == {Q4_K}
+    ref, dense = _run(q4_k_m_gguf, "none")
+    assert torch.equal(model.get_parameter(qkv), dense.llm_engine.runner.model.get_parameter(qkv))
+    assert ours == ref
 
 
 class _CpuWithoutQ4K(CpuPlatform):
