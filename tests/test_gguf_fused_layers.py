@@ -9,6 +9,7 @@ import random
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -100,15 +101,16 @@ needs_fused_layers = pytest.mark.skipif("avx512_bf16" not in cpu_flags(),
                                         reason="the C layers' attention kernels need AVX512-BF16")
 
 
-def _quantize_in_place(model: torch.nn.Module, quant_type: int, dense: dict[str, torch.Tensor],
+def _quantize_in_place(model: torch.nn.Module, type_of: Callable[[str], int | None], dense: dict[str, torch.Tensor],
                        cache: dict[tuple[str, int], GGUFBlocks]) -> None:
     """Every product weight, the embedding and the lm_head of `model` become GGUF blocks of
-    `quant_type` made from `dense` (name -> the bf16 weight as loaded; blocks kept in `cache`),
-    then, as the CPU backend prepares a loaded model, regrouped into the int8 GEMM's panels
-    where it takes them."""
+    `type_of(name)` (None: bf16) made from `dense` (name -> the bf16 weight as loaded; blocks
+    kept in `cache`), then, as the CPU backend prepares a loaded model, regrouped into the int8
+    GEMM's panels where it takes them (and bf16 weights packed)."""
     params = dict(model.named_parameters())
     for name, weight in dense.items():
-        if (name, quant_type) not in cache:
+        quant_type = type_of(name)
+        if quant_type is not None and (name, quant_type) not in cache:
             cache[name, quant_type] = GGUFBlocks(_quantize(quant_type, weight.float().numpy()), quant_type,
                                                  weight.shape[1])
         param = params[name]
@@ -116,8 +118,9 @@ def _quantize_in_place(model: torch.nn.Module, quant_type: int, dense: dict[str,
         for attr in ("quant_type", "in_features", "dense_dtype"):
             if hasattr(param, attr):
                 delattr(param, attr)
-        rows = gguf_linear.load_blocks(param, cache[name, quant_type])  # param.data: (rows, row bytes) uint8
-        param.data.copy_(rows)
+        if quant_type is not None:
+            rows = gguf_linear.load_blocks(param, cache[name, quant_type])  # param.data: (rows, row bytes) uint8
+            param.data.copy_(rows)
     for module in model.modules():
         if isinstance(module, Linear):
             module.packed, module.tiled = False, None  # the bf16 copies no longer stand for the weight
@@ -141,11 +144,12 @@ def quantizable_llm(request, tokenizer_dir, tmp_path_factory):
     return llm, dense, {}
 
 
-def _quantized(quantizable_llm, name: str) -> LLM:
-    """The fixture's engine with its weights in blocks of GGUF type `name`, C layers rebuilt."""
+def _quantized(quantizable_llm, name: str, type_of: Callable[[str], int | None] | None = None) -> LLM:
+    """The fixture's engine with its weights in blocks of GGUF type `name` (or of `type_of(weight
+    name)`, None: bf16), C layers rebuilt."""
     llm, dense, cache = quantizable_llm
     runner = llm.llm_engine.runner
-    _quantize_in_place(runner.model, TYPES[name], dense, cache)
+    _quantize_in_place(runner.model, type_of or (lambda _: TYPES[name]), dense, cache)
     fused = FusedLayers.build(runner.model.model)
     assert fused is not None and fused.max_tokens == PACKED_MAX_ROWS
     runner.attn_backend.fused_layers = runner.model.model.fused_layers = fused
@@ -170,6 +174,27 @@ def test_quantized_steps_match_op_by_op(quantizable_llm, name, contexts, chunks)
     weights = [m.weight for m in runner.model.modules() if isinstance(m, Linear)]  # the products'
     assert all(p.dtype == torch.uint8 for p in weights)
     assert {bool(p.quant_type & PANELS) for p in weights} == {cpu_gguf_gemv.gemm_takes(TYPES[name])}
+    _assert_fused_matches_op_by_op(runner, contexts, chunks, random.Random(len(contexts) + 7 * len(chunks)))
+
+
+def _q4_k_m(name: str) -> int | None:
+    """Types as a Q4_K_M file loads: Q4_K, Q6_K for layer 0's down and the lm_head, and bf16 for
+    layer 0's q/k/v (stacked from a Q6_K v beside Q4_K q and k, dequantized when loaded)."""
+    if name == "model.layers.0.self_attn.qkv_proj.weight":
+        return None
+    return Q6_K if name in ("model.layers.0.mlp.down_proj.weight", "lm_head.weight") else Q4_K
+
+
+@needs_fused_layers
+@pytest.mark.skipif(not cpu_gguf_gemv.available(), reason="the GGUF kernels need a C compiler")
+@pytest.mark.parametrize("contexts,chunks", [([37, 5], []), ([130, 3], [(1, 0), (2, 200)]), ([7], [(100, 30)])])
+@pytest.mark.parametrize("quantizable_llm", ["llama"], indirect=True)
+def test_steps_on_weights_of_mixed_types_match_op_by_op(quantizable_llm, contexts, chunks):
+    """Each weight has its own product in the C layers: a model of Q4_K, Q6_K and bf16 weights
+    (as a Q4_K_M file loads) runs there, with the op-by-op layers' hidden states and cache."""
+    runner = _quantized(quantizable_llm, "", _q4_k_m).llm_engine.runner
+    types = {getattr(m.weight, "quant_type", None) for m in runner.model.modules() if isinstance(m, Linear)}
+    assert types == {Q4_K, Q6_K, None}
     _assert_fused_matches_op_by_op(runner, contexts, chunks, random.Random(len(contexts) + 7 * len(chunks)))
 
 

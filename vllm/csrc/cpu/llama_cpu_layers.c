@@ -44,12 +44,22 @@ typedef int (*prefill_attend_fn)(const uint16_t *query, const uint16_t *key_cach
                                  int64_t head_dim, int64_t block_size, int64_t max_blocks,
                                  int64_t window, float scale);
 
+/* How one weight's product runs: `gemv` up to gemv_rows rows of x, `tile_gemm` on the weight's
+ * tile copy above (NULL: none). A model's weights may differ (bf16 beside GGUF blocks, or GGUF
+ * blocks of different types), so each weight has its own. */
+struct product {
+    gemv_fn gemv;
+    int64_t gemv_rows;
+    tile_gemm_fn tile_gemm;
+};
+
 /* A layer's weights (contiguous, nn.Linear's (out, in) layout; biases may be NULL), their copies
- * in the tile layout (NULL: none), and sizes. */
+ * in the tile layout (NULL: none), their products, and sizes. */
 struct layer_weights {
     const uint16_t *input_norm, *qkv, *qkv_bias, *o, *o_bias;
     const uint16_t *post_norm, *gate_up, *gate_up_bias, *down, *down_bias;
     const uint16_t *qkv_tiles, *o_tiles, *gate_up_tiles, *down_tiles;
+    struct product qkv_product, o_product, gate_up_product, down_product;
     int64_t hidden, heads, kv_heads, head_dim, intermediate;
     float eps, scale;
 };
@@ -69,10 +79,7 @@ struct layer_step {
     const int64_t *token_offsets, *query_lens, *context_lens;  /* (prefills,) each */
     int64_t prefill_max_blocks;
     int64_t block_size, window;
-    int64_t gemv_rows;            /* up to this many rows the GEMV, above it the tile GEMM */
-    gemv_fn gemv;
-    tile_gemm_fn tile_gemm;       /* NULL: none */
-    tile_gemm_fn tile_gemm_silu_mul;  /* gate_up's product with SiLU-and-multiply as its epilogue */
+    tile_gemm_fn tile_gemm_silu_mul;  /* gate_up's tile GEMM with SiLU-and-multiply as its epilogue */
     decode_attend_fn attend_decodes;
     prefill_attend_fn attend_prefills;  /* NULL: none (then the step has no prefills) */
 };
@@ -88,12 +95,12 @@ int64_t llama_layer_workspace(const struct layer_weights *L, int64_t tokens) {
     return tokens * (2 * L->hidden + widest_row(L) + L->intermediate + 2 * L->heads * L->head_dim);
 }
 
-/* y (m, n) = x (m, k) @ W^T + bias, on the kernel for m rows. */
-static int project(const struct layer_step *S, const uint16_t *x, const uint16_t *w,
+/* y (m, n) = x (m, k) @ W^T + bias, on W's kernel for m rows. */
+static int project(const struct product *P, const uint16_t *x, const uint16_t *w,
                    const uint16_t *tiles, const uint16_t *bias, uint16_t *y, int64_t m, int64_t n,
                    int64_t k) {
-    if (m <= S->gemv_rows) return S->gemv(x, w, bias, y, m, n, k);
-    return tiles != NULL && S->tile_gemm != NULL ? S->tile_gemm(x, tiles, bias, y, m, n, k) : 1;
+    if (m <= P->gemv_rows) return P->gemv(x, w, bias, y, m, n, k);
+    return tiles != NULL && P->tile_gemm != NULL ? P->tile_gemm(x, tiles, bias, y, m, n, k) : 1;
 }
 
 /* hidden: (T, hidden) bf16, updated in place; caches: (num_blocks, block_size, KVH, D);
@@ -108,7 +115,7 @@ int llama_layer(const struct layer_weights *L, const struct layer_step *S, uint1
 
     #pragma omp parallel for schedule(static) if (t >= 8)
     for (int64_t r = 0; r < t; ++r) rms_norm_row(hidden + r * h, L->input_norm, normed + r * h, h, L->eps);
-    status |= project(S, normed, L->qkv, L->qkv_tiles, L->qkv_bias, wide, t, qkv_size, h);      /* (T, q + 2 kv) */
+    status |= project(&L->qkv_product, normed, L->qkv, L->qkv_tiles, L->qkv_bias, wide, t, qkv_size, h);  /* (T, q + 2 kv) */
     #pragma omp parallel for schedule(static) if (t >= 8)
     for (int64_t r = 0; r < t; ++r) {
         const uint16_t *row = wide + r * qkv_size, *cos = S->cos + r * d, *sin = S->sin + r * d;
@@ -129,7 +136,7 @@ int llama_layer(const struct layer_weights *L, const struct layer_step *S, uint1
             query, key_cache, value_cache, S->prefill_block_tables, S->token_offsets, S->query_lens,
             S->context_lens, attn, q_size, S->prefills, L->heads, L->kv_heads, d, S->block_size,
             S->prefill_max_blocks, S->window, L->scale);
-    status |= project(S, attn, L->o, L->o_tiles, L->o_bias, proj, t, h, q_size);               /* (T, hidden) */
+    status |= project(&L->o_product, attn, L->o, L->o_tiles, L->o_bias, proj, t, h, q_size);    /* (T, hidden) */
 
     #pragma omp parallel for schedule(static) if (t >= 8)
     for (int64_t r = 0; r < t; ++r) {
@@ -137,14 +144,16 @@ int llama_layer(const struct layer_weights *L, const struct layer_step *S, uint1
         rms_norm_row(hidden + r * h, L->post_norm, normed + r * h, h, L->eps);
     }
     /* (T, I) in one pass where the tile GEMM runs gate_up and its gate and up blocks pair up */
-    if (t > S->gemv_rows && L->gate_up_tiles != NULL && S->tile_gemm_silu_mul != NULL && inter % 16 == 0) {
+    if (t > L->gate_up_product.gemv_rows && L->gate_up_tiles != NULL && S->tile_gemm_silu_mul != NULL &&
+        inter % 16 == 0) {
         status |= S->tile_gemm_silu_mul(normed, L->gate_up_tiles, L->gate_up_bias, act, t, 2 * inter, h);
     } else {
-        status |= project(S, normed, L->gate_up, L->gate_up_tiles, L->gate_up_bias, wide, t, 2 * inter, h);  /* (T, 2I) */
+        status |= project(&L->gate_up_product, normed, L->gate_up, L->gate_up_tiles, L->gate_up_bias, wide, t,
+                          2 * inter, h);                                                              /* (T, 2I) */
         #pragma omp parallel for schedule(static) if (t >= 8)
         for (int64_t r = 0; r < t; ++r) silu_mul_row(wide + r * 2 * inter, act + r * inter, inter);
     }
-    status |= project(S, act, L->down, L->down_tiles, L->down_bias, proj, t, h, inter);           /* (T, hidden) */
+    status |= project(&L->down_product, act, L->down, L->down_tiles, L->down_bias, proj, t, h, inter);  /* (T, hidden) */
     #pragma omp parallel for schedule(static) if (t >= 8)
     for (int64_t r = 0; r < t; ++r) add_into(hidden + r * h, proj + r * h, h);
     return status;

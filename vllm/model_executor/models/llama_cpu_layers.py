@@ -16,7 +16,9 @@ the op-by-op path and rounds to bf16 where it does.
 With quantization="gguf" the products are cpu_gguf_gemv.c's, one entry point per GGUF type
 with the bf16 GEMV's signature (the weight is its rows of blocks): the same product as the
 op-by-op layers', for every row count (weight-stationary for decodes, dequantized tiles on the
-tile GEMM for more rows).
+tile GEMM for more rows). Each weight has its own product, so a model whose weights differ in
+type (llama.cpp's Q4_K_M files: Q6_K beside Q4_K, and bf16 where stacked tensors differ) runs
+here too.
 
 Built through `LlamaForCausalLM.enable_fused_layers`, which the CPU model runner calls for bf16
 models when the kernels are available; with VLLM_CPU_C_KERNELS=0 or without a compiler the
@@ -24,8 +26,6 @@ op-by-op path runs every step. Captured graphs keep the torch layers.
 """
 
 import ctypes
-from typing import NamedTuple
-
 import torch
 
 from vllm.attention.backends.cpu_metadata import AttentionMetadata
@@ -38,11 +38,22 @@ from vllm.platforms.c_library import KERNEL_SOURCES, CFunction, CLibrary
 _ptr, _i64 = ctypes.c_void_p, ctypes.c_int64
 
 
+class _Product(ctypes.Structure):
+    """struct product of llama_cpu_layers.c: one weight's product for up to `gemv_rows` rows, and
+    the tile GEMM on its tile copy above (None: none)."""
+    _fields_ = [("gemv", _ptr), ("gemv_rows", _i64), ("tile_gemm", _ptr)]
+
+    @property
+    def max_rows(self) -> int:
+        return PACKED_MAX_ROWS if self.tile_gemm else self.gemv_rows
+
+
 class _Layer(ctypes.Structure):
     """struct layer_weights of llama_cpu_layers.c, field for field."""
     _fields_ = [(name, _ptr) for name in ("input_norm", "qkv", "qkv_bias", "o", "o_bias", "post_norm",
                                           "gate_up", "gate_up_bias", "down", "down_bias",
                                           "qkv_tiles", "o_tiles", "gate_up_tiles", "down_tiles")] + \
+               [(name, _Product) for name in ("qkv_product", "o_product", "gate_up_product", "down_product")] + \
                [(name, _i64) for name in ("hidden", "heads", "kv_heads", "head_dim", "intermediate")] + \
                [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
 
@@ -53,8 +64,7 @@ class _Step(ctypes.Structure):
                 ("decodes", _i64), ("decode_block_tables", _ptr), ("seq_lens", _ptr), ("decode_max_blocks", _i64),
                 ("prefills", _i64), ("prefill_block_tables", _ptr), ("token_offsets", _ptr),
                 ("query_lens", _ptr), ("context_lens", _ptr), ("prefill_max_blocks", _i64),
-                ("block_size", _i64), ("window", _i64), ("gemv_rows", _i64), ("gemv", _ptr),
-                ("tile_gemm", _ptr), ("tile_gemm_silu_mul", _ptr), ("attend_decodes", _ptr),
+                ("block_size", _i64), ("window", _i64), ("tile_gemm_silu_mul", _ptr), ("attend_decodes", _ptr),
                 ("attend_prefills", _ptr)]
 
 
@@ -77,37 +87,24 @@ def _linears(model: torch.nn.Module) -> list[torch.nn.Module]:
                                                   layer.mlp.gate_up_proj, layer.mlp.down_proj)]
 
 
-class _Products(NamedTuple):
-    """The C products the layers call (addresses; None: none) and the rows the GEMV takes."""
-    gemv: int
-    gemv_rows: int
-    tile_gemm: int | None
-    tile_gemm_silu_mul: int | None
-
-
-def _products(linears: list[torch.nn.Module]) -> _Products | None:
-    """bf16 weights: the GEMV (cpu_gemv.c) up to its rows, the tile GEMM above on the tile
-    copies. Weights of one GGUF type: that type's product (cpu_gguf_gemv.c) for every row
-    count, as the op-by-op layers use it: up to PACKED_MAX_ROWS where it has a product for
-    many rows (int8 GEMM or tiled) for every weight's shape, else up to gguf_linear.GEMV_MAX_ROWS (larger steps stay op by op).
-    None where the kernels are not built here or the weights mix types."""
-    quant_types = {m.weight.quant_type if m.quantized else None for m in linears}
-    if len(quant_types) != 1:
+def _product(linear: torch.nn.Module) -> _Product | None:
+    """A linear layer's product. bf16 weights: the GEMV (cpu_gemv.c) up to its rows, the tile
+    GEMM above on the weight's tile copy (Linear.pack; without one, up to the GEMV's rows only).
+    GGUF blocks: their type's product (cpu_gguf_gemv.c) for every row count, as the op-by-op
+    layers use it: up to PACKED_MAX_ROWS where it has a product for many rows (int8 GEMM or
+    tiled) for the weight's shape, else up to gguf_linear.GEMV_MAX_ROWS (larger steps stay op
+    by op). None where the kernel is not built here."""
+    if linear.quantized:
+        gemv = cpu_gguf_gemv.layer_product_address(linear.weight.quant_type)
+        batched = cpu_gguf_gemv.batched_fits(linear.weight.quant_type, linear.weight.shape[0],
+                                             linear.weight.in_features)
+        return None if gemv is None else _Product(gemv, PACKED_MAX_ROWS if batched else gguf_linear.GEMV_MAX_ROWS)
+    gemv, tile_gemm = cpu_gemv.kernel_address(), cpu_tile_gemm.kernel_address()
+    if gemv is None:
         return None
-    quant_type = quant_types.pop()
-    if quant_type is None:
-        gemv, tile_gemm = cpu_gemv.kernel_address(), cpu_tile_gemm.kernel_address()
-        if gemv is None:
-            return None
-        # Past the GEMV's rows, only if every product has its tile copy (Linear.pack).
-        if tile_gemm is None or any(_tiles(m) is None for m in linears):
-            return _Products(gemv, cpu_gemv.max_rows(), None, None)
-        return _Products(gemv, gemv_rows(), tile_gemm, cpu_tile_gemm.kernel_address(silu_mul=True))
-    gemv = cpu_gguf_gemv.layer_product_address(quant_type)
-    batched = all(cpu_gguf_gemv.batched_fits(quant_type, m.weight.shape[0], m.weight.in_features)
-                  for m in linears)
-    rows = PACKED_MAX_ROWS if batched else gguf_linear.GEMV_MAX_ROWS
-    return None if gemv is None else _Products(gemv, rows, None, None)
+    if tile_gemm is None or _tiles(linear) is None:
+        return _Product(gemv, cpu_gemv.max_rows())
+    return _Product(gemv, gemv_rows(), tile_gemm)
 
 
 class FusedLayers:
@@ -117,16 +114,16 @@ class FusedLayers:
     after it is built (the runner builds it once the weights are loaded and packed).
     """
 
-    def __init__(self, model: torch.nn.Module, lib: ctypes.CDLL, products: _Products, attend_decodes: int,
+    def __init__(self, model: torch.nn.Module, lib: ctypes.CDLL, products: list[_Product], attend_decodes: int,
                  attend_prefills: int | None) -> None:
         self._lib = lib
-        self._gemv, self._gemv_rows = products.gemv, products.gemv_rows
         self._attend_decodes, self._attend_prefills = attend_decodes, attend_prefills
         self.takes_prefills = attend_prefills is not None  # else only steps of decodes
         linears = _linears(model)
-        self._tile_gemm, self._tile_gemm_silu_mul = products.tile_gemm, products.tile_gemm_silu_mul
-        self.max_tokens = PACKED_MAX_ROWS if self._tile_gemm is not None else self._gemv_rows
+        self._tile_gemm_silu_mul = cpu_tile_gemm.kernel_address(silu_mul=True)
+        self.max_tokens = min(p.max_rows for p in products)
         self._layers = []
+        products_of_layers = iter(products)
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
@@ -144,6 +141,7 @@ class FusedLayers:
                 _address(mlp.gate_up_proj.bias), _address(mlp.down_proj.weight), _address(mlp.down_proj.bias),
                 _address(_tiles(attn.qkv_proj)), _address(_tiles(attn.o_proj)),
                 _address(_tiles(mlp.gate_up_proj)), _address(_tiles(mlp.down_proj)),
+                *(next(products_of_layers) for _ in range(4)),  # in _linears' order
                 layer.input_layernorm.weight.shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim,
                 mlp.intermediate_size, layer.input_layernorm.eps, attn.scale))
         assert all(layer.input_layernorm.eps == layer.post_attention_layernorm.eps for layer in model.layers)
@@ -153,10 +151,10 @@ class FusedLayers:
 
     @classmethod
     def build(cls, model: torch.nn.Module) -> "FusedLayers | None":
-        """For a loaded bf16 `LlamaModel` on CPU, its products' weights bf16 or all of one GGUF
-        type; None where the decode kernels cannot be built here (without the prefill kernel,
-        only steps of decodes) or the products' weights mix GGUF types or GGUF blocks and bf16.
-        Steps carry prefill chunks for the prefill kernel only where it takes the model's shapes
+        """For a loaded bf16 `LlamaModel` on CPU, its products' weights bf16 or GGUF blocks of any
+        types (each weight its own product); None where the decode kernels or a weight's
+        product cannot be built here (without the prefill kernel, only steps of decodes). Steps
+        carry prefill chunks for the prefill kernel only where it takes the model's shapes
         (cpu_paged_prefill.is_available)."""
         if model.norm.weight.dtype != torch.bfloat16:
             return None
@@ -164,9 +162,9 @@ class FusedLayers:
         if not cpu_paged_decode.is_available(torch.device("cpu"), torch.bfloat16, attn.num_heads,
                                              attn.num_kv_heads, attn.head_dim):
             return None
-        products = _products(_linears(model))
+        products = [_product(linear) for linear in _linears(model)]
         lib, attend_decodes = _LIBRARY.get(), cpu_paged_decode.kernel_address(torch.bfloat16)
-        if lib is None or products is None or attend_decodes is None:
+        if lib is None or None in products or attend_decodes is None:
             return None
         return cls(model, lib, products, attend_decodes, cpu_paged_prefill.kernel_address())
 
@@ -189,7 +187,6 @@ class FusedLayers:
         assert len(windows) == 1, "decodes and prefills share the model's window"
         step = _Step(num_tokens, cos.data_ptr(), sin.data_ptr(), metadata.slot_mapping.data_ptr(),
                      block_size=kv_caches[0][0].shape[1], window=windows.pop() or 0,
-                     gemv_rows=self._gemv_rows, gemv=self._gemv, tile_gemm=self._tile_gemm,
                      tile_gemm_silu_mul=self._tile_gemm_silu_mul, attend_decodes=self._attend_decodes,
                      attend_prefills=self._attend_prefills)
         if decodes is not None:
