@@ -329,42 +329,17 @@ int gguf_product_bf16(const uint16_t *x, const uint8_t *w, int type, const uint1
     }
 }
 
-int gguf_layer_product_q8_0(const uint16_t *x, const void *w, const uint16_t *bias, uint16_t *y,
-                            int64_t m, int64_t n, int64_t k) {
-    return gguf_product_bf16(x, w, TYPE_Q8_0, bias, y, m, n, k);
-}
-
-int gguf_layer_product_q4_0(const uint16_t *x, const void *w, const uint16_t *bias, uint16_t *y,
-                            int64_t m, int64_t n, int64_t k) {
-    return gguf_product_bf16(x, w, TYPE_Q4_0, bias, y, m, n, k);
-}
-
-int gguf_layer_product_q4_1(const uint16_t *x, const void *w, const uint16_t *bias, uint16_t *y,
-                            int64_t m, int64_t n, int64_t k) {
-    return gguf_product_bf16(x, w, TYPE_Q4_1, bias, y, m, n, k);
-}
-
-int gguf_layer_product_q8_0_panels(const uint16_t *x, const void *w, const uint16_t *bias, uint16_t *y,
-                                   int64_t m, int64_t n, int64_t k) {
-    return gguf_product_bf16(x, w, TYPE_Q8_0 | GGUF_PANELS, bias, y, m, n, k);
-}
-
-int gguf_layer_product_q4_0_panels(const uint16_t *x, const void *w, const uint16_t *bias, uint16_t *y,
-                                   int64_t m, int64_t n, int64_t k) {
-    return gguf_product_bf16(x, w, TYPE_Q4_0 | GGUF_PANELS, bias, y, m, n, k);
-}
-
-int gguf_layer_product_q4_1_panels(const uint16_t *x, const void *w, const uint16_t *bias, uint16_t *y,
-                                   int64_t m, int64_t n, int64_t k) {
-    return gguf_product_bf16(x, w, TYPE_Q4_1 | GGUF_PANELS, bias, y, m, n, k);
-}
-
-int gguf_layer_product_q4_k(const uint16_t *x, const void *w, const uint16_t *bias, uint16_t *y,
-                            int64_t m, int64_t n, int64_t k) {
-    return gguf_product_bf16(x, w, TYPE_Q4_K, bias, y, m, n, k);
-}
-
-int gguf_layer_product_q6_k(const uint16_t *x, const void *w, const uint16_t *bias, uint16_t *y,
-                            int64_t m, int64_t n, int64_t k) {
-    return gguf_product_bf16(x, w, TYPE_Q6_K, bias, y, m, n, k);
-}
+#define LAYER_PRODUCT(NAME, TYPE)                                                                      \
+    int gguf_layer_product_##NAME(const uint16_t *x, const void *w, const uint16_t *bias, uint16_t *y, \
+                                  int64_t m, int64_t n, int64_t k) {                                   \
+        return gguf_product_bf16(x, w, TYPE, bias, y, m, n, k);                                        \
+    }
+LAYER_PRODUCT(q8_0, TYPE_Q8_0)
+LAYER_PRODUCT(q4_0, TYPE_Q4_0)
+LAYER_PRODUCT(q4_1, TYPE_Q4_1)
+LAYER_PRODUCT(q8_0_panels, TYPE_Q8_0 | GGUF_PANELS)
+LAYER_PRODUCT(q4_0_panels, TYPE_Q4_0 | GGUF_PANELS)
+LAYER_PRODUCT(q4_1_panels, TYPE_Q4_1 | GGUF_PANELS)
+LAYER_PRODUCT(q4_k, TYPE_Q4_K)
+LAYER_PRODUCT(q6_k, TYPE_Q6_K)
+#undef LAYER_PRODUCT
