@@ -3,8 +3,9 @@
 The kernels' sources and headers are in vllm/csrc/cpu/ (`KERNEL_SOURCES`), shipped with the
 package. Each kernel is one C file and the headers it includes (no torch headers, so a build
 takes about a second), compiled with the system compiler into VLLM_CACHE_ROOT (default
-~/.cache/vllm), once per source, the headers it includes, compiler flags and CPU. Without a compiler, if the build fails, or with
-VLLM_CPU_C_KERNELS=0, `load_c_library` returns None and the caller keeps its torch path.
+~/.cache/vllm), once per source, the headers it includes, compiler flags and CPU. Without a
+compiler, if the build fails, or with VLLM_CPU_C_KERNELS=0, `load_c_library` returns None and
+the caller keeps its torch path.
 
 VLLM_C_SANITIZE=address builds them with AddressSanitizer and UndefinedBehaviorSanitizer instead
 (into a cache directory of their own), for tests: the process must then start with the ASan
@@ -28,7 +29,8 @@ logger = init_logger(__name__)
 KERNEL_SOURCES = Path(__file__).parents[1] / "csrc" / "cpu"
 # -fopenmp links libgomp, the OpenMP runtime torch's CPU wheels load: the kernels' threads are
 # torch's threads (same soname, one runtime in the process).
-_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-shared", "-fPIC", "-std=c11", f"-I{KERNEL_SOURCES}"]
+_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-shared", "-fPIC", "-std=c11",
+          f"-I{KERNEL_SOURCES}"]
 
 
 def c_kernels_enabled() -> bool:

@@ -26,6 +26,7 @@ op-by-op path runs every step. Captured graphs keep the torch layers.
 """
 
 import ctypes
+
 import torch
 
 from vllm.attention.backends.cpu_metadata import AttentionMetadata
@@ -123,8 +124,7 @@ class FusedLayers:
         self._tile_gemm_silu_mul = cpu_tile_gemm.kernel_address(silu_mul=True)
         self.max_tokens = min(p.max_rows for p in products)
         self._layers = []
-        products_of_layers = iter(products)
-        for layer in model.layers:
+        for index, layer in enumerate(model.layers):
             attn, mlp = layer.self_attn, layer.mlp
             for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
                 # bf16 rows, or rows of GGUF blocks that the product reads whole
@@ -141,7 +141,7 @@ class FusedLayers:
                 _address(mlp.gate_up_proj.bias), _address(mlp.down_proj.weight), _address(mlp.down_proj.bias),
                 _address(_tiles(attn.qkv_proj)), _address(_tiles(attn.o_proj)),
                 _address(_tiles(mlp.gate_up_proj)), _address(_tiles(mlp.down_proj)),
-                *(next(products_of_layers) for _ in range(4)),  # in _linears' order
+                *products[4 * index:4 * index + 4],  # in _linears' order
                 layer.input_layernorm.weight.shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim,
                 mlp.intermediate_size, layer.input_layernorm.eps, attn.scale))
         assert all(layer.input_layernorm.eps == layer.post_attention_layernorm.eps for layer in model.layers)

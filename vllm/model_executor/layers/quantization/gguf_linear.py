@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vllm.model_executor.layers.quantization import cpu_gguf_gemv
-from vllm.model_executor.layers.quantization.gguf_blocks import PANELS, GGUFBlocks, type_name
+from vllm.model_executor.layers.quantization.gguf_blocks import PANELS, GGUFBlocks
 
 # Rows up to which the weight-stationary products serve where no product made for many rows
 # runs (float32 x, or neither the int8 GEMM nor the tile GEMM here): past it, dequantizing the
