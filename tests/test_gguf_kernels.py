@@ -131,8 +131,10 @@ def test_int8_product_is_dequantize_then_matmul_of_quantized_activations(name, m
 # 8), past it tiles of 8, 4, 2 and 1 rows on an unpacked panel (16, 17 = 8 + 8 + 1, 31 = 8 + 8 +
 # 8 + 4 + 2 + 1, 40); 16-row panels, one and a partial one, several.
 GEMM_SHAPES = [(1, 16, 32), (5, 17, 96), (8, 33, 160), (16, 48, 576), (17, 33, 160), (31, 7, 64), (40, 80, 1536)]
-# The types the int8 GEMM decodes: 32-weight blocks one after another (not Q4_K's super-blocks).
-GEMM_TYPES = ["Q8_0", "Q4_0", "Q4_1"]
+# The types the int8 GEMM decodes (Q4_K from its rows, K rounded up to whole super-blocks), and
+# those of them that panels hold (32-weight blocks one after another).
+GEMM_TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q4_K"]
+PANEL_TYPES = ["Q8_0", "Q4_0", "Q4_1"]
 
 
 @pytest.mark.skipif(not cpu_gguf_gemv.gemm_available(), reason="the CPU has no AVX512-VNNI")
@@ -141,6 +143,7 @@ GEMM_TYPES = ["Q8_0", "Q4_0", "Q4_1"]
 def test_gemm_is_dequantize_then_matmul_of_quantized_activations(name, m, n, k):
     """The int8 GEMM: x's blocks quantized as for the int8 product, exact integer block sums,
     then float32 rounding of the scaled block sums and of the bias added, one rounding to bf16."""
+    k = _whole_blocks(name, k)
     data, dense = _blocks(TYPES[name], n, k, seed=m * n + k)
     x = _x(m, k, torch.bfloat16, seed=k)
     bias = torch.randn(n, generator=torch.Generator().manual_seed(n)).bfloat16()
@@ -160,8 +163,9 @@ def test_gemm_rows_do_not_depend_on_the_other_rows(name):
     result is the same bits in a step of 40 rows (tiles on an unpacked panel) and of 5 (blocks
     multiplied as they are decoded) as alone (80 000 outputs, so that a float32 rounding that
     differs shows through the rounding to bf16)."""
-    data, _ = _blocks(TYPES[name], 2008, 576, seed=3)
-    x = _x(40, 576, torch.bfloat16, seed=4)
+    k = _whole_blocks(name, 576)
+    data, _ = _blocks(TYPES[name], 2008, k, seed=3)
+    x = _x(40, k, torch.bfloat16, seed=4)
     together = cpu_gguf_gemv.product(x, data, TYPES[name], None, path="gemm")
     fives = torch.cat([cpu_gguf_gemv.product(x[i:i + 5], data, TYPES[name], None, path="gemm") for i in range(0, 40, 5)])
     alone = torch.cat([cpu_gguf_gemv.product(x[i:i + 1], data, TYPES[name], None, path="gemm") for i in range(40)])
@@ -170,7 +174,7 @@ def test_gemm_rows_do_not_depend_on_the_other_rows(name):
 
 
 @pytest.mark.skipif(not cpu_gguf_gemv.gemm_available(), reason="the CPU has no AVX512-VNNI")
-@pytest.mark.parametrize("name", GEMM_TYPES)
+@pytest.mark.parametrize("name", PANEL_TYPES)
 def test_panels_are_the_rows_regrouped(name):
     """A weight regrouped into 16-row panels dequantizes to the same rows (all, or looked up as
     an embedding does) and multiplies to the same bits as its rows, at every row count the GEMM
@@ -194,7 +198,8 @@ def test_panels_are_the_rows_regrouped(name):
 
 @pytest.mark.skipif(not cpu_gguf_gemv.gemm_available(), reason="the CPU has no AVX512-VNNI")
 def test_only_whole_panels_of_the_gemms_types_are_regrouped():
-    """Rows that are not whole panels, Q4_K (not the GEMM's) and panels again stay as they are;
+    """Rows that are not whole panels, Q4_K (which the GEMM reads from its rows) and panels again
+    stay as they are;
     the products that read rows refuse panels."""
     data, _ = _blocks(TYPES["Q4_1"], 40, 64, seed=6)
     assert cpu_gguf_gemv.to_panels(data, TYPES["Q4_1"], 64) is None
@@ -209,29 +214,37 @@ def test_only_whole_panels_of_the_gemms_types_are_regrouped():
 @pytest.mark.parametrize("m", [1, 2, 16, 256])
 @pytest.mark.parametrize("name", GEMM_TYPES)
 def test_bf16_products_take_the_gemm_where_it_runs(name, m):
-    """Where the int8 GEMM is built it serves bf16 x at every row count (its benchmark has it
-    ahead of the weight-stationary and tiled products), and `product` runs it."""
-    data, _ = _blocks(TYPES[name], 48, 64, seed=m)
-    x = _x(m, 64, torch.bfloat16, seed=m)
-    assert cpu_gguf_gemv.product_path(TYPES[name], m, 48, 64) == "gemm"
+    """Where the int8 GEMM is built it serves bf16 x at every row count, Q4_K's from 2 rows (its
+    benchmark has it ahead of the weight-stationary and tiled products there), and `product`
+    runs it."""
+    k = _whole_blocks(name, 64)
+    data, _ = _blocks(TYPES[name], 48, k, seed=m)
+    x = _x(m, k, torch.bfloat16, seed=m)
+    if name == "Q4_K" and m == 1:
+        assert cpu_gguf_gemv.product_path(TYPES[name], m, 48, k) == "int8"
+        return
+    assert cpu_gguf_gemv.product_path(TYPES[name], m, 48, k) == "gemm"
     assert torch.equal(cpu_gguf_gemv.product(x, data, TYPES[name], None),
                        cpu_gguf_gemv.product(x, data, TYPES[name], None, path="gemm"))
 
 
 @pytest.mark.skipif(not cpu_gguf_gemv.tiled_fits(48), reason="no tile GEMM here")
 @pytest.mark.parametrize("name", ["Q4_K", "Q6_K"])
-def test_super_blocks_take_the_weight_stationary_then_the_tiled_product(name):
-    """The int8 GEMM does not decode super-blocks: a few rows take the weight-stationary product,
-    more the tiled one, wherever the GEMM is built or not."""
+def test_super_blocks_take_the_weight_stationary_then_a_product_for_many_rows(name):
+    """A single row takes the weight-stationary product; more take the int8 GEMM where it is
+    built and decodes the type (Q4_K, from its rows), else, from a few rows, the tiled product."""
     quant_type = TYPES[name]
-    assert not cpu_gguf_gemv.gemm_takes(quant_type)
+    many = "gemm" if cpu_gguf_gemv.gemm_takes(quant_type) else "tiled"
+    assert cpu_gguf_gemv.gemm_takes(quant_type) == (name == "Q4_K" and cpu_gguf_gemv.gemm_available())
     assert cpu_gguf_gemv.product_path(quant_type, 1, 48, 256) == ("int8" if cpu_gguf_gemv.int8_available() else "float")
-    assert cpu_gguf_gemv.product_path(quant_type, 64, 48, 256) == "tiled"
-    assert cpu_gguf_gemv.batched_fits(quant_type, 48, 256) and not cpu_gguf_gemv.batched_fits(quant_type, 40, 256)
+    assert cpu_gguf_gemv.product_path(quant_type, 64, 48, 256) == many
+    assert cpu_gguf_gemv.batched_fits(quant_type, 48, 256)
+    assert cpu_gguf_gemv.batched_fits(quant_type, 40, 256) == (many == "gemm")  # tiles need whole 16-row panels
+    assert cpu_gguf_gemv.to_panels(_blocks(quant_type, 48, 256, seed=5)[0], quant_type, 256) is None  # rows only
     data, dense = _blocks(quant_type, 48, 512, seed=5)
     x = _x(64, 512, torch.bfloat16, seed=5)
     want = x.double().numpy() @ dense.astype(np.float64).T
-    got = cpu_gguf_gemv.product(x, data, quant_type, None).double().numpy()  # the tiled product
+    got = cpu_gguf_gemv.product(x, data, quant_type, None, path="tiled").double().numpy()
     # bf16 tiles (a relative 2^-9 per weight) and bf16 output (2^-9)
     bound = 2.0 ** -8 * (np.abs(x.double().numpy()) @ np.abs(dense.astype(np.float64)).T) + 2.0 ** -8 * np.abs(want)
     assert np.all(np.abs(got - want) <= bound + 1e-30)

@@ -206,7 +206,10 @@ int gguf_tiled_product_bf16(const uint16_t *x, const uint8_t *w, int type, const
 
 /* Whether the int8 GEMM decodes `type` (in rows or in panels), where it is built
  * (gguf_gemm_supported). */
-int gguf_gemm_decodes(int type) { return panel_type(type & ~GGUF_PANELS); }
+int gguf_gemm_decodes(int type) { return gemm_type(type & ~GGUF_PANELS); }
+
+/* Whether weights of `type` are regrouped into panels for the GEMM (else it reads their rows). */
+int gguf_has_panels(int type) { return panel_type(type); }
 
 /* W's n rows of `type` (n a multiple of 16) -> `out`, the same bytes regrouped into panels
  * (cpu_gguf_gemv_blocks.h); 1 where the type has no panels or n is not whole panels. */
@@ -229,9 +232,9 @@ int gguf_gemm_int8_bf16(const uint16_t *x, const uint8_t *w, int type, const uin
                         int64_t m, int64_t n, int64_t k) {
     const int in_panels = (type & GGUF_PANELS) != 0;
     type &= ~GGUF_PANELS;
-    if (!gguf_gemm_decodes(type) || k % QK || (in_panels && n % 16)) return 1;
+    if (!gguf_gemm_decodes(type) || row_bytes(type, k) == 0 || (in_panels && (!panel_type(type) || n % 16))) return 1;
     if (m == 0 || n == 0) return 0;
-    const int64_t nb = k / QK, panels = (n + 15) / 16, stride = nb * block_bytes(type);
+    const int64_t nb = k / QK, panels = (n + 15) / 16, stride = row_bytes(type, k);
     quantized_x q = {malloc((size_t)(m * k)), malloc((size_t)(m * nb) * sizeof(float)),
                      malloc((size_t)(m * nb) * sizeof(float)), malloc((size_t)(m * nb) * sizeof(int32_t))};
     int status = 0;
@@ -286,27 +289,33 @@ int gguf_gemm_int8_bf16(const uint16_t *x, const uint8_t *w, int type, const uin
 /*
  * Which product serves m rows of bf16 x (benchmarks/benchmark_gguf_products.py --copies 30
  * times them per shape, each weight read from memory as in a step): the int8 GEMM wherever it
- * is built, at every row count: on the default model's shapes it is ahead of the tiled product
- * at every row count the benchmark times, and of the weight-stationary int8 product from one
- * row (for Q8_0's single row, by a few percent on most shapes). Without the GEMM, the tiled
- * product from tiled_min_rows(type) rows, where it overtakes the weight-stationary one (the
- * same benchmark), and that one below. Panels are made only where the GEMM is built: only it
+ * is built and decodes the type, from gemm_min_rows(type) rows: on the default model's shapes
+ * it is ahead of the tiled product at every row count the benchmark times, and of the
+ * weight-stationary int8 product from one row on panels (for Q8_0's single row, by a few
+ * percent on most shapes) and from two on Q4_K's rows. Without it, the tiled product from
+ * tiled_min_rows(type) rows, where it overtakes the weight-stationary one (the same
+ * benchmark), and that one below. Panels are made only where the GEMM is built: only it
  * multiplies them.
  */
 enum { PATH_FLOAT, PATH_INT8, PATH_GEMM, PATH_TILED };  /* cpu_gguf_gemv.PATHS */
+
+static int64_t gemm_min_rows(int type) {
+    return type == TYPE_Q4_K ? 2 : 1;  /* gguf_products_q4_k.json */
+}
 
 static int64_t tiled_min_rows(int type) {
     switch (type) {
     case TYPE_Q4_1: return 4;
     case TYPE_Q4_0: return 5;
-    case TYPE_Q4_K: return 5;  /* K rounded up to whole super-blocks: gguf_products_q4_k.json */
+    case TYPE_Q4_K: return 5;  /* gguf_products_q4_k.json (K rounded up to whole super-blocks) */
     case TYPE_Q6_K: return 12;  /* gguf_products_q6_k.json */
     default: return 6;
     }
 }
 
 int gguf_product_path(int type, int64_t m, int64_t n, int64_t k) {
-    if (gguf_gemm_supported() && gguf_gemm_decodes(type)) return PATH_GEMM;
+    if (gguf_gemm_supported() && gguf_gemm_decodes(type) && m >= gemm_min_rows(type & ~GGUF_PANELS))
+        return PATH_GEMM;
     if (m >= tiled_min_rows(type) && tiled_fits(n, k)) return PATH_TILED;
     return gguf_int8_supported() ? PATH_INT8 : PATH_FLOAT;
 }

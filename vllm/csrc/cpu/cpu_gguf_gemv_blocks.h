@@ -76,9 +76,12 @@ static int64_t row_bytes(int type, int64_t k) {
     return k % weights ? 0 : k / weights * block_bytes(type);
 }
 
-/* The types the int8 GEMM decodes, and so the types panels hold (Q4_K's 32-weight blocks lie
- * in its super-blocks: not yet). */
+/* The types panels hold: 32-weight blocks one after another (not the super-blocks of Q4_K, which
+ * the int8 GEMM reads from its rows, or Q6_K). */
 static inline int panel_type(int type) { return type == TYPE_Q8_0 || type == TYPE_Q4_0 || type == TYPE_Q4_1; }
+
+/* The types the int8 GEMM decodes: the panels' types, and Q4_K from its rows. */
+static inline int gemm_type(int type) { return panel_type(type) || type == TYPE_Q4_K; }
 
 /* Panels: code vectors of 64 bytes per block of 16 rows, where a panel's block holds its 16
  * d and its 16 m, and where in a row's block the codes start. */

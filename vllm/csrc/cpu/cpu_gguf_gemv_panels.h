@@ -7,6 +7,7 @@
  *
  *   w_i = D * (u_i - offset) + M      u_i its unsigned byte codes
  *   Q8_0: u = q + 128, offset 128, M = 0     Q4_0: u = q, offset 8, M = 0     Q4_1: D = d, M = m
+ *   Q4_K sub-block s: D = d * sc_s, M = -dmin * m_s (its rows' scales unpacked per block)
  *
  * and with x's block quantized as for gguf_matmul_int8 (dx, codes qx, sx = sum of qx):
  *
@@ -94,12 +95,46 @@ static inline void split_nibbles(__m512i codes[8]) {
 /* The per-type part of the GEMM: code_offset, has_minimum and decode_blocks (a new type adds
  * its case to each). */
 static inline int code_offset(int type) { return type == TYPE_Q8_0 ? 128 : type == TYPE_Q4_0 ? 8 : 0; }
-static inline int has_minimum(int type) { return type == TYPE_Q4_1; }
+static inline int has_minimum(int type) { return type == TYPE_Q4_1 || type == TYPE_Q4_K; }
+
+/* Sub-block s of the Q4_K super-blocks at `at` of the rows of p -> codes, *D, *M: each row's
+ * 6-bit scale and minimum unpacked in its lane, as q4_k_scales does from the 12 scale bytes. */
+static inline void decode_q4_k_blocks(const panel_rows_at *p, int64_t at, int s, __m512i codes[8], __m512 *D,
+                                      __m512 *M) {
+    const __m512i first = load_words(p, at);  /* d, dmin */
+    const __m512i w0 = load_words(p, at + 4), w1 = load_words(p, at + 8), w2 = load_words(p, at + 12);
+    const __m512i six = _mm512_set1_epi32(0x3f3f3f3f), four = _mm512_set1_epi32(0x0f0f0f0f),
+                  top = _mm512_set1_epi32(0x30303030);
+    __m512i sc, m;  /* byte s % 4 of each lane: sc_s, m_s */
+    if (s < 4) {
+        sc = _mm512_and_si512(w0, six);
+        m = _mm512_and_si512(w1, six);
+    } else {
+        sc = _mm512_or_si512(_mm512_and_si512(w2, four), _mm512_and_si512(_mm512_srli_epi32(w0, 2), top));
+        m = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(w2, 4), four),
+                            _mm512_and_si512(_mm512_srli_epi32(w1, 2), top));
+    }
+    const __m512i shift = _mm512_set1_epi32(8 * (s % 4)), byte = _mm512_set1_epi32(0xff);
+    sc = _mm512_and_si512(_mm512_srlv_epi32(sc, shift), byte);
+    m = _mm512_and_si512(_mm512_srlv_epi32(m, shift), byte);
+    /* exact in float32 (11-bit by 6-bit products), as q4_k_scale and q4_k_min */
+    *D = _mm512_mul_ps(halves_to_float(first, 0), _mm512_cvtepi32_ps(sc));
+    *M = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(halves_to_float(first, 1), _mm512_cvtepi32_ps(m)));
+    load_dwords(p, at + 16 + 32 * (s / 2), codes);
+    load_dwords(p, at + 32 + 32 * (s / 2), codes + 4);
+    const __m512i low = _mm512_set1_epi8(15);
+    for (int g = 0; g < 8; ++g)
+        codes[g] = _mm512_and_si512(s % 2 ? _mm512_srli_epi16(codes[g], 4) : codes[g], low);
+}
 
 /* Block kb (weights 32 kb .. 32 kb + 31) of the rows of p -> codes[g] (lane c: u_4g .. u_4g+3
  * of row c), *D, *M. */
 static inline void decode_blocks(const panel_rows_at *p, int type, int64_t kb, __m512i codes[8], __m512 *D,
                                  __m512 *M) {
+    if (type == TYPE_Q4_K) {
+        decode_q4_k_blocks(p, kb / 8 * block_bytes(type), (int)(kb % 8), codes, D, M);
+        return;
+    }
     const int64_t at = kb * block_bytes(type);
     const __m512i first = load_words(p, at);  /* d, and m or codes */
     *D = halves_to_float(first, 0);
@@ -226,7 +261,7 @@ static inline void store_rows(const __m512 *acc, int64_t t0, int tm, const uint1
 
 /* Where the rows [j0, j0 + rows) of W (rows <= 16; lanes past them repeat the last row) start. */
 static inline panel_rows_at panel_at(const uint8_t *w, int type, int64_t j0, int rows, int64_t nb) {
-    const int64_t stride = nb * block_bytes(type);
+    const int64_t stride = row_bytes(type, nb * QK);
     panel_rows_at p = {.base = w + j0 * stride};
     for (int c = 0; c < 16; ++c) p.offset[c] = (c < rows ? c : rows - 1) * stride;
     return p;

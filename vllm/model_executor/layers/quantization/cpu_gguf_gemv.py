@@ -30,7 +30,7 @@ _LIBRARY = CLibrary(KERNEL_SOURCES / "cpu_gguf_gemv.c",
                      "gguf_dequantize": CFunction([_ptr, _int, _ptr, _i64, _i64, _i64, _ptr, _int]),
                      "gguf_product_bf16": _PRODUCT_BF16, "gguf_tiled_product_bf16": _PRODUCT_BF16,
                      "gguf_gemm_int8_bf16": _PRODUCT_BF16, "gguf_gemm_supported": CFunction([]),
-                     "gguf_gemm_decodes": CFunction([_int]),
+                     "gguf_gemm_decodes": CFunction([_int]), "gguf_has_panels": CFunction([_int]),
                      "gguf_product_path": CFunction([_int, _i64, _i64, _i64]),
                      "gguf_use_tile_gemm": CFunction([_ptr]),
                      "gguf_to_panels": CFunction([_ptr, _int, _i64, _i64, _ptr]),
@@ -107,8 +107,11 @@ def to_panels(blocks: torch.Tensor, quant_type: int, k: int) -> torch.Tensor | N
     """blocks: (N, row bytes) of rows of K weights of `quant_type` -> the same bytes regrouped
     into 16-row panels (cpu_gguf_gemv_blocks.h), which the int8 GEMM reads in one stream where from
     rows it gathers 16 rows' blocks; multiply and dequantize them as `quant_type | PANELS`.
-    None where the GEMM does not take the type here or N is not a multiple of 16."""
+    None where the GEMM does not take the type here, the type has no panels (Q4_K: the GEMM
+    reads its rows) or N is not a multiple of 16."""
     if quant_type & PANELS or blocks.shape[0] % 16 or not gemm_takes(quant_type):
+        return None
+    if not _LIBRARY.get().gguf_has_panels(quant_type):
         return None
     assert blocks.dtype == torch.uint8 and blocks.dim() == 2 and blocks.is_contiguous()
     panels = torch.empty_like(blocks)

@@ -9,7 +9,8 @@ reads the embedding's blocks. `Linear.matmul` and `VocabParallelEmbedding` then 
                          per 32-block to int8 where the CPU has int8 dot products: with
                          AVX512-VNNI the int8 GEMM at every row count (16 output rows of blocks
                          unpacked at a time for all rows of x, from the panels `to_panels`
-                         regroups the weights into); else up to a few rows one pass
+                         regroups the weights into; Q4_K from its rows, from 2 rows of x; not
+                         Q6_K); else up to a few rows one pass
                          over the blocks, dequantized in registers (int8 or float32 dot
                          products), and from there (batched decodes, prefill chunks) each weight
                          dequantized to bf16 panel by panel for the tile GEMM (cpu_tile_gemm.c)
