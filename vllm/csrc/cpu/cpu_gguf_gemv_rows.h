@@ -207,10 +207,26 @@ static inline __attribute__((always_inline)) __m256i q6_k_codes(const __m256i ql
                            _mm256_set1_epi8(32));
 }
 
+/* Block j of a Q6_K half super-block (its code bytes ql, qh; d * sc_r of its two runs in
+ * `scale`) times the quantized x of tm rows (x block xb0 of the first, nb apart) into acc: a
+ * block's 8 int32 lanes of dot products are its first run's (lanes 0-3) and its second's (4-7).
+ * j and tm are constants in each caller. */
+static inline __attribute__((always_inline)) void q6_k_block_rows(
+        const __m256i ql[2], __m256i qh, const int j, __m256 scale, const int8_t *qx, const float *dx,
+        int64_t xb0, int64_t nb, const int tm, __m256 *acc) {
+    const __m256i codes = q6_k_codes(ql, qh, j);
+    /* vpdpbusd multiplies unsigned by signed bytes: the signed codes give their sign to x. */
+    const __m256i wu = _mm256_sign_epi8(codes, codes);
+    for (int t = 0; t < tm; ++t) {
+        const int64_t xb = xb0 + t * nb;
+        const __m256i xs = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(qx + xb * QK)), codes);
+        const __m256i dot = DPBUSD(_mm256_setzero_si256(), wu, xs);
+        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(scale, _mm256_set1_ps(dx[xb])), acc[t]);
+    }
+}
+
 /* row_int8 for Q6_K, a super-block at a time (its scale read once, each half's code bytes
- * loaded once for its 4 blocks), with tm a constant in each caller: a block's 8 int32 lanes of
- * dot products are its first run's (lanes 0-3) and its second's (4-7), each scaled by its
- * run's d * sc_r. */
+ * loaded once for its 4 blocks), with tm a constant in each caller. */
 static inline __attribute__((always_inline)) void rows_int8_q6_k(
         const uint8_t *row, const int8_t *qx, const float *dx, float b0, void *y, int bf16, int64_t j,
         int64_t t0, const int tm, int64_t n, int64_t k) {
@@ -225,22 +241,11 @@ static inline __attribute__((always_inline)) void rows_int8_q6_k(
             const __m256i ql[2] = {_mm256_loadu_si256((const __m256i *)(sb + 64 * h)),
                                    _mm256_loadu_si256((const __m256i *)(sb + 64 * h + 32))};
             const __m256i qh = _mm256_loadu_si256((const __m256i *)(sb + 128 + 32 * h));
-#define Q6_K_BLOCK(J)                                                                                   \
-            {                                                                                           \
-                const __m256i codes = q6_k_codes(ql, qh, J);                                            \
-                /* vpdpbusd multiplies unsigned by signed bytes: the signed codes give their sign to x. */ \
-                const __m256i wu = _mm256_sign_epi8(codes, codes);                                      \
-                const __m256 scale = _mm256_set_m128(_mm_set1_ps(d * (float)sc[8 * h + 2 * (J) + 1]),  \
-                                                     _mm_set1_ps(d * (float)sc[8 * h + 2 * (J)]));      \
-                for (int t = 0; t < tm; ++t) {                                                          \
-                    const int64_t xb = (t0 + t) * nb + b + 4 * h + (J);                                 \
-                    const __m256i xs = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(qx + xb * QK)), codes); \
-                    const __m256i dot = DPBUSD(_mm256_setzero_si256(), wu, xs);                         \
-                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(scale, _mm256_set1_ps(dx[xb])), acc[t]); \
-                }                                                                                       \
+            for (int i = 0; i < 4; ++i) {  /* unrolled: i is then a constant for q6_k_codes' shifts */
+                const __m256 scale = _mm256_set_m128(_mm_set1_ps(d * (float)sc[8 * h + 2 * i + 1]),
+                                                     _mm_set1_ps(d * (float)sc[8 * h + 2 * i]));
+                q6_k_block_rows(ql, qh, i, scale, qx, dx, t0 * nb + b + 4 * h + i, nb, tm, acc);
             }
-            Q6_K_BLOCK(0) Q6_K_BLOCK(1) Q6_K_BLOCK(2) Q6_K_BLOCK(3)
-#undef Q6_K_BLOCK
         }
     }
     for (int t = 0; t < tm; ++t) store(y, bf16, (t0 + t) * n + j, reduce(acc[t]) + b0);

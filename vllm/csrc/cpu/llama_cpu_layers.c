@@ -115,7 +115,8 @@ int llama_layer(const struct layer_weights *L, const struct layer_step *S, uint1
 
     #pragma omp parallel for schedule(static) if (t >= 8)
     for (int64_t r = 0; r < t; ++r) rms_norm_row(hidden + r * h, L->input_norm, normed + r * h, h, L->eps);
-    status |= project(&L->qkv_product, normed, L->qkv, L->qkv_tiles, L->qkv_bias, wide, t, qkv_size, h);  /* (T, q + 2 kv) */
+    status |= project(&L->qkv_product, normed, L->qkv, L->qkv_tiles, L->qkv_bias, wide, t, qkv_size,
+                      h);                                                                 /* (T, q + 2 kv) */
     #pragma omp parallel for schedule(static) if (t >= 8)
     for (int64_t r = 0; r < t; ++r) {
         const uint16_t *row = wide + r * qkv_size, *cos = S->cos + r * d, *sin = S->sin + r * d;
@@ -153,7 +154,8 @@ int llama_layer(const struct layer_weights *L, const struct layer_step *S, uint1
         #pragma omp parallel for schedule(static) if (t >= 8)
         for (int64_t r = 0; r < t; ++r) silu_mul_row(wide + r * 2 * inter, act + r * inter, inter);
     }
-    status |= project(&L->down_product, act, L->down, L->down_tiles, L->down_bias, proj, t, h, inter);  /* (T, hidden) */
+    status |= project(&L->down_product, act, L->down, L->down_tiles, L->down_bias, proj, t, h,
+                      inter);                                                               /* (T, hidden) */
     #pragma omp parallel for schedule(static) if (t >= 8)
     for (int64_t r = 0; r < t; ++r) add_into(hidden + r * h, proj + r * h, h);
     return status;

@@ -4,9 +4,9 @@ A GGUF matrix of N rows of K weights is N rows of K / `block_size(type)` blocks:
 weights, a scale (and, for Q4_1, a minimum) plus 32 codes, or super-blocks of 256: Q4_K's, two
 scales and the 6-bit scales and minimums of their eight 32-weight sub-blocks plus 256 codes,
 and Q6_K's, one scale, the 8-bit scales of their sixteen runs of 16 and 256 6-bit codes (see
-vllm/csrc/cpu/cpu_gguf_gemv_blocks.h for the layouts). The engine holds such a matrix as a uint8 tensor of
-shape (N, K / block size * block bytes): rows stay whole, so slicing output rows (q/k/v, the
-vocabulary) is slicing tensor rows.
+vllm/csrc/cpu/cpu_gguf_gemv_blocks.h for the layouts). The engine holds such a matrix as a
+uint8 tensor of shape (N, K / block size * block bytes): rows stay whole, so slicing output rows
+(q/k/v, the vocabulary) is slicing tensor rows.
 
 Once a model is loaded, the CPU kernels may regroup a weight's rows into 16-row panels for
 their int8 GEMM (cpu_gguf_gemv.to_panels): the same bytes and shape, its type then carrying
