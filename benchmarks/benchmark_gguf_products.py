@@ -40,8 +40,8 @@ def _random_blocks(quant_type: int, n: int, k: int, rng: np.random.Generator) ->
         data = gguf.quants.quantize(rng.standard_normal((n, k)).astype(np.float32), gguf.GGMLQuantizationType(quant_type))
         return np.ascontiguousarray(data)
     blocks = rng.integers(0, 256, (n, k // 256, SUPER_BLOCKS[name]), dtype=np.uint8)
-    scales = slice(0, 4) if name == "Q4_K" else slice(208, 210)
-    blocks[..., scales] = np.full(scales.stop // 2 - scales.start // 2, 2.0 ** -10, dtype=np.float16).view(np.uint8)
+    scales, count = (slice(0, 4), 2) if name == "Q4_K" else (slice(208, 210), 1)  # fp16 d, dmin; d
+    blocks[..., scales] = np.full(count, 2.0 ** -10, dtype=np.float16).view(np.uint8)
     return blocks.reshape(n, -1)
 
 
