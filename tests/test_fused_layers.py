@@ -12,6 +12,7 @@ from vllm.attention.backends.abstract import SeqSpan
 from vllm.attention.backends.cpu_metadata import build_attention_metadata
 from vllm.forward_context import ForwardContext, forward_context
 from vllm.model_executor.layers.linear import PACKED_MAX_ROWS
+from vllm.model_executor.models.llama_cpu_layers import FusedLayers
 from vllm.platforms.cpu import cpu_flags
 
 BLOCK = 16
@@ -47,9 +48,11 @@ def _step(runner, contexts: list[int], chunks: list[tuple[int, int]], rng: rando
 
 def _assert_fused_matches_op_by_op(runner, contexts: list[int], chunks: list[tuple[int, int]],
                                    rng: random.Random) -> None:
-    """Runs one step (see _step) through the op-by-op layers and through the C layers, from the
-    same random caches: the hidden states and the cache writes must agree."""
-    model, fused = runner.model.model, runner.attn_backend.fused_layers
+    """Runs one step (see _step) through the op-by-op layers and through C layers built under the
+    tile GEMM copy in use (they keep the GEMV's rows of their build, and on AMX the GEMV keeps 1-4
+    rows, on the AVX512 copy the tile GEMM takes them), from the same random caches: the hidden
+    states and the cache writes must agree."""
+    model, fused = runner.model.model, FusedLayers.build(runner.model.model)
     metadata, positions = _step(runner, contexts, chunks, rng)
     ids = torch.tensor([rng.randrange(100, 49152) for _ in range(positions.shape[0])])
     assert fused.accepts(metadata, positions.shape[0])
@@ -68,7 +71,7 @@ def _assert_fused_matches_op_by_op(runner, contexts: list[int], chunks: list[tup
             model.fused_layers = fused if use_fused else None
             hidden = model(ids, positions)                                   # (T, hidden)
             results.append((hidden, [(k.clone(), v.clone()) for k, v in caches]))
-    model.fused_layers = fused
+    model.fused_layers = runner.attn_backend.fused_layers
     (ref, ref_caches), (got, got_caches) = results
     # Both round to bf16 at the same points; a norm's sum order may move an element by an ulp.
     torch.testing.assert_close(got.float(), ref.float(), rtol=2 ** -6, atol=2 ** -6)

@@ -44,7 +44,9 @@ def max_rows() -> int:
 
 def use_amx(enabled: bool) -> bool:
     """Lets the products take the AMX copy (the default where it runs) or not, the AVX512-BF16
-    copy that CPUs without AMX use (for tests and comparisons); returns whether AMX is now in use."""
+    copy that CPUs without AMX use (for tests and comparisons); returns whether AMX is now in use.
+    C layers built before (llama_cpu_layers.FusedLayers) keep the GEMV's rows of their build
+    (takes_decode_rows)."""
     return _set_amx(_built(), enabled)
 
 
