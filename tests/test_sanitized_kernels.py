@@ -4,40 +4,28 @@ A subprocess builds the C kernels with VLLM_C_SANITIZE=address (vllm/platforms/c
 runs the tests that drive them: the kernels against their references (the GGUF products too),
 the attention kernels on model shapes, the whole-layer C path, and the step checks with every
 out-of-range value (which must be refused before a kernel touches memory). Any out-of-bounds access or undefined behaviour
-aborts the subprocess. Paths for an ISA this CPU lacks skip there as they do anywhere.
+aborts the subprocess. Where the CPU has AVX512-BF16 but no AMX, the kernels' AMX copies run on
+emulated tiles (VLLM_C_EMULATE=amx, test_amx_emulation.py), so that their tile loads and stores are
+checked too. Other paths for an ISA this CPU lacks skip there as they do anywhere.
 """
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.utils import asan_runtime
+from vllm.platforms.cpu import cpu_flags
+
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = ["tests/test_c_kernels.py", "tests/test_attention.py", "tests/test_step_checks.py", "tests/test_gguf_kernels.py",
          "tests/test_fused_layers.py", "-k", "not test_fused_layers or llama"]  # the fused layers of one model
 
 
-def _asan_runtime(tmp_path: Path) -> str | None:
-    """The compiler's ASan runtime, if it can build a sanitized library at all; else None."""
-    compiler = shutil.which(os.environ.get("CC", "cc"))
-    if compiler is None:
-        return None
-    runtime = subprocess.run([compiler, "-print-file-name=libasan.so"], capture_output=True,
-                             text=True).stdout.strip()
-    source = tmp_path / "probe.c"
-    source.write_text("int probe(int *p, int i) { return p[i] << 1; }\n")
-    built = subprocess.run([compiler, "-fsanitize=address,undefined", "-shared", "-fPIC", str(source),
-                            "-o", str(tmp_path / "probe.so")], capture_output=True)
-    if built.returncode != 0 or not os.path.isabs(runtime) or not os.path.exists(runtime):
-        return None
-    return runtime
-
-
 def test_kernel_tests_pass_with_sanitized_kernels(tmp_path):
-    runtime = _asan_runtime(tmp_path)
+    runtime = asan_runtime(tmp_path)
     if runtime is None:
         pytest.skip("the C compiler cannot build with -fsanitize=address,undefined")
     logs = tmp_path / "logs"
@@ -47,6 +35,8 @@ def test_kernel_tests_pass_with_sanitized_kernels(tmp_path):
            # Reports go to files: the subprocess's pytest would swallow its own stderr.
            "ASAN_OPTIONS": f"detect_leaks=0:log_path={logs / 'asan'}",
            "UBSAN_OPTIONS": f"print_stacktrace=1:log_path={logs / 'ubsan'}"}
+    if "amx_bf16" not in cpu_flags():
+        env["VLLM_C_EMULATE"] = "amx"  # without AVX512-BF16 too, amx.h then builds no AMX copy
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *TESTS],
                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     reports = "".join(f.read_text()[:4000] for f in sorted(logs.iterdir()))

@@ -3,6 +3,8 @@
 import os
 import random
 import shutil
+import subprocess
+from pathlib import Path
 
 import torch
 
@@ -144,3 +146,19 @@ def assert_greedy_close(ours: list[list[int]], ref: list[list[int]], our_logprob
         if i < len(a):
             assert a[i] in lb[i] and b[i] in la[i], (i, a[i], b[i])
     assert agreed >= min_agreed
+
+
+def asan_runtime(tmp_path: Path) -> str | None:
+    """The compiler's ASan runtime, if it can build a sanitized library at all; else None."""
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        return None
+    runtime = subprocess.run([compiler, "-print-file-name=libasan.so"], capture_output=True,
+                             text=True).stdout.strip()
+    source = tmp_path / "probe.c"
+    source.write_text("int probe(int *p, int i) { return p[i] << 1; }\n")
+    built = subprocess.run([compiler, "-fsanitize=address,undefined", "-shared", "-fPIC", str(source),
+                            "-o", str(tmp_path / "probe.so")], capture_output=True)
+    if built.returncode != 0 or not os.path.isabs(runtime) or not os.path.exists(runtime):
+        return None
+    return runtime

@@ -10,6 +10,9 @@ the caller keeps its torch path.
 VLLM_C_SANITIZE=address builds them with AddressSanitizer and UndefinedBehaviorSanitizer instead
 (into a cache directory of their own), for tests: the process must then start with the ASan
 runtime preloaded (LD_PRELOAD=$(cc -print-file-name=libasan.so)), and the first error aborts it.
+VLLM_C_EMULATE=amx builds the kernels' AMX copies over a C emulation of the tile instructions
+(csrc/cpu/amx_emulation.h), so that tests run them on a CPU with AVX-512 but no AMX; it may be
+combined with VLLM_C_SANITIZE.
 """
 
 import ctypes
@@ -50,6 +53,14 @@ def sanitizer_flags() -> list[str]:
     if mode not in ("", "address"):
         raise ValueError(f"VLLM_C_SANITIZE={mode!r} must be empty or 'address'")
     return _SANITIZE_FLAGS if mode else []
+
+
+def emulation_flags() -> list[str]:
+    """Extra compiler flags that VLLM_C_EMULATE asks for (none by default)."""
+    mode = os.environ.get("VLLM_C_EMULATE", "")
+    if mode not in ("", "amx"):
+        raise ValueError(f"VLLM_C_EMULATE={mode!r} must be empty or 'amx'")
+    return ["-DVLLM_EMULATE_AMX"] if mode else []
 
 
 def _compile(compiler: str, source: Path, library: Path, flags: list[str]) -> str | None:
@@ -96,11 +107,12 @@ def load_c_library(source: Path, fallback: str) -> ctypes.CDLL | None:
         return None
     # The headers it includes key the build with the source.
     text = source.read_bytes() + b"".join(h.read_bytes() for h in included_headers(source))
-    flags = _FLAGS + sanitizer_flags()  # the later -O wins
+    flags = _FLAGS + sanitizer_flags() + emulation_flags()  # the later -O wins
     build = " ".join([compiler, *flags, *sorted(cpu_flags())])
     key = hashlib.sha256(text + build.encode()).hexdigest()[:16]
     cache = Path(os.environ.get("VLLM_CACHE_ROOT", Path.home() / ".cache" / "vllm"))
-    library = cache / ("kernels-sanitized" if sanitizer_flags() else "kernels") / f"{source.stem}_{key}.so"
+    variant = "kernels" + ("-sanitized" if sanitizer_flags() else "") + ("-amx-emulated" if emulation_flags() else "")
+    library = cache / variant / f"{source.stem}_{key}.so"
     try:
         error = None if library.exists() else _compile(compiler, source, library, flags)
         lib = None if error else ctypes.CDLL(str(library))
