@@ -36,7 +36,7 @@ def test_kernel_tests_pass_with_sanitized_kernels(tmp_path):
            "ASAN_OPTIONS": f"detect_leaks=0:log_path={logs / 'asan'}",
            "UBSAN_OPTIONS": f"print_stacktrace=1:log_path={logs / 'ubsan'}"}
     if "amx_bf16" not in cpu_flags():
-        env["VLLM_C_EMULATE"] = "amx"  # without AVX512-BF16 too, amx.h then builds no AMX copy
+        env["VLLM_C_EMULATE"] = "amx"  # amx.h ignores it where the CPU lacks AVX512-BF16 as well
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *TESTS],
                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     reports = "".join(f.read_text()[:4000] for f in sorted(logs.iterdir()))

@@ -11,7 +11,7 @@ VLLM_C_SANITIZE=address builds them with AddressSanitizer and UndefinedBehaviorS
 (into a cache directory of their own), for tests: the process must then start with the ASan
 runtime preloaded (LD_PRELOAD=$(cc -print-file-name=libasan.so)), and the first error aborts it.
 VLLM_C_EMULATE=amx builds the kernels' AMX copies over a C emulation of the tile instructions
-(csrc/cpu/amx_emulation.h), so that tests run them on a CPU with AVX-512 but no AMX; it may be
+(csrc/cpu/amx_emulation.h), so that tests run them on a CPU with AVX512-BF16 but no AMX; it may be
 combined with VLLM_C_SANITIZE.
 """
 
