@@ -49,7 +49,8 @@ _PROBE = textwrap.dedent("""
 def _probe(path: str, tmp_path, compiler: str | None) -> dict:
     env = dict(os.environ, VLLM_CPU_C_KERNELS="1")
     if compiler is not None:  # its own kernel cache, so no native build is taken for it
-        env.update(CC=compiler, VLLM_CACHE_ROOT=str(tmp_path / "kernels"))
+        # oneDNN, which picks its kernels at run time, held to AVX2 as well: no bf16 kernels.
+        env.update(CC=compiler, VLLM_CACHE_ROOT=str(tmp_path / "kernels"), ONEDNN_MAX_CPU_ISA="AVX2")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.run([sys.executable, "-c", _PROBE, path, json.dumps(PROMPT_LENGTHS), str(MAX_TOKENS)],
                           cwd=root, env=env, capture_output=True, text=True, timeout=600)

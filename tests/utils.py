@@ -109,11 +109,12 @@ def on_tile_gemm_copy(copy: str):
 
 def avx2_only_env(tmp_path) -> dict[str, str]:
     """Environment that builds the C kernels as for an AVX2-only CPU (a compiler wrapper that
-    appends -march=x86-64-v3), into their own cache under `tmp_path`."""
+    appends -march=x86-64-v3), into their own cache under `tmp_path`, and holds oneDNN to AVX2."""
     wrapper = tmp_path / "cc_avx2"
     wrapper.write_text(f'#!/bin/sh\nexec {shutil.which("cc")} "$@" -march=x86-64-v3 -mtune=generic\n')
     wrapper.chmod(0o755)
-    return dict(os.environ, CC=str(wrapper), VLLM_CACHE_ROOT=str(tmp_path / "kernels"), VLLM_CPU_C_KERNELS="1")
+    return dict(os.environ, CC=str(wrapper), VLLM_CACHE_ROOT=str(tmp_path / "kernels"), VLLM_CPU_C_KERNELS="1",
+                ONEDNN_MAX_CPU_ISA="AVX2")
 
 
 def tokens_op_by_op_then_fused(llm, generate) -> list:

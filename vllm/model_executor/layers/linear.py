@@ -100,7 +100,9 @@ class Linear(nn.Linear):
         if self.tiled is not None:
             _TILED_BY_WEIGHT[key] = self.tiled
             weakref.finalize(self.weight, _TILED_BY_WEIGHT.pop, key, None)
-        else:
+        elif torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            # oneDNN's bf16 kernels need AVX512BW/VL/DQ or AVX-NE-CONVERT; without them the rows
+            # the C kernels do not take stay on F.linear.
             _PACKED_BY_WEIGHT[key] = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1)
             weakref.finalize(self.weight, _PACKED_BY_WEIGHT.pop, key, None)
         self.packed = True
