@@ -17,7 +17,7 @@ import textwrap
 
 import pytest
 
-from tests.utils import hf_greedy, random_prompts
+from tests.utils import avx2_only_env, hf_greedy, random_prompts
 from vllm.platforms.cpu import cpu_flags
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None or platform.machine() != "x86_64",
@@ -46,11 +46,8 @@ _PROBE = textwrap.dedent("""
 """)
 
 
-def _probe(path: str, tmp_path, compiler: str | None) -> dict:
-    env = dict(os.environ, VLLM_CPU_C_KERNELS="1")
-    if compiler is not None:  # its own kernel cache, so no native build is taken for it
-        # oneDNN, which picks its kernels at run time, held to AVX2 as well: no bf16 kernels.
-        env.update(CC=compiler, VLLM_CACHE_ROOT=str(tmp_path / "kernels"), ONEDNN_MAX_CPU_ISA="AVX2")
+def _probe(path: str, env: dict[str, str]) -> dict:
+    """_PROBE on `path` in a subprocess with `env` (an AVX2-only build's, or this CPU's)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.run([sys.executable, "-c", _PROBE, path, json.dumps(PROMPT_LENGTHS), str(MAX_TOKENS)],
                           cwd=root, env=env, capture_output=True, text=True, timeout=600)
@@ -65,11 +62,8 @@ def _check_tokens(result: dict, path: str) -> None:
 
 
 def test_avx2_only_build_falls_back(tiny_checkpoints, tmp_path):
-    wrapper = tmp_path / "cc_avx2"
-    wrapper.write_text(f'#!/bin/sh\nexec {shutil.which("cc")} "$@" -march=x86-64-v3 -mtune=generic\n')
-    wrapper.chmod(0o755)
     path = tiny_checkpoints["llama"]
-    result = _probe(path, tmp_path, str(wrapper))
+    result = _probe(path, avx2_only_env(tmp_path))
     assert result["gemv_rows"] == 0 and result["tile_gemm_rows"] == 0 and not result["paged_prefill"]
     _check_tokens(result, path)
 
@@ -77,7 +71,7 @@ def test_avx2_only_build_falls_back(tiny_checkpoints, tmp_path):
 def test_native_build_offers_what_the_cpu_has(tiny_checkpoints, tmp_path):
     flags = cpu_flags()
     path = tiny_checkpoints["llama"]
-    result = _probe(path, tmp_path, None)
+    result = _probe(path, dict(os.environ, VLLM_CPU_C_KERNELS="1"))
     assert (result["gemv_rows"] > 0) == ({"avx512_bf16", "avx512bw"} <= flags)
     # The tile GEMM's AVX512-BF16 copy, or its AMX one (which CPUs with AMX have beside it).
     assert (result["tile_gemm_rows"] > 0) == ({"avx512_bf16", "avx512bw"} <= flags or "amx_bf16" in flags)
