@@ -191,7 +191,7 @@ def test_latency(tiny_checkpoints, tmp_path):
     # int8 weights: a decode step reads the linear layers' Q8_0 blocks (34 bytes per 32 weights)
     # and the lm_head in the run's dtype (bf16, or float32 where the CPU has no native bf16); the
     # norms, a few hundred of the body's parameters, stay in that dtype.
-    params, size = result["roofline"]["params"], torch.tensor([], dtype=getattr(torch, result["dtype"])).element_size()
+    params, size = result["roofline"]["params"], getattr(torch, result["dtype"]).itemsize
     saved = size * (params["matmul_body"] + params["lm_head"]) - result["roofline"]["weight_bytes_per_step"]
     most = (size - 34 / 32) * params["matmul_body"]
     assert 0.96 * most < saved <= most

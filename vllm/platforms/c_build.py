@@ -107,11 +107,12 @@ def load_c_library(source: Path, fallback: str) -> ctypes.CDLL | None:
         return None
     # The headers it includes key the build with the source.
     text = source.read_bytes() + b"".join(h.read_bytes() for h in included_headers(source))
-    flags = _FLAGS + sanitizer_flags() + emulation_flags()  # the later -O wins
+    sanitize, emulate = sanitizer_flags(), emulation_flags()
+    flags = _FLAGS + sanitize + emulate  # the later -O wins
     build = " ".join([compiler, *flags, *sorted(cpu_flags())])
     key = hashlib.sha256(text + build.encode()).hexdigest()[:16]
     cache = Path(os.environ.get("VLLM_CACHE_ROOT", Path.home() / ".cache" / "vllm"))
-    variant = "kernels" + ("-sanitized" if sanitizer_flags() else "") + ("-amx-emulated" if emulation_flags() else "")
+    variant = "kernels" + ("-sanitized" if sanitize else "") + ("-amx-emulated" if emulate else "")
     library = cache / variant / f"{source.stem}_{key}.so"
     try:
         error = None if library.exists() else _compile(compiler, source, library, flags)
