@@ -14,11 +14,12 @@
  * weighted sum of values stay in float32. Decode attention is bound by reading the cache, and this reads each
  * key and value row once, where gathering the blocks for SDPA reads them, writes a padded copy
  * and reads that again. bf16 caches with 1-4 query heads per KV head (head_dim 64) or 1-2
- * (head_dim 128) take a copy on AVX512-BF16 dot products with the value sums in registers, so
- * a row is converted and used without a round trip through memory. Where AMX is there, bf16
- * with head_dim 64, at most 16 heads and 4 per KV head takes a third copy: the scores of all
- * heads as tile products, the values by float32 FMAs, the next rows prefetched
- * (attend_bf16_amx), which leaves the vector units free for the softmax and the value sums.
+ * (head_dim 128) take a copy on AVX512-BF16 dot products with the value sums in registers: the
+ * scores from pairs of dims, the values from pairs of keys with their weights in bf16, as the
+ * prefill kernels take them. Where AMX is there, bf16 with head_dim 64, at most 16 heads and 4
+ * per KV head takes a third copy: the scores of all heads as tile products, the values by
+ * float32 FMAs, the next rows prefetched (attend_bf16_amx), which leaves the vector units free
+ * for the softmax and the value sums.
  *
  * Layouts (all contiguous): query and out (num_seqs, num_heads, head_dim); caches
  * (num_blocks, block_size, num_kv_heads, head_dim); block_tables (num_seqs, max_blocks) and
