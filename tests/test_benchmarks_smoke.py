@@ -12,6 +12,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -263,6 +264,21 @@ def test_prefill_attention(tmp_path):
     assert set(result["paths"]) == {"kernel", "torch"} and result["kernel_speedup_over_torch"] > 0
     assert result["max_abs_difference"] < 0.05  # the two paths attend alike
     assert all(0 < p["fraction_of_matmul_peak"] < 1 for p in result["paths"].values())
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="the decode kernel needs a C compiler")
+def test_decode_attention(tmp_path):
+    out = tmp_path / "decode.json"
+    proc = run_script("benchmark_decode_attention.py", "--contexts", "300x2,20x3", "--layers", "3",
+                      "--block-size", "16", "--rounds", "2", "--repeats", "1", "--output-json", str(out))
+    check_ok(proc)
+    result = json.loads(out.read_text())
+    assert set(result["placements"]) == {"cold", "warm"}
+    assert result["read_bytes"] == (2 * 300 + 3 * 20) * 3 * 2 * 3 * 64 * 2  # keys and values, bf16
+    assert all(p["ms_median"] > 0 for p in result["placements"].values())
+    assert result["cold_fraction_of_bandwidth"] > 0
+    proc = run_script("benchmark_decode_attention.py", "--contexts", "300")
+    assert proc.returncode != 0 and "LENxCOUNT" in proc.stderr
 
 
 def test_recorded_workloads_are_one_full_run():
