@@ -19,7 +19,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 import torch
 
@@ -28,18 +27,10 @@ sys.path[:0] = [_HERE, os.path.dirname(_HERE)]  # the helper modules beside it, 
 
 from result_files import machine_info, write_json  # noqa: E402
 from roofline import measure_memory_bandwidth  # noqa: E402
+from step_stats import mean_seconds  # noqa: E402
 from vllm.attention.ops import cpu_paged_decode  # noqa: E402
 
 HEAD_DIM = 64
-
-
-def _seconds(fn, repeats: int) -> float:
-    """Mean seconds of `repeats` calls, after one warm-up call."""
-    fn()
-    t0 = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    return (time.perf_counter() - t0) / repeats
 
 
 def main() -> int:
@@ -105,7 +96,7 @@ def main() -> int:
     seconds = {name: [] for name in placements}
     for _ in range(args.rounds):
         for name, tables in placements.items():
-            seconds[name].append(_seconds(lambda: step(tables), args.repeats))
+            seconds[name].append(mean_seconds(lambda: step(tables), args.repeats))
     bandwidth = max(bandwidth, measure_memory_bandwidth()["bytes_per_s"])
 
     read_bytes = sum(seq_lens) * args.layers * 2 * args.kv_heads * HEAD_DIM * dtype.itemsize  # keys and values

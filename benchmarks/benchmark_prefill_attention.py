@@ -16,7 +16,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 import torch
 
@@ -25,6 +24,7 @@ sys.path[:0] = [_HERE, os.path.dirname(_HERE)]  # the helper modules beside it, 
 
 from result_files import machine_info, write_json  # noqa: E402
 from roofline import measure_matmul_flops  # noqa: E402
+from step_stats import mean_seconds  # noqa: E402
 from vllm.attention.backends.abstract import SeqSpan  # noqa: E402
 from vllm.attention.backends.cpu_attn import paged_attention  # noqa: E402
 from vllm.attention.backends.cpu_metadata import build_attention_metadata  # noqa: E402
@@ -32,15 +32,6 @@ from vllm.attention.ops import cpu_paged_prefill  # noqa: E402
 from vllm.core.block_manager import kv_slots  # noqa: E402
 
 HEAD_DIM = 64
-
-
-def _seconds(fn, repeats: int) -> float:
-    """Mean seconds of `repeats` calls, after one warm-up call."""
-    fn()
-    t0 = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    return (time.perf_counter() - t0) / repeats
 
 
 def main() -> int:
@@ -98,7 +89,7 @@ def main() -> int:
     seconds = {name: [] for name in paths}
     for _ in range(args.rounds):
         for name, meta in paths.items():
-            seconds[name].append(_seconds(
+            seconds[name].append(mean_seconds(
                 lambda: paged_attention(query, key, value, key_cache, value_cache, meta, scale), args.repeats))
     peak = max(peak, measure_matmul_flops("bfloat16")["flops_per_s"])  # before and after: the better
 

@@ -12,6 +12,15 @@ STAT_FIELDS = ("num_steps", "num_prefill_tokens", "num_decode_tokens", "num_mixe
                "num_preemptions")
 
 
+def mean_seconds(fn, repeats: int) -> float:
+    """Mean seconds of `repeats` calls of `fn`, after one warm-up call."""
+    fn()
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    return (time.perf_counter() - t0) / repeats
+
+
 def percentiles(values, ps=(10, 25, 50, 75, 90, 99)) -> dict[str, float]:
     """{"p": value} for each percentile p, numpy's linear interpolation as vLLM uses."""
     import numpy as np
