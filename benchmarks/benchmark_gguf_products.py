@@ -8,7 +8,9 @@ machine slows them alike; with --copies 30 each call reads its weight from memor
 through the model's 30 layers does. The shapes are the default model's (q|k|v, o, gate|up,
 down, and with --lm-head its Q8_0 lm_head; for Q4_K and Q6_K, whose rows are super-blocks of 256,
 K rounded up to 768 and 1536); cpu_gguf_gemv.c's gguf_product_path encodes which product each
-row count of a type takes from what this measures.
+row count of a type takes from what this measures. Each time is also a fraction of the peak of
+its instruction, measured in the same run (roofline.measure_dot_product_peaks, before and after:
+the higher): the int8 products' of vpdpbusd, the bf16 products' of vdpbf16ps.
 
     PYTHONPATH=$PWD python benchmarks/benchmark_gguf_products.py --copies 30 --lm-head \
         --output-json benchmarks/results/gguf_products_epyc.json
@@ -21,10 +23,12 @@ import numpy as np
 import torch
 
 import result_files
+import roofline
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (N, K) of SmolLM2-135M's products
 LM_HEAD = (49152, 576)  # its tied Q8_0 embedding
 ROWS = [1, 2, 3, 4, 6, 8, 16, 32, 64, 128, 256, 512]
+PEAK_OF_PATH = {"int8": "int8", "gemm": "int8", "panels": "int8", "tiled": "bfloat16", "bf16": "bfloat16"}
 INT8_MAX_ROWS = 16  # the weight-stationary product unpacks each block once per row: far behind past this
 TYPES = {"Q8_0": 8, "Q4_0": 2, "Q4_1": 3, "Q4_K": 12, "Q6_K": 14}
 SUPER_BLOCKS = {"Q4_K": 144, "Q6_K": 210}  # bytes per 256 weights of the types the gguf package cannot quantize
@@ -78,6 +82,7 @@ def main() -> None:
     args = parser.parse_args()
     if not cpu_gguf_gemv.int8_available():
         raise SystemExit("no int8 dot products on this machine: the float32 product serves the few rows")
+    peaks = roofline.measure_dot_product_peaks()
     rng = np.random.default_rng(0)
     results = []
     for name in args.types.split(","):
@@ -113,11 +118,19 @@ def main() -> None:
                 fastest = min((p for p in times if p != "bf16"), key=times.get)
                 line = "  ".join(f"{path} {t:9.1f}" for path, t in times.items())
                 ratio = f"  chosen/bf16 {times[chosen] / times['bf16']:5.2f}" if "bf16" in times else ""
+                peak = peaks.get(PEAK_OF_PATH[chosen])
+                of_peak = f"  chosen at {m * n * k / (times[chosen] * 1e-6) / peak:4.2f} of its peak" if peak else ""
                 print(f"{name} n={n:5d} k={k:5d} rows={m:3d}  {line} us  fastest {fastest:5s} chosen {chosen:5s}"
-                      f"{ratio}", flush=True)
+                      f"{ratio}{of_peak}", flush=True)
+    after = roofline.measure_dot_product_peaks()
+    peaks = {kind: max(rate, after.get(kind, 0.0)) for kind, rate in peaks.items()}
+    for row in results:  # multiply-adds per second over the peak of the path's instruction
+        row["fraction_of_peak"] = {
+            path: row["rows"] * row["n"] * row["k"] / (row[f"{path}_us"] * 1e-6) / peaks[PEAK_OF_PATH[path]]
+            for path in PEAK_OF_PATH if f"{path}_us" in row and PEAK_OF_PATH[path] in peaks}
     if args.output_json:
-        result = {"threads": torch.get_num_threads(), "results": results, "machine": result_files.machine_info(),
-                  "args": result_files.args_dict(args)}
+        result = {"threads": torch.get_num_threads(), "results": results, "dot_product_peaks_macs_per_s": peaks,
+                  "machine": result_files.machine_info(), "args": result_files.args_dict(args)}
         print(f"Results written to {result_files.write_json(result, args.output_json)}")
 
 

@@ -1,7 +1,8 @@
 """How close a run came to this machine's limits: a short `torch.matmul` microbenchmark and a
 large-tensor copy measure the matmul peak and the memory bandwidth; prefill speed is reported as
 a fraction of the matmul peak (2 x params FLOPs per token) and decode speed as a fraction of the
-bandwidth (weight bytes x decode steps per second)."""
+bandwidth (weight bytes x decode steps per second). The rates of the kernels' dot-product
+instructions (dot_product_peaks.c) bound their inner loops."""
 
 from __future__ import annotations
 
@@ -62,6 +63,29 @@ def gemv_bandwidth_library():
         "read_seconds": CFunction([ptr, ptr, ptr, i64, ctypes.c_int, ptr], ctypes.c_double),
         "gemv_seconds": CFunction([ptr, ptr, ptr, ptr, ptr, ptr, i64, i64], ctypes.c_double),
     }).get()
+
+
+# dot_product_peaks.c's kinds: the instruction each inner loop of the kernels is built on.
+DOT_PRODUCTS = {"float32": 0, "bfloat16": 1, "int8": 2}
+
+
+def measure_dot_product_peaks(iterations: int = 2_000_000, reps: int = 5) -> dict[str, float]:
+    """Best-of multiply-adds per second of the dot-product instructions (dot_product_peaks.c:
+    float32 FMAs, bf16 pairs, int8 quads) on every thread, by number type. Kinds this CPU lacks,
+    or all of them where the C file cannot be built, are left out."""
+    import ctypes
+    from pathlib import Path
+
+    from vllm.platforms.c_library import CFunction, CLibrary
+
+    lib = CLibrary(Path(__file__).with_name("dot_product_peaks.c"), "no instruction peaks", {
+        "peak_macs_per_s": CFunction([ctypes.c_int, ctypes.c_int64], ctypes.c_double),
+    }).get()
+    if lib is None:
+        return {}
+    peaks = {name: max(lib.peak_macs_per_s(kind, iterations) for _ in range(reps))
+             for name, kind in DOT_PRODUCTS.items()}
+    return {name: rate for name, rate in peaks.items() if rate > 0}
 
 
 def _c_read_seconds(lib, tensor, prefetch: bool) -> float:
@@ -129,11 +153,12 @@ def model_param_counts(model_path: str) -> dict:
 
 
 def measure_machine_roofline(dtype_name: str) -> dict:
-    """The two machine ceilings, measured now with the current torch thread count."""
+    """The two machine ceilings, measured now with the current torch thread count, and the
+    dot-product instructions' rates beside them (multiply-adds per second)."""
     matmul = measure_matmul_flops(dtype_name if dtype_name in ("bfloat16", "float16", "float32")
                                   else "bfloat16")
     bandwidth = measure_memory_bandwidth()
-    return {"matmul": matmul, "memory": bandwidth}
+    return {"matmul": matmul, "memory": bandwidth, "dot_products_macs_per_s": measure_dot_product_peaks()}
 
 
 def roofline_report(params: dict, dtype_name: str, machine: dict, records: list[StepRecord] | None,

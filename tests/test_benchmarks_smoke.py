@@ -281,6 +281,32 @@ def test_decode_attention(tmp_path):
     assert proc.returncode != 0 and "LENxCOUNT" in proc.stderr
 
 
+@pytest.mark.skipif(shutil.which("cc") is None, reason="the instruction peaks are measured in C")
+def test_dot_product_peaks_are_measured_for_the_instructions_this_cpu_has():
+    roofline = load_module("roofline")
+    peaks = roofline.measure_dot_product_peaks(iterations=20_000, reps=1)
+    flags = cpu_flags()
+    expected = {name for name, needs in (("float32", {"avx512f"}), ("bfloat16", {"avx512_bf16", "avx512bw"}),
+                                         ("int8", {"avx512_vnni", "avx512bw"})) if needs <= flags}
+    assert set(peaks) == expected
+    assert all(rate > 1e9 for rate in peaks.values())  # multiply-adds per second, of every core
+
+
+@pytest.mark.skipif(not {"avx512_vnni", "avx512bw", "avx512vl"} <= cpu_flags(),
+                    reason="the int8 products need AVX512-VNNI")
+def test_gguf_products(tmp_path):
+    out = tmp_path / "products.json"
+    proc = run_script("benchmark_gguf_products.py", "--types", "Q4_1", "--rows", "1,16", "--rounds", "1",
+                      "--output-json", str(out))
+    check_ok(proc)
+    result = json.loads(out.read_text())
+    assert {"int8", "bfloat16"} <= set(result["dot_product_peaks_macs_per_s"])
+    assert len(result["results"]) == 2 * 4  # two row counts of the four shapes
+    for row in result["results"]:
+        assert row["chosen"] in row["fraction_of_peak"] and {"int8", "gemm"} <= set(row["fraction_of_peak"])
+        assert all(0 < f < 2 for f in row["fraction_of_peak"].values())
+
+
 def test_recorded_workloads_are_one_full_run():
     """README_GAUDI_CHUNKED's table quotes benchmarks/results/workloads.json: it must hold one run
     of all five workloads at full size, on committed code, beside transformers and llama.cpp.
