@@ -31,6 +31,14 @@ static inline __m512 bf16x16_to_float(const uint16_t *x) {  /* 16 bf16 -> float3
 static inline void store_bf16x16(uint16_t *y, __m512 x) {  /* 16 float32 -> bf16, nearest even */
     _mm256_storeu_si256((__m256i *)y, (__m256i)_mm512_cvtneps_pbh(x));
 }
+
+/* The pair of bf16 at p in all 16 lanes, an operand of vdpbf16ps (which can take it as an
+ * embedded broadcast from memory). */
+static inline __m512bh broadcast_bf16_pair(const uint16_t *p) {
+    uint32_t pair;
+    memcpy(&pair, p, sizeof pair);
+    return (__m512bh)_mm512_set1_epi32((int)pair);
+}
 #endif
 #endif
 

@@ -24,13 +24,6 @@ static inline __m512 sum16(const __m512 v[16]) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x88), _mm512_shuffle_f32x4(y[0], y[1], 0xDD));
 }
 
-/* A pair of bf16 weights at p, in the 16 lanes (an embedded broadcast of vdpbf16ps). */
-static inline __m512bh broadcast_weights(const uint16_t *p) {
-    uint32_t pair;
-    memcpy(&pair, p, sizeof pair);
-    return (__m512bh)_mm512_set1_epi32((int)pair);
-}
-
 /* The value pass takes the tile's weights as bf16 pairs of keys, as the prefill kernels do:
  * each vdpbf16ps adds two keys' values times their weights for 16 dims, where float32 FMAs add
  * one key's. The pairs of value rows are unpacked by words within 128-bit lanes, so the dims of
@@ -120,7 +113,7 @@ static void attend_bf16_g##G##_d##HD(                                           
                 __m512bh v[AC];                                                                   \
                 for (int c = 0; c < AC; c += 2) value_pairs(a + 16 * c, b + 16 * c, &v[c], &v[c + 1]); \
                 for (int hh = 0; hh < G; ++hh) {                                                  \
-                    const __m512bh p = broadcast_weights(&pairs[g * G + hh][i]);                  \
+                    const __m512bh p = broadcast_bf16_pair(&pairs[g * G + hh][i]);                  \
                     for (int c = 0; c < AC; ++c) sums[hh][c] = _mm512_dpbf16_ps(sums[hh][c], v[c], p); \
                 }                                                                                 \
             }                                                                                     \

@@ -17,13 +17,6 @@
 #ifndef VLLM_CPU_PAGED_PREFILL_AVX512_H
 #define VLLM_CPU_PAGED_PREFILL_AVX512_H
 
-/* A pair of bf16 at p, broadcast to the 16 lanes (an embedded broadcast of vdpbf16ps). */
-static inline __m512bh broadcast_pair(const uint16_t *p) {
-    uint32_t pair;
-    memcpy(&pair, p, sizeof pair);
-    return (__m512bh)_mm512_set1_epi32((int)pair);
-}
-
 /* S^T of 16 keys (rows of s) for the task's queries (lanes), from Q^T in pairs of dims and the
  * keys' cache rows, `stride` elements apart from `keys`. */
 static inline void score_keys(float s[16][QUERIES], const uint32_t qt[HEAD_DIM / 2][QUERIES], const uint16_t *keys,
@@ -32,7 +25,7 @@ static inline void score_keys(float s[16][QUERIES], const uint32_t qt[HEAD_DIM /
     for (int k = 0; k < 16; ++k) acc[k] = _mm512_setzero_ps();
     for (int p = 0; p < HEAD_DIM / 2; ++p) {
         const __m512bh q = (__m512bh)_mm512_load_si512(qt[p]);
-        for (int k = 0; k < 16; ++k) acc[k] = _mm512_dpbf16_ps(acc[k], q, broadcast_pair(keys + k * stride + 2 * p));
+        for (int k = 0; k < 16; ++k) acc[k] = _mm512_dpbf16_ps(acc[k], q, broadcast_bf16_pair(keys + k * stride + 2 * p));
     }
     for (int k = 0; k < 16; ++k) _mm512_store_ps(s[k], acc[k]);
 }
@@ -46,7 +39,7 @@ static inline void add_values(float o[HEAD_DIM][QUERIES], const uint16_t *vt, co
         for (int j = 0; j < KEYS / 2; ++j) {
             const __m512bh p = (__m512bh)_mm512_load_si512(pt[j]);
             for (int i = 0; i < 16; ++i)
-                acc[i] = _mm512_dpbf16_ps(acc[i], p, broadcast_pair(vt + (d0 + i) * KEYS + 2 * j));
+                acc[i] = _mm512_dpbf16_ps(acc[i], p, broadcast_bf16_pair(vt + (d0 + i) * KEYS + 2 * j));
         }
         for (int i = 0; i < 16; ++i) _mm512_store_ps(o[d0 + i], acc[i]);
     }

@@ -34,13 +34,6 @@ struct dot_group {
     int blocks, fused;      /* fused: blocks / 2 gate blocks, then the matching up blocks */
 };
 
-/* A pair of bf16 at p, broadcast to the 16 lanes (one load, for all the blocks of a step). */
-static inline __m512bh dot_broadcast_pair(const uint16_t *p) {
-    uint32_t pair;
-    memcpy(&pair, p, sizeof pair);
-    return (__m512bh)_mm512_set1_epi32((int)pair);
-}
-
 /* Rows x[0 .. ROWS) by the group's BLOCKS blocks, over all of k, then the epilogue into y
  * (rows of y_stride elements: n, or n / 2 fused). ROWS and BLOCKS are constants in every copy
  * (dot_rows_blocks), so that the sums are registers. */
@@ -56,7 +49,7 @@ static inline __attribute__((always_inline)) void dot_rows(const int ROWS, const
         __m512bh wv[4];
         for (int c = 0; c < BLOCKS; ++c) wv[c] = (__m512bh)_mm512_loadu_si512((const void *)(w[c] + 32 * p));
         for (int i = 0; i < ROWS; ++i) {
-            const __m512bh xv = dot_broadcast_pair(x + i * k + 2 * p);
+            const __m512bh xv = broadcast_bf16_pair(x + i * k + 2 * p);
             for (int c = 0; c < BLOCKS; ++c) acc[i][c] = _mm512_dpbf16_ps(acc[i][c], xv, wv[c]);
         }
     }
