@@ -217,7 +217,7 @@ def test_quantized_engine_decodes_through_fused_layers(quantizable_llm):
 
 @pytest.mark.skipif(platform.machine() != "x86_64" or shutil.which("cc") is None, reason="builds for x86-64-v3")
 def test_avx2_only_build_falls_back_to_the_float_product(tmp_path):
-    """Built as for an AVX2-only CPU (a compiler wrapper appending -march=x86-64-v3): no int8
+    """Run as on an AVX2-only CPU (VLLM_CPU_ISA=avx2, the kernels built for x86-64-v3): no int8
     product and no tile GEMM, so the layers' entry points are the float32 product at every row
     count, and this file's product tests pass there."""
     env = avx2_only_env(tmp_path)

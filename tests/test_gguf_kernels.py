@@ -259,7 +259,7 @@ def test_int8_product_is_where_the_isa_has_it():
 
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="builds for x86-64-v3")
 def test_avx2_only_build_has_the_portable_float_product(tmp_path):
-    """Built as for an AVX2-only CPU (a compiler wrapper appending -march=x86-64-v3): no int8
+    """Run as on an AVX2-only CPU (VLLM_CPU_ISA=avx2, the kernels built for x86-64-v3): no int8
     product and no int8 GEMM, and the portable float32 product passes this file's float tests."""
     env = avx2_only_env(tmp_path)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,10 +1,11 @@
 """The C kernels on CPUs with less than this one: what each build promises, and the fallbacks.
 
 The kernels are built with `-march=native` and choose their code paths by the compiler's ISA
-macros, so a build for an older ISA is what an older CPU gets. A compiler wrapper that appends
-`-march=x86-64-v3` (AVX2 and FMA, no AVX-512) builds them as an AVX2-only server would; the
-engine must then report every AVX-512 kernel unavailable and still give transformers' tokens.
-On this CPU, each kernel must be available exactly where its ISA is.
+macros, so a build for an older ISA is what an older CPU gets. VLLM_CPU_ISA=avx2 builds them for
+x86-64-v3 (AVX2 and FMA, no AVX-512) as an AVX2-only server would, and hides the later
+extensions from the engine's choices; the engine must then report every AVX-512 kernel
+unavailable and still give transformers' tokens. On this CPU, each kernel must be available
+exactly where its ISA is.
 """
 
 import json
@@ -18,7 +19,8 @@ import textwrap
 import pytest
 
 from tests.utils import avx2_only_env, hf_greedy, random_prompts
-from vllm.platforms.cpu import cpu_flags
+from vllm.platforms import c_build
+from vllm.platforms.cpu import cpu_flags, cpu_isa
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None or platform.machine() != "x86_64",
                                 reason="needs an x86-64 C compiler")
@@ -77,3 +79,46 @@ def test_native_build_offers_what_the_cpu_has(tiny_checkpoints, tmp_path):
     assert (result["tile_gemm_rows"] > 0) == ({"avx512_bf16", "avx512bw"} <= flags or "amx_bf16" in flags)
     assert result["paged_prefill"] == ({"avx512_bf16", "avx512bw", "avx512dq"} <= flags)
     _check_tokens(result, path)
+
+
+def test_vllm_cpu_isa_avx2_hides_the_later_extensions_and_builds_for_x86_64_v3(monkeypatch, tmp_path):
+    native = cpu_flags()
+    monkeypatch.setenv("VLLM_CPU_ISA", "avx2")
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path))
+    cpu_flags.cache_clear()
+    try:
+        flags = cpu_flags()
+        assert flags <= native and {"avx2", "fma"} & native <= flags
+        assert not [f for f in flags if f.startswith(("avx512", "amx", "avx_vnni"))]
+        assert c_build.isa_flags() == ["-march=x86-64-v3", "-mtune=generic"]
+        assert c_build.load_c_library(c_build.KERNEL_SOURCES / "cpu_gemv.c", "") is not None
+        assert [p.parent.name for p in tmp_path.rglob("*.so")] == ["kernels-avx2"]
+        monkeypatch.setenv("VLLM_CPU_ISA", "avx512")
+        with pytest.raises(ValueError, match="VLLM_CPU_ISA"):
+            cpu_isa()
+    finally:
+        monkeypatch.delenv("VLLM_CPU_ISA")
+        cpu_flags.cache_clear()
+
+
+# The tests of the kernels and of the engine's token-level results, run as on an AVX2-only CPU.
+AVX2_ONLY_TESTS = ["tests/test_attention.py", "tests/test_c_kernels.py", "tests/test_gguf_kernels.py",
+                   "tests/test_fused_layers.py", "tests/test_step_checks.py", "tests/test_batch_invariance.py",
+                   "tests/test_prefill_kernel_engine.py", "tests/test_tiny_models_vs_hf.py",
+                   "tests/test_chunked_prefill_demo.py", "tests/test_engine_args.py",
+                   "-k", "not avx2_only and not graph_mode"]  # the first run as AVX2-only inside; graphs compile long
+
+
+@pytest.mark.skipif(not {"avx2", "fma"} <= cpu_flags(), reason="an AVX2-only run needs AVX2 and FMA")
+@pytest.mark.skipif(not [f for f in cpu_flags() if f.startswith(("avx512", "amx", "avx_vnni"))],
+                    reason="this CPU has nothing past AVX2: the whole suite runs as on an AVX2-only one")
+def test_the_engine_passes_its_tests_as_an_avx2_only_cpu(tmp_path):
+    """On a CPU with AVX-512 (or AMX), the AVX2-only paths of the kernels and the engine's choices
+    for them skip in every test; here a subprocess runs those tests with VLLM_CPU_ISA=avx2 and
+    torch held to AVX2, so that main stays green on such a CPU too."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *AVX2_ONLY_TESTS],
+                            cwd=root, env=avx2_only_env(tmp_path), capture_output=True, text=True, timeout=900)
+    failed = [line for line in result.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))]
+    assert result.returncode == 0, "\n".join(failed) + result.stdout[-3000:] + result.stderr[-2000:]
+    assert " passed" in result.stdout

@@ -108,13 +108,13 @@ def on_tile_gemm_copy(copy: str):
 
 
 def avx2_only_env(tmp_path) -> dict[str, str]:
-    """Environment that builds the C kernels as for an AVX2-only CPU (a compiler wrapper that
-    appends -march=x86-64-v3), into their own cache under `tmp_path`, and holds oneDNN to AVX2."""
-    wrapper = tmp_path / "cc_avx2"
-    wrapper.write_text(f'#!/bin/sh\nexec {shutil.which("cc")} "$@" -march=x86-64-v3 -mtune=generic\n')
-    wrapper.chmod(0o755)
-    return dict(os.environ, CC=str(wrapper), VLLM_CACHE_ROOT=str(tmp_path / "kernels"), VLLM_CPU_C_KERNELS="1",
-                ONEDNN_MAX_CPU_ISA="AVX2")
+    """Environment for a process that runs as on an AVX2-only CPU: the engine with
+    VLLM_CPU_ISA=avx2 (its C kernels built for x86-64-v3, into their own cache under `tmp_path`),
+    torch's kernels held to AVX2, and inductor's cache under `tmp_path`, since its key leaves out
+    ATEN_CPU_CAPABILITY and would hand back kernels compiled for this CPU."""
+    return dict(os.environ, VLLM_CPU_ISA="avx2", VLLM_CACHE_ROOT=str(tmp_path / "kernels"), VLLM_CPU_C_KERNELS="1",
+                ATEN_CPU_CAPABILITY="avx2", ONEDNN_MAX_CPU_ISA="AVX2",
+                TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
 
 
 def tokens_op_by_op_then_fused(llm, generate) -> list:

@@ -12,7 +12,8 @@ VLLM_C_SANITIZE=address builds them with AddressSanitizer and UndefinedBehaviorS
 runtime preloaded (LD_PRELOAD=$(cc -print-file-name=libasan.so)), and the first error aborts it.
 VLLM_C_EMULATE=amx builds the kernels' AMX copies over a C emulation of the tile instructions
 (csrc/cpu/amx_emulation.h), so that tests run them on a CPU with AVX512-BF16 but no AMX; it may be
-combined with VLLM_C_SANITIZE.
+combined with VLLM_C_SANITIZE. VLLM_CPU_ISA=avx2 builds them for x86-64-v3 (into
+kernels-avx2/), as for an AVX2-only CPU.
 """
 
 import ctypes
@@ -25,15 +26,14 @@ import tempfile
 from pathlib import Path
 
 from vllm.logger import init_logger
-from vllm.platforms.cpu import cpu_flags
+from vllm.platforms.cpu import cpu_flags, cpu_isa
 
 logger = init_logger(__name__)
 
 KERNEL_SOURCES = Path(__file__).parents[1] / "csrc" / "cpu"
 # -fopenmp links libgomp, the OpenMP runtime torch's CPU wheels load: the kernels' threads are
 # torch's threads (same soname, one runtime in the process).
-_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-shared", "-fPIC", "-std=c11",
-          f"-I{KERNEL_SOURCES}"]
+_FLAGS = ["-O3", "-mprefer-vector-width=512", "-fopenmp", "-shared", "-fPIC", "-std=c11", f"-I{KERNEL_SOURCES}"]
 
 
 def c_kernels_enabled() -> bool:
@@ -53,6 +53,11 @@ def sanitizer_flags() -> list[str]:
     if mode not in ("", "address"):
         raise ValueError(f"VLLM_C_SANITIZE={mode!r} must be empty or 'address'")
     return _SANITIZE_FLAGS if mode else []
+
+
+def isa_flags() -> list[str]:
+    """The target: this CPU, or x86-64-v3 under VLLM_CPU_ISA=avx2 (vllm/platforms/cpu.py)."""
+    return ["-march=x86-64-v3", "-mtune=generic"] if cpu_isa() == "avx2" else ["-march=native"]
 
 
 def emulation_flags() -> list[str]:
@@ -108,11 +113,12 @@ def load_c_library(source: Path, fallback: str) -> ctypes.CDLL | None:
     # The headers it includes key the build with the source.
     text = source.read_bytes() + b"".join(h.read_bytes() for h in included_headers(source))
     sanitize, emulate = sanitizer_flags(), emulation_flags()
-    flags = _FLAGS + sanitize + emulate  # the later -O wins
+    flags = _FLAGS + isa_flags() + sanitize + emulate  # the later -O wins
     build = " ".join([compiler, *flags, *sorted(cpu_flags())])
     key = hashlib.sha256(text + build.encode()).hexdigest()[:16]
     cache = Path(os.environ.get("VLLM_CACHE_ROOT", Path.home() / ".cache" / "vllm"))
-    variant = "kernels" + ("-sanitized" if sanitize else "") + ("-amx-emulated" if emulate else "")
+    variant = ("kernels" + ("-" + cpu_isa() if cpu_isa() else "") + ("-sanitized" if sanitize else "")
+               + ("-amx-emulated" if emulate else ""))
     library = cache / variant / f"{source.stem}_{key}.so"
     try:
         error = None if library.exists() else _compile(compiler, source, library, flags)

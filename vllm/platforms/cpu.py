@@ -11,15 +11,35 @@ from vllm.platforms.cpu_threads import ThreadGovernor, adaptive_threads_enabled
 from vllm.platforms.interface import Platform
 
 
+# The vector extensions past x86-64-v3 (AVX2, FMA, F16C) that cpu_flags() leaves out under
+# VLLM_CPU_ISA=avx2.
+_PAST_AVX2 = ("avx512", "amx", "avx_vnni", "avx_ne_convert", "avx_ifma", "avx10")
+
+
+def cpu_isa() -> str:
+    """VLLM_CPU_ISA: "" (the default) runs on everything this CPU has; "avx2" runs as an AVX2-only
+    x86-64 CPU would (x86-64-v3): the engine's choices see no later extension and the C kernels
+    are built for x86-64-v3 (vllm/platforms/c_build.py). torch's own kernels follow
+    ATEN_CPU_CAPABILITY=avx2 and ONEDNN_MAX_CPU_ISA=AVX2, which must be set before it is imported."""
+    isa = os.environ.get("VLLM_CPU_ISA", "")
+    if isa not in ("", "avx2"):
+        raise ValueError(f"VLLM_CPU_ISA={isa!r} must be empty or 'avx2'")
+    return isa
+
+
 @functools.cache
 def cpu_flags() -> frozenset[str]:
-    """The feature flags of this CPU (Linux /proc/cpuinfo; empty elsewhere)."""
+    """The feature flags of this CPU (Linux /proc/cpuinfo; empty elsewhere), without those past
+    AVX2 under VLLM_CPU_ISA=avx2."""
     try:
         with open("/proc/cpuinfo") as f:
             line = next((line for line in f if line.startswith("flags")), "")
     except OSError:
         return frozenset()
-    return frozenset(line.partition(":")[2].split())
+    flags = line.partition(":")[2].split()
+    if cpu_isa() == "avx2":
+        flags = [flag for flag in flags if not flag.startswith(_PAST_AVX2)]
+    return frozenset(flags)
 
 
 def cpu_has_amx_bf16() -> bool:
