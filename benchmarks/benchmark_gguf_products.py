@@ -65,6 +65,12 @@ def _best_us(fns: dict, copies: int, rounds: int) -> dict:
     return {name: t * 1e6 for name, t in best.items()}
 
 
+def _fraction_of_peak(row: dict, path: str, peaks: dict[str, float]) -> float | None:
+    """The multiply-adds per second of `path` in a result row over its instruction's rate."""
+    peak = peaks.get(PEAK_OF_PATH[path])
+    return row["rows"] * row["n"] * row["k"] / (row[f"{path}_us"] * 1e-6) / peak if peak else None
+
+
 def main() -> None:
     from vllm.model_executor.layers import cpu_tile_gemm
     from vllm.model_executor.layers.quantization import cpu_gguf_gemv
@@ -118,16 +124,15 @@ def main() -> None:
                 fastest = min((p for p in times if p != "bf16"), key=times.get)
                 line = "  ".join(f"{path} {t:9.1f}" for path, t in times.items())
                 ratio = f"  chosen/bf16 {times[chosen] / times['bf16']:5.2f}" if "bf16" in times else ""
-                peak = peaks.get(PEAK_OF_PATH[chosen])
-                of_peak = f"  chosen at {m * n * k / (times[chosen] * 1e-6) / peak:4.2f} of its peak" if peak else ""
+                fraction = _fraction_of_peak(results[-1], chosen, peaks)
+                of_peak = f"  chosen at {fraction:4.2f} of its peak" if fraction is not None else ""
                 print(f"{name} n={n:5d} k={k:5d} rows={m:3d}  {line} us  fastest {fastest:5s} chosen {chosen:5s}"
                       f"{ratio}{of_peak}", flush=True)
     after = roofline.measure_dot_product_peaks()
     peaks = {kind: max(rate, after.get(kind, 0.0)) for kind, rate in peaks.items()}
-    for row in results:  # multiply-adds per second over the peak of the path's instruction
-        row["fraction_of_peak"] = {
-            path: row["rows"] * row["n"] * row["k"] / (row[f"{path}_us"] * 1e-6) / peaks[PEAK_OF_PATH[path]]
-            for path in PEAK_OF_PATH if f"{path}_us" in row and PEAK_OF_PATH[path] in peaks}
+    for row in results:
+        row["fraction_of_peak"] = {path: _fraction_of_peak(row, path, peaks) for path in PEAK_OF_PATH
+                                   if f"{path}_us" in row and PEAK_OF_PATH[path] in peaks}
     if args.output_json:
         result = {"threads": torch.get_num_threads(), "results": results, "dot_product_peaks_macs_per_s": peaks,
                   "machine": result_files.machine_info(), "args": result_files.args_dict(args)}

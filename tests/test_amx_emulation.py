@@ -4,8 +4,9 @@ On a CPU with AVX512-BF16 but no AMX, the AMX copies of the tile GEMM and of the
 decode attention skip in every test, and so do the choices that follow them (on AMX the GEMV keeps
 1-4 rows, which the tile GEMM's AVX512 copy takes elsewhere). Here a subprocess builds the kernels
 with VLLM_C_EMULATE=amx and runs the tests of those kernels and of the C layers (the GGUF ones on
-one model): both copies, with the engine choosing as on an AMX CPU. The emulation itself is checked first: its tile product
-against a matrix product, and its faults where the hardware raises #UD.
+one model): both copies, with the engine choosing as on an AMX CPU. The emulation itself is
+checked first: its tile product against a matrix product, and its faults where the hardware
+raises #UD.
 """
 
 import ctypes

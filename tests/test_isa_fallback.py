@@ -22,6 +22,8 @@ from tests.utils import avx2_only_env, hf_greedy, random_prompts
 from vllm.platforms import c_build
 from vllm.platforms.cpu import cpu_flags, cpu_isa
 
+PAST_AVX2 = ("avx512", "amx", "avx_vnni")  # flag prefixes of extensions an AVX2-only CPU lacks
+
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None or platform.machine() != "x86_64",
                                 reason="needs an x86-64 C compiler")
 
@@ -89,7 +91,7 @@ def test_vllm_cpu_isa_avx2_hides_the_later_extensions_and_builds_for_x86_64_v3(m
     try:
         flags = cpu_flags()
         assert flags <= native and {"avx2", "fma"} & native <= flags
-        assert not [f for f in flags if f.startswith(("avx512", "amx", "avx_vnni"))]
+        assert not [f for f in flags if f.startswith(PAST_AVX2)]
         assert c_build.isa_flags() == ["-march=x86-64-v3", "-mtune=generic"]
         assert c_build.load_c_library(c_build.KERNEL_SOURCES / "cpu_gemv.c", "") is not None
         assert [p.parent.name for p in tmp_path.rglob("*.so")] == ["kernels-avx2"]
@@ -110,7 +112,7 @@ AVX2_ONLY_TESTS = ["tests/test_attention.py", "tests/test_c_kernels.py", "tests/
 
 
 @pytest.mark.skipif(not {"avx2", "fma"} <= cpu_flags(), reason="an AVX2-only run needs AVX2 and FMA")
-@pytest.mark.skipif(not [f for f in cpu_flags() if f.startswith(("avx512", "amx", "avx_vnni"))],
+@pytest.mark.skipif(not [f for f in cpu_flags() if f.startswith(PAST_AVX2)],
                     reason="this CPU has nothing past AVX2: the whole suite runs as on an AVX2-only one")
 def test_the_engine_passes_its_tests_as_an_avx2_only_cpu(tmp_path):
     """On a CPU with AVX-512 (or AMX), the AVX2-only paths of the kernels and the engine's choices
