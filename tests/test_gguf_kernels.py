@@ -128,9 +128,12 @@ def test_int8_product_is_dequantize_then_matmul_of_quantized_activations(name, m
 
 
 # (tokens, output rows, K): up to a tile of 8 rows each block multiplied as it is decoded (1, 5,
-# 8), past it tiles of 8, 4, 2 and 1 rows on an unpacked panel (16, 17 = 8 + 8 + 1, 31 = 8 + 8 +
-# 8 + 4 + 2 + 1, 40); 16-row panels, one and a partial one, several.
-GEMM_SHAPES = [(1, 16, 32), (5, 17, 96), (8, 33, 160), (16, 48, 576), (17, 33, 160), (31, 7, 64), (40, 80, 1536)]
+# 8); past it, pairs of unpacked panels take tiles of 6, 4, 2 and 1 rows (16 = 6 + 6 + 4, 17,
+# 20 = 6 + 6 + 6 + 2, 40) and an odd last panel tiles of 8, 4, 2 and 1 (31 = 8 + 8 + 8 + 4 + 2 +
+# 1); 16-row panels: one partial, a pair with a partial second (20), a pair and a partial third
+# (33), a pair and a whole third (48), several.
+GEMM_SHAPES = [(1, 16, 32), (5, 17, 96), (8, 33, 160), (16, 48, 576), (17, 33, 160), (20, 20, 96), (31, 7, 64),
+               (40, 80, 1536)]
 # The types the int8 GEMM decodes (Q4_K from its rows, K rounded up to whole super-blocks), and
 # those of them that panels hold (32-weight blocks one after another).
 GEMM_TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q4_K"]

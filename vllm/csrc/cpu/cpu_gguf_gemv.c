@@ -243,32 +243,40 @@ int gguf_gemm_int8_bf16(const uint16_t *x, const uint8_t *w, int type, const uin
         return 2;
     }
     quantize_x(x, type, m, k, q);
+    /* x of more rows than a tile: a thread unpacks two panels at a time (an odd last one alone) */
+    const int few_rows = m <= GEMM_TILE, group = few_rows ? 1 : 2;
     #pragma omp parallel
     {
-        /* this thread's panel, for x of more rows than a tile: nb x (8 zmm of codes, 16 D, 16 M) */
-        const int few_rows = m <= GEMM_TILE;
-        __m512i *codes = few_rows ? NULL : aligned_alloc(64, (size_t)nb * (8 * sizeof(__m512i) + 2 * sizeof(__m512)));
-        __m512 *D = codes == NULL ? NULL : (__m512 *)(codes + nb * 8), *M = D == NULL ? NULL : D + nb;
-        if (!few_rows && codes == NULL) {
+        /* per panel: nb x (8 zmm of codes, 16 D, 16 M) */
+        const size_t unpacked = (size_t)nb * (8 * sizeof(__m512i) + 2 * sizeof(__m512));
+        char *buffer = few_rows ? NULL : aligned_alloc(64, 2 * unpacked);
+        if (!few_rows && buffer == NULL) {
             #pragma omp atomic write
             status = 2;
         }
         #pragma omp for schedule(static)
-        for (int64_t p = 0; p < panels; ++p) {
-            if (!few_rows && codes == NULL) continue;
-            const int rows = n - 16 * p < 16 ? (int)(n - 16 * p) : 16;
-            /* the panel PREFETCH_PANELS on, if W has it */
-            const int64_t ahead_row = 16 * (p + PREFETCH_PANELS);
-            const int64_t ahead = ahead_row >= n ? 0 : (n - ahead_row < 16 ? n - ahead_row : 16) * stride;
-            const uint8_t *next = ahead ? w + ahead_row * stride : w;
+        for (int64_t i = 0; i < (panels + group - 1) / group; ++i) {
+            if (!few_rows && buffer == NULL) continue;
+            const int64_t p = group * i;
             if (few_rows) {
-                multiply_panel_rows(w, type, in_panels, 16 * p, rows, nb, next, ahead, q, m, bias, y, n);
+                const int64_t ahead = 16 * (p + PREFETCH_PANELS);  /* the panel prefetched, if W has it */
+                multiply_panel_rows(w, type, in_panels, 16 * p, panel_height(n, 16 * p), nb,
+                                    prefetched(w, n, ahead, stride), panel_height(n, ahead) * stride, q, m, bias, y, n);
                 continue;
             }
-            unpack_panel(w, type, in_panels, 16 * p, rows, nb, codes, D, M, next, ahead);
-            panel_rows(codes, D, M, q, has_minimum(type), bias, y, 16 * p, rows, m, n, k);
+            unpacked_panel u[2];
+            const int count = p + 1 < panels ? 2 : 1;
+            for (int j = 0; j < count; ++j) {
+                const int64_t row = 16 * (p + j), ahead = row + 16 * PREFETCH_PANELS;
+                u[j] = unpack_panel(w, type, in_panels, row, panel_height(n, row), nb, buffer + j * unpacked,
+                                    prefetched(w, n, ahead, stride), panel_height(n, ahead) * stride);
+            }
+            if (count == 2)
+                panel_pair_rows(u, q, has_minimum(type), bias, y, 16 * p, m, n, k);
+            else
+                panel_rows(u[0], q, has_minimum(type), bias, y, 16 * p, m, n, k);
         }
-        free(codes);
+        free(buffer);
     }
     free(q.qx); free(q.dx); free(q.dxsx); free(q.start);
     return status;

@@ -22,11 +22,13 @@
  * so that x's dword g (its codes 4g .. 4g + 3) broadcast against codes[kb][g] gives 16 rows'
  * partial dot products at once (a Q4 block's nibble bytes need no reordering: dword g of its
  * 16 bytes holds codes 4g .. 4g + 3 in its low halves and 16 + 4g ... in its high ones, the
- * codes of x's dwords g and 4 + g). Every tile of up to 8 rows of x then multiplies into the
- * panel: per block and row of x, 8 vpdpbusd, a conversion to float, a multiply and one or two
- * multiply-adds for 16 outputs. x of up to 8 rows needs no unpacked copy: each block is
- * multiplied into all its rows as it is decoded (multiply_panel). Threads take panels; x is
- * quantized once per call. Which product serves which rows: gguf_product_path.
+ * codes of x's dwords g and 4 + g). Per block and row of x, a panel then takes 8 vpdpbusd, a
+ * conversion to float, a multiply and one or two multiply-adds for its 16 outputs. Threads
+ * unpack two panels at a time and multiply tiles of up to 6 rows of x into both, each dword of
+ * x broadcast once for the two (panel_pair_tile); an odd last panel takes tiles of up to 8 rows
+ * alone. x of up to 8 rows needs no unpacked copy: each block is multiplied into all its rows
+ * as it is decoded (multiply_panel), and threads take single panels. x is quantized once per
+ * call. Which product serves which rows: gguf_product_path.
  */
 #ifndef VLLM_CPU_GGUF_GEMV_PANELS_H
 #define VLLM_CPU_GGUF_GEMV_PANELS_H
@@ -38,6 +40,7 @@
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define HAVE_GGUF_GEMM 1
 #define GEMM_TILE 8  /* rows of x per pass over a panel: their dot products and sums stay in registers */
+#define PAIR_TILE 6  /* rows of x per pass over two panels (panel_pair_tile) */
 #define PREFETCH_PANELS 4  /* how far ahead a panel's unpacking prefetches W, into L2 */
 
 /* The panel's 16 rows (lanes past its last row repeat that row): row c starts at base + offset[c]. */
@@ -267,25 +270,45 @@ static inline panel_rows_at panel_at(const uint8_t *w, int type, int64_t j0, int
     return p;
 }
 
+/* Rows in W's panel from output row j0: 16, fewer in the last, 0 past it. */
+static inline int panel_height(int64_t n, int64_t j0) { return j0 >= n ? 0 : n - j0 < 16 ? (int)(n - j0) : 16; }
+
+/* Where the panel from output row j0 starts, to prefetch (W itself past the last: nothing is). */
+static inline const uint8_t *prefetched(const uint8_t *w, int64_t n, int64_t j0, int64_t stride) {
+    return j0 < n ? w + j0 * stride : w;
+}
+
+/* A panel unpacked into vpdpbusd's layout (the layout above): its nb blocks' codes, D and M, and
+ * how many of its 16 lanes are W's rows. */
+typedef struct {
+    const __m512i *codes;
+    const __m512 *D, *M;
+    int rows;
+} unpacked_panel;
+
 /* The prefetches due by the end of block kb of nb, of `lines` lines from `next`; *line: the
  * first not yet issued. */
 static inline void prefetch_until(const uint8_t *next, int64_t lines, int64_t kb, int64_t nb, int64_t *line) {
     for (; *line < lines * (kb + 1) / nb; ++*line) _mm_prefetch((const char *)(next + 64 * *line), _MM_HINT_T1);
 }
 
-/* Rows [j0, j0 + rows) of W -> the panel, prefetching the `ahead` bytes of W from `next` (a
- * later panel, contiguous): in rows, the panel's 16 rows are read a block of each at a time,
- * 16 short streams the hardware prefetchers do not follow from memory; in panels (`panels`: W
- * regrouped, rows == 16), one. Not inlined: inlined into the GEMM's loop beside
- * multiply_panel's copies, it compiled to slower code. */
-__attribute__((noinline)) static void unpack_panel(const uint8_t *w, int type, int panels, int64_t j0, int rows,
-                                                   int64_t nb, __m512i *codes, __m512 *D, __m512 *M,
-                                                   const uint8_t *next, int64_t ahead) {
+/* Rows [j0, j0 + rows) of W -> the panel, unpacked into `buffer` (nb x (8 zmm of codes, 16 D,
+ * 16 M), 64-byte aligned), prefetching the `ahead` bytes of W from `next` (a later panel,
+ * contiguous): in rows, the panel's 16 rows are read a block of each at a time, 16 short streams
+ * the hardware prefetchers do not follow from memory; in panels (`panels`: W regrouped, rows ==
+ * 16), one. Not inlined: inlined into the GEMM's loop beside multiply_panel's copies, it
+ * compiled to slower code. */
+__attribute__((noinline)) static unpacked_panel unpack_panel(const uint8_t *w, int type, int panels, int64_t j0,
+                                                             int rows, int64_t nb, void *buffer,
+                                                             const uint8_t *next, int64_t ahead) {
+    __m512i *codes = buffer;
+    __m512 *D = (__m512 *)(codes + nb * 8), *M = D + nb;
     const panel_rows_at p = panel_at(w, type, j0, rows, nb);
     for (int64_t kb = 0, line = 0; kb < nb; ++kb) {
         prefetch_until(next, (ahead + 63) / 64, kb, nb, &line);
         decode_any(&p, panels, type, kb, codes + kb * 8, D + kb, M + kb);
     }
+    return (unpacked_panel){codes, D, M, rows};
 }
 
 /* All TM rows of x (TM <= GEMM_TILE) times the panel of W's rows [j0, j0 + rows) into y, each
@@ -322,29 +345,76 @@ static void multiply_panel_rows(const uint8_t *w, int type, int panels, int64_t 
     }
 }
 
-/* Rows [t0, t0 + TM) of x times the panel (output rows [j0, j0 + rows)) into y; TM and
- * with_minimum are constants in each caller, so the sums stay in registers. */
-static inline __attribute__((always_inline)) void panel_tile(
-        const __m512i *codes, const __m512 *D, const __m512 *M, quantized_x q, int64_t t0, const int TM,
-        const int with_minimum, const uint16_t *bias, uint16_t *y, int64_t j0, int rows, int64_t n, int64_t k) {
+/* Rows [t0, t0 + TM) of x times the panel from output row j0 into y; TM and with_minimum are
+ * constants in each caller, so the sums stay in registers. */
+static inline __attribute__((always_inline)) void panel_tile(unpacked_panel u, quantized_x q, int64_t t0, const int TM,
+                                                             const int with_minimum, const uint16_t *bias, uint16_t *y,
+                                                             int64_t j0, int64_t n, int64_t k) {
     const int64_t nb = k / QK;
     __m512 acc[GEMM_TILE];
     for (int t = 0; t < TM; ++t) acc[t] = _mm512_setzero_ps();
-    for (int64_t kb = 0; kb < nb; ++kb) tile_block(codes + kb * 8, D[kb], M[kb], q, t0 * nb + kb, nb, TM, with_minimum, acc);
-    store_rows(acc, t0, TM, bias, y, j0, rows, n);
+    for (int64_t kb = 0; kb < nb; ++kb)
+        tile_block(u.codes + kb * 8, u.D[kb], u.M[kb], q, t0 * nb + kb, nb, TM, with_minimum, acc);
+    store_rows(acc, t0, TM, bias, y, j0, u.rows, n);
 }
 
 /* All m rows of x times the panel: tiles of 8, the rest in tiles of 4, 2, 1. */
-static void panel_rows(const __m512i *codes, const __m512 *D, const __m512 *M, quantized_x q, int with_minimum,
-                       const uint16_t *bias, uint16_t *y, int64_t j0, int rows, int64_t m, int64_t n, int64_t k) {
+static void panel_rows(unpacked_panel u, quantized_x q, int with_minimum, const uint16_t *bias, uint16_t *y,
+                       int64_t j0, int64_t m, int64_t n, int64_t k) {
     int64_t t0 = 0;
 #define PANEL_TILES(TM)                                                                                   \
     for (; m - t0 >= (TM); t0 += (TM)) {                                                                 \
-        if (with_minimum) panel_tile(codes, D, M, q, t0, (TM), 1, bias, y, j0, rows, n, k);             \
-        else panel_tile(codes, D, M, q, t0, (TM), 0, bias, y, j0, rows, n, k);                           \
+        if (with_minimum) panel_tile(u, q, t0, (TM), 1, bias, y, j0, n, k);                              \
+        else panel_tile(u, q, t0, (TM), 0, bias, y, j0, n, k);                                           \
     }
     PANEL_TILES(8) PANEL_TILES(4) PANEL_TILES(2) PANEL_TILES(1)
 #undef PANEL_TILES
+}
+
+/* Rows [t0, t0 + TM) of x times two panels side by side (32 output rows from j0, the first
+ * panel whole) into y: each dword of x, broadcast once, multiplies into both panels. Per code
+ * dword that is 8 loads for 12 vpdpbusd, where panel_tile's 8 rows of one panel take 9 for 8,
+ * with the same epilogue per block, row and panel. TM and with_minimum are constants in each
+ * caller: the 2 TM sums and 2 TM dot products stay in registers, which PAIR_TILE rows, with the
+ * two code vectors and x's, fill. */
+static inline __attribute__((always_inline)) void panel_pair_tile(const unpacked_panel u[2], quantized_x q, int64_t t0,
+                                                                  const int TM, const int with_minimum,
+                                                                  const uint16_t *bias, uint16_t *y, int64_t j0,
+                                                                  int64_t n, int64_t k) {
+    const int64_t nb = k / QK;
+    __m512 acc[2][PAIR_TILE];
+    for (int t = 0; t < TM; ++t) acc[0][t] = acc[1][t] = _mm512_setzero_ps();
+    for (int64_t kb = 0; kb < nb; ++kb) {
+        const __m512i *a = u[0].codes + kb * 8, *b = u[1].codes + kb * 8;
+        __m512i dot[2][PAIR_TILE];
+        for (int t = 0; t < TM; ++t) dot[0][t] = dot[1][t] = _mm512_set1_epi32(q.start[(t0 + t) * nb + kb]);
+        for (int g = 0; g < 8; ++g) {
+            const __m512i ag = a[g], bg = b[g];
+            for (int t = 0; t < TM; ++t) {
+                const __m512i xg = x_codes(q, (t0 + t) * nb + kb, g);
+                dot[0][t] = _mm512_dpbusd_epi32(dot[0][t], ag, xg);
+                dot[1][t] = _mm512_dpbusd_epi32(dot[1][t], bg, xg);
+            }
+        }
+        for (int t = 0; t < TM; ++t)
+            for (int j = 0; j < 2; ++j)
+                acc[j][t] = block_epilogue(dot[j][t], u[j].D[kb], u[j].M[kb], q, (t0 + t) * nb + kb, with_minimum,
+                                           acc[j][t]);
+    }
+    for (int j = 0; j < 2; ++j) store_rows(acc[j], t0, TM, bias, y, j0 + 16 * j, u[j].rows, n);
+}
+
+/* All m rows of x times two panels side by side: tiles of PAIR_TILE, the rest in tiles of 4, 2, 1. */
+static void panel_pair_rows(const unpacked_panel u[2], quantized_x q, int with_minimum, const uint16_t *bias,
+                            uint16_t *y, int64_t j0, int64_t m, int64_t n, int64_t k) {
+    int64_t t0 = 0;
+#define PAIR_TILES(TM)                                                                                    \
+    for (; m - t0 >= (TM); t0 += (TM)) {                                                                 \
+        if (with_minimum) panel_pair_tile(u, q, t0, (TM), 1, bias, y, j0, n, k);                         \
+        else panel_pair_tile(u, q, t0, (TM), 0, bias, y, j0, n, k);                                      \
+    }
+    PAIR_TILES(PAIR_TILE) PAIR_TILES(4) PAIR_TILES(2) PAIR_TILES(1)
+#undef PAIR_TILES
 }
 
 #endif
