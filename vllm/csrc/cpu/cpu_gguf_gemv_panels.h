@@ -98,7 +98,7 @@ static inline void split_nibbles(__m512i codes[8]) {
 /* The per-type part of the GEMM: code_offset, has_minimum and decode_blocks (a new type adds
  * its case to each). */
 static inline int code_offset(int type) { return type == TYPE_Q8_0 ? 128 : type == TYPE_Q4_0 ? 8 : 0; }
-static inline int has_minimum(int type) { return type == TYPE_Q4_1 || type == TYPE_Q4_K; }
+static inline int has_minimum(int type) { return type == TYPE_Q4_1 || type == TYPE_Q4_K; }  /* offset 0 */
 
 /* Sub-block s of the Q4_K super-blocks at `at` of the rows of p -> codes, *D, *M: each row's
  * 6-bit scale and minimum unpacked in its lane, as q4_k_scales does from the 12 scale bytes. */
@@ -387,7 +387,9 @@ static inline __attribute__((always_inline)) void panel_pair_tile(const unpacked
     for (int64_t kb = 0; kb < nb; ++kb) {
         const __m512i *a = u[0].codes + kb * 8, *b = u[1].codes + kb * 8;
         __m512i dot[2][PAIR_TILE];
-        for (int t = 0; t < TM; ++t) dot[0][t] = dot[1][t] = _mm512_set1_epi32(q.start[(t0 + t) * nb + kb]);
+        for (int t = 0; t < TM; ++t)  /* types with minimums have no code offset: they start at 0 */
+            dot[0][t] = dot[1][t] = with_minimum ? _mm512_setzero_si512()
+                                                 : _mm512_set1_epi32(q.start[(t0 + t) * nb + kb]);
         for (int g = 0; g < 8; ++g) {
             const __m512i ag = a[g], bg = b[g];
             for (int t = 0; t < TM; ++t) {
