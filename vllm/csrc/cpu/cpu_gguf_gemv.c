@@ -254,10 +254,16 @@ int gguf_gemm_int8_bf16(const uint16_t *x, const uint8_t *w, int type, const uin
             #pragma omp atomic write
             status = 2;
         }
+        int started = 0;
         #pragma omp for schedule(static)
         for (int64_t i = 0; i < (panels + group - 1) / group; ++i) {
             if (!few_rows && buffer == NULL) continue;
             const int64_t p = group * i;
+            /* Each panel prefetches the one PREFETCH_PANELS on; a share's first ones, all at once. */
+            if (!started) {
+                prefetch_panels(w, n, stride, p, PREFETCH_PANELS);
+                started = 1;
+            }
             if (few_rows) {
                 const int64_t ahead = 16 * (p + PREFETCH_PANELS);  /* the panel prefetched, if W has it */
                 multiply_panel_rows(w, type, in_panels, 16 * p, panel_height(n, 16 * p), nb,

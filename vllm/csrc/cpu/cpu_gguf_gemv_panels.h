@@ -278,6 +278,15 @@ static inline const uint8_t *prefetched(const uint8_t *w, int64_t n, int64_t j0,
     return j0 < n ? w + j0 * stride : w;
 }
 
+/* Prefetches `count` panels of W from panel p on (none past the last) into L1, together: a
+ * thread's first panels, which are otherwise read at the rate of its demand misses (a product of
+ * few rows is a short read, and its start a large share of it). */
+static inline void prefetch_panels(const uint8_t *w, int64_t n, int64_t stride, int64_t p, int64_t count) {
+    const int64_t end = 16 * (p + count) < n ? 16 * (p + count) : n;
+    for (const uint8_t *at = w + 16 * p * stride; at < w + end * stride; at += 64)
+        _mm_prefetch((const char *)at, _MM_HINT_T0);
+}
+
 /* A panel unpacked into vpdpbusd's layout (the layout above): its nb blocks' codes, D and M, and
  * how many of its 16 lanes are W's rows. */
 typedef struct {
