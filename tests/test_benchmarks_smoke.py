@@ -210,8 +210,9 @@ def test_workloads(tiny_checkpoints, tmp_path):
     for backend in ("vllm", "hf"):
         values = result["workloads"][backend]
         for key in ("A_total_tokens_per_s", "B_ttft_s", "C_decode_tokens_per_s", "D_wall_s",
-                    "C_memory_bound_after_bytes_per_s", "C_fraction_of_memory_bandwidth"):
+                    "C_fraction_of_memory_bandwidth"):
             assert values[key] > 0, (backend, key)
+        assert len(values["C_memory_bounds_bytes_per_s"]) == 3 and min(values["C_memory_bounds_bytes_per_s"]) > 0
     e = result["workloads"]["vllm"]["E"]
     assert e["chunked"]["p99_gap_s"] <= e["chunked"]["max_gap_s"]
     assert set(result["ratios"]) == {"A_throughput_vs_hf", "B_ttft_hf_over_ours", "C_decode_vs_hf",
