@@ -10,7 +10,7 @@
  * A task attends all heads of one sequence with an online softmax over tiles of keys, each
  * tile's rows read into the cache in one pass before it is computed: no gather of the blocks,
  * no padding to the longest sequence, no mask. A sequence with more keys than a task takes
- * (TASK_KEYS) is split over several tasks and the parts merged. Scores, softmax and the
+ * (task_keys) is split over several tasks and the parts merged. Scores, softmax and the
  * weighted sum of values stay in float32. Decode attention is bound by reading the cache, and this reads each
  * key and value row once, where gathering the blocks for SDPA reads them, writes a padded copy
  * and reads that again. bf16 caches with 1-4 query heads per KV head (head_dim 64) or 1-2
@@ -216,13 +216,17 @@ static inline int64_t attended_keys(int64_t seq_len, int64_t window) {
     return window > 0 && seq_len > window ? window : seq_len;
 }
 
-/* The most keys one task attends: a long sequence (or one alone, as in batch-1 decode) is split
- * over several tasks instead of keeping one thread busy while the others wait. A fixed count, not
- * a share of the step's keys: a sequence's parts, and so the order its partial sums merge in,
- * depend on its own length only, so its attention is the same bits whatever else the step holds. */
+/* The keys of one task of a sequence of `keys` keys: a long sequence is split over tasks of
+ * TASK_KEYS keys, and one of up to TASK_KEYS over tasks of a tile, so that a sequence alone (as
+ * in batch-1 decode) still spreads over several threads instead of keeping one busy while the
+ * others wait. Counts fixed by the sequence's own length, not shares of the step's keys: its
+ * parts, and so the order its partial sums merge in, depend on its length only, so its attention
+ * is the same bits whatever else the step holds. */
 #define TASK_KEYS (4 * TILE)
 
-/* Each sequence's keys in tasks of at most TASK_KEYS keys, attended in parallel, then each
+static inline int64_t task_keys(int64_t keys) { return keys <= TASK_KEYS ? TILE : TASK_KEYS; }
+
+/* Each sequence's keys in tasks of task_keys keys, attended in parallel, then each
  * sequence's parts merged by their maxima and total weights. */
 #define DEFINE_PAGED_DECODE(NAME, ATTEND, T, STORE)                                                \
 int NAME(const T *query, const T *key_cache, const T *value_cache, const int64_t *block_tables,   \
@@ -231,12 +235,12 @@ int NAME(const T *query, const T *key_cache, const T *value_cache, const int64_t
          int64_t window, float scale) {                                                           \
     if (num_heads > MAX_HEADS || head_dim > MAX_HEAD_DIM || num_heads % num_kv_heads) return 1;   \
     const int64_t group = num_heads / num_kv_heads, stride = head_dim + 2;                        \
-    const int64_t range = TASK_KEYS;                                                              \
     int64_t *first_task = malloc(sizeof(int64_t) * (num_seqs + 1)), num_tasks = 0;               \
     if (first_task == NULL) return 2;                                                             \
     for (int64_t s = 0; s < num_seqs; ++s) {                                                      \
         first_task[s] = num_tasks;                                                                \
-        const int64_t parts = (attended_keys(seq_lens[s], window) + range - 1) / range;           \
+        const int64_t keys = attended_keys(seq_lens[s], window), range = task_keys(keys);         \
+        const int64_t parts = (keys + range - 1) / range;                                         \
         num_tasks += parts > 1 ? parts : 1;                                                       \
     }                                                                                             \
     first_task[num_seqs] = num_tasks;                                                             \
@@ -252,9 +256,9 @@ int NAME(const T *query, const T *key_cache, const T *value_cache, const int64_t
     {                                                                                             \
     _Pragma("omp for schedule(dynamic, 1)")                                                       \
     for (int64_t i = 0; i < num_tasks; ++i) {                                                     \
-        const int64_t s = task_seq[i], len = seq_lens[s];                                         \
-        const int64_t lo = len - attended_keys(len, window) + (i - first_task[s]) * range;         \
-        const int64_t hi = lo + range < len ? lo + range : len;                                   \
+        const int64_t s = task_seq[i], len = seq_lens[s], keys = attended_keys(len, window);       \
+        const int64_t lo = len - keys + (i - first_task[s]) * task_keys(keys);                    \
+        const int64_t hi = lo + task_keys(keys) < len ? lo + task_keys(keys) : len;               \
         const T *q = query + s * num_heads * head_dim;                                            \
         const int64_t *table = block_tables + s * max_blocks;                                     \
         float *partial = partials + i * num_heads * stride;                                       \
