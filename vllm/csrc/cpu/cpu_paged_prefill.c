@@ -38,7 +38,8 @@
 #include "paged_cache.h"
 
 #define HEAD_DIM 64
-#define QUERIES 16                 /* per task: the columns of a tile */
+#define QUERIES 16                 /* per task on AMX: the columns of a tile */
+#define AVX512_TASK_QUERIES 32     /* per task on AVX512-BF16: two blocks of QUERIES */
 #define KEYS 32                    /* per softmax step: two score tiles, one P^T tile */
 #define VT_STEP (HEAD_DIM * KEYS)  /* elements of V^T per step and KV head: four 16 x 32 tiles */
 
@@ -195,11 +196,20 @@ static int attend_prefills(const struct prefill *a, int64_t num_seqs) {
     const int64_t num_heads = a->num_heads, num_kv_heads = a->num_kv_heads;
     int64_t *first_step = malloc((size_t)(num_seqs + 1) * sizeof *first_step);
     if (!first_step) return 2;
+#ifdef HAVE_PREFILL_AMX
+    const int tiles = amx_ready;  /* then each thread configures its tiles, and releases them */
+    void (*attend_task)(const struct prefill *, const struct task *, const uint16_t *) =
+        tiles ? attend_task_amx : attend_task_avx512;
+    const int64_t per_task = tiles ? QUERIES : AVX512_TASK_QUERIES;
+#else
+    void (*attend_task)(const struct prefill *, const struct task *, const uint16_t *) = attend_task_avx512;
+    const int64_t per_task = AVX512_TASK_QUERIES;
+#endif
     int64_t num_tasks = 0;
     first_step[0] = 0;
     for (int64_t s = 0; s < num_seqs; ++s) {
         first_step[s + 1] = first_step[s] + (context_lens[s] + query_lens[s] + KEYS - 1) / KEYS;
-        num_tasks += (query_lens[s] + QUERIES - 1) / QUERIES * num_heads;
+        num_tasks += (query_lens[s] + per_task - 1) / per_task * num_heads;
     }
     const int64_t num_steps = first_step[num_seqs];
     int64_t *step_seq = malloc((size_t)(num_steps > 0 ? num_steps : 1) * sizeof *step_seq);
@@ -213,15 +223,8 @@ static int attend_prefills(const struct prefill *a, int64_t num_seqs) {
         for (int64_t i = first_step[s]; i < first_step[s + 1]; ++i) step_seq[i] = s;
     int64_t n = 0;
     for (int64_t s = 0; s < num_seqs; ++s)
-        for (int64_t q0 = (query_lens[s] - 1) / QUERIES * QUERIES; q0 >= 0; q0 -= QUERIES)
+        for (int64_t q0 = (query_lens[s] - 1) / per_task * per_task; q0 >= 0; q0 -= per_task)
             for (int64_t h = 0; h < num_heads; ++h) tasks[n++] = (struct task){s, h, q0};
-#ifdef HAVE_PREFILL_AMX
-    const int tiles = amx_ready;  /* then each thread configures its tiles, and releases them */
-    void (*attend_task)(const struct prefill *, const struct task *, const uint16_t *) =
-        tiles ? attend_task_amx : attend_task_avx512;
-#else
-    void (*attend_task)(const struct prefill *, const struct task *, const uint16_t *) = attend_task_avx512;
-#endif
     #pragma omp parallel
     {
         #pragma omp for schedule(static)
