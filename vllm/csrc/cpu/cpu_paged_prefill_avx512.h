@@ -108,6 +108,7 @@ struct query_block {
     struct lazy_softmax st;
 };
 
+/* The block of task t's queries from first_query: Q^T packed, O^T zero, the softmax started. */
 static void start_block(const struct prefill *a, const struct task *t, int64_t first_query, struct query_block *b) {
     b->t = (struct task){t->seq, t->head, first_query};
     b->first = a->context_lens[t->seq] + first_query;
