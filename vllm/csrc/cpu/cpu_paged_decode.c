@@ -257,8 +257,8 @@ int NAME(const T *query, const T *key_cache, const T *value_cache, const int64_t
     _Pragma("omp for schedule(dynamic, 1)")                                                       \
     for (int64_t i = 0; i < num_tasks; ++i) {                                                     \
         const int64_t s = task_seq[i], len = seq_lens[s], keys = attended_keys(len, window);       \
-        const int64_t lo = len - keys + (i - first_task[s]) * task_keys(keys);                    \
-        const int64_t hi = lo + task_keys(keys) < len ? lo + task_keys(keys) : len;               \
+        const int64_t range = task_keys(keys), lo = len - keys + (i - first_task[s]) * range;      \
+        const int64_t hi = lo + range < len ? lo + range : len;                                   \
         const T *q = query + s * num_heads * head_dim;                                            \
         const int64_t *table = block_tables + s * max_blocks;                                     \
         float *partial = partials + i * num_heads * stride;                                       \
