@@ -259,7 +259,8 @@ int gguf_gemm_int8_bf16(const uint16_t *x, const uint8_t *w, int type, const uin
         for (int64_t i = 0; i < (panels + group - 1) / group; ++i) {
             if (!few_rows && buffer == NULL) continue;
             const int64_t p = group * i;
-            /* Each panel prefetches the one PREFETCH_PANELS on; a share's first ones, all at once. */
+            /* Each panel's multiplication prefetches the one PREFETCH_PANELS on; a share's first
+             * ones, all at once. */
             if (!started) {
                 prefetch_panels(w, n, stride, p, PREFETCH_PANELS);
                 started = 1;
@@ -273,14 +274,18 @@ int gguf_gemm_int8_bf16(const uint16_t *x, const uint8_t *w, int type, const uin
             unpacked_panel u[2];
             const int count = p + 1 < panels ? 2 : 1;
             for (int j = 0; j < count; ++j) {
-                const int64_t row = 16 * (p + j), ahead = row + 16 * PREFETCH_PANELS;
-                u[j] = unpack_panel(w, type, in_panels, row, panel_height(n, row), nb, buffer + j * unpacked,
-                                    prefetched(w, n, ahead, stride), panel_height(n, ahead) * stride);
+                const int64_t row = 16 * (p + j);
+                u[j] = unpack_panel(w, type, in_panels, row, panel_height(n, row), nb, buffer + j * unpacked);
             }
+            /* the panels unpacked PREFETCH_PANELS on, prefetched while these multiply */
+            const int64_t ahead = 16 * (p + PREFETCH_PANELS);
+            const int64_t ahead_rows = panel_height(n, ahead) + (count == 2 ? panel_height(n, ahead + 16) : 0);
             if (count == 2)
-                panel_pair_rows(u, q, has_minimum(type), bias, y, 16 * p, m, n, k);
+                panel_pair_rows(u, q, has_minimum(type), bias, y, 16 * p, m, n, k, prefetched(w, n, ahead, stride),
+                                ahead_rows * stride);
             else
-                panel_rows(u[0], q, has_minimum(type), bias, y, 16 * p, m, n, k);
+                panel_rows(u[0], q, has_minimum(type), bias, y, 16 * p, m, n, k, prefetched(w, n, ahead, stride),
+                           ahead_rows * stride);
         }
         free(buffer);
     }

@@ -41,7 +41,7 @@
 #define HAVE_GGUF_GEMM 1
 #define GEMM_TILE 8  /* rows of x per pass over a panel: their dot products and sums stay in registers */
 #define PAIR_TILE 6  /* rows of x per pass over two panels (panel_pair_tile) */
-#define PREFETCH_PANELS 4  /* how far ahead a panel's unpacking prefetches W, into L2 */
+#define PREFETCH_PANELS 2  /* how far ahead of the panels being multiplied W is prefetched, into L2 */
 
 /* The panel's 16 rows (lanes past its last row repeat that row): row c starts at base + offset[c]. */
 typedef struct {
@@ -295,42 +295,51 @@ typedef struct {
     int rows;
 } unpacked_panel;
 
-/* The prefetches due by the end of block kb of nb, of `lines` lines from `next`; *line: the
- * first not yet issued. */
-static inline void prefetch_until(const uint8_t *next, int64_t lines, int64_t kb, int64_t nb, int64_t *line) {
-    for (; *line < lines * (kb + 1) / nb; ++*line) _mm_prefetch((const char *)(next + 64 * *line), _MM_HINT_T1);
+/* Prefetches of `lines` lines from `next`, spread evenly over `steps` steps of work: *line, the
+ * first not yet issued. Spread, they leave the core's misses in flight to the loads beside them. */
+typedef struct {
+    const uint8_t *next;
+    int64_t lines, steps, line;
+} prefetch_stream;
+
+static inline prefetch_stream prefetch_spread(const uint8_t *next, int64_t bytes, int64_t steps) {
+    return (prefetch_stream){next, (bytes + 63) / 64, steps > 0 ? steps : 1, 0};
+}
+
+/* The prefetches of s due by the end of step `step` (all of them from its last step on). */
+static inline void prefetch_until(prefetch_stream *s, int64_t step) {
+    const int64_t due = step + 1 >= s->steps ? s->lines : s->lines * (step + 1) / s->steps;
+    for (; s->line < due; ++s->line) _mm_prefetch((const char *)(s->next + 64 * s->line), _MM_HINT_T1);
 }
 
 /* Rows [j0, j0 + rows) of W -> the panel, unpacked into `buffer` (nb x (8 zmm of codes, 16 D,
- * 16 M), 64-byte aligned), prefetching the `ahead` bytes of W from `next` (a later panel,
- * contiguous): in rows, the panel's 16 rows are read a block of each at a time, 16 short streams
- * the hardware prefetchers do not follow from memory; in panels (`panels`: W regrouped, rows ==
- * 16), one. Not inlined: inlined into the GEMM's loop beside multiply_panel's copies, it
- * compiled to slower code. */
+ * 16 M), 64-byte aligned): in rows, the panel's 16 rows are read a block of each at a time, 16
+ * short streams the hardware prefetchers do not follow from memory; in panels (`panels`: W
+ * regrouped, rows == 16), one. Its reads are prefetched while the panels before it multiply
+ * (panel_pair_rows, panel_rows). Not inlined: inlined into the GEMM's loop beside
+ * multiply_panel's copies, it compiled to slower code. */
 __attribute__((noinline)) static unpacked_panel unpack_panel(const uint8_t *w, int type, int panels, int64_t j0,
-                                                             int rows, int64_t nb, void *buffer,
-                                                             const uint8_t *next, int64_t ahead) {
+                                                             int rows, int64_t nb, void *buffer) {
     __m512i *codes = buffer;
     __m512 *D = (__m512 *)(codes + nb * 8), *M = D + nb;
     const panel_rows_at p = panel_at(w, type, j0, rows, nb);
-    for (int64_t kb = 0, line = 0; kb < nb; ++kb) {
-        prefetch_until(next, (ahead + 63) / 64, kb, nb, &line);
-        decode_any(&p, panels, type, kb, codes + kb * 8, D + kb, M + kb);
-    }
+    for (int64_t kb = 0; kb < nb; ++kb) decode_any(&p, panels, type, kb, codes + kb * 8, D + kb, M + kb);
     return (unpacked_panel){codes, D, M, rows};
 }
 
 /* All TM rows of x (TM <= GEMM_TILE) times the panel of W's rows [j0, j0 + rows) into y, each
- * block multiplied as it is decoded, the panel never stored (prefetching as unpack_panel). */
+ * block multiplied as it is decoded, the panel never stored, prefetching the `ahead` bytes of W
+ * from `next` (a later panel, contiguous) over its blocks. */
 static inline __attribute__((always_inline)) void multiply_panel(
         const uint8_t *w, int type, int panels, int64_t j0, int rows, int64_t nb, const uint8_t *next,
         int64_t ahead, quantized_x q, const int TM, const int with_minimum, const uint16_t *bias, uint16_t *y,
         int64_t n) {
     const panel_rows_at p = panel_at(w, type, j0, rows, nb);
+    prefetch_stream stream = prefetch_spread(next, ahead, nb);
     __m512 acc[GEMM_TILE];
     for (int t = 0; t < TM; ++t) acc[t] = _mm512_setzero_ps();
-    for (int64_t kb = 0, line = 0; kb < nb; ++kb) {
-        prefetch_until(next, (ahead + 63) / 64, kb, nb, &line);
+    for (int64_t kb = 0; kb < nb; ++kb) {
+        prefetch_until(&stream, kb);
         __m512i u[8];
         __m512 D, M;
         decode_any(&p, panels, type, kb, u, &D, &M);
@@ -358,26 +367,34 @@ static void multiply_panel_rows(const uint8_t *w, int type, int panels, int64_t 
  * constants in each caller, so the sums stay in registers. */
 static inline __attribute__((always_inline)) void panel_tile(unpacked_panel u, quantized_x q, int64_t t0, const int TM,
                                                              const int with_minimum, const uint16_t *bias, uint16_t *y,
-                                                             int64_t j0, int64_t n, int64_t k) {
+                                                             int64_t j0, int64_t n, int64_t k, prefetch_stream *ahead,
+                                                             int64_t step) {
     const int64_t nb = k / QK;
     __m512 acc[GEMM_TILE];
     for (int t = 0; t < TM; ++t) acc[t] = _mm512_setzero_ps();
-    for (int64_t kb = 0; kb < nb; ++kb)
+    for (int64_t kb = 0; kb < nb; ++kb) {
+        prefetch_until(ahead, step + kb);
         tile_block(u.codes + kb * 8, u.D[kb], u.M[kb], q, t0 * nb + kb, nb, TM, with_minimum, acc);
+    }
     store_rows(acc, t0, TM, bias, y, j0, u.rows, n);
 }
 
-/* All m rows of x times the panel: tiles of 8, the rest in tiles of 4, 2, 1. */
+/* All m rows of x times the panel: tiles of 8, the rest in tiles of 4, 2, 1; meanwhile the
+ * `ahead` bytes of W from `next` (the panel unpacked PREFETCH_PANELS on), prefetched over the
+ * tiles' blocks. */
 static void panel_rows(unpacked_panel u, quantized_x q, int with_minimum, const uint16_t *bias, uint16_t *y,
-                       int64_t j0, int64_t m, int64_t n, int64_t k) {
-    int64_t t0 = 0;
+                       int64_t j0, int64_t m, int64_t n, int64_t k, const uint8_t *next, int64_t ahead) {
+    const int64_t nb = k / QK;
+    prefetch_stream stream = prefetch_spread(next, ahead, (m + GEMM_TILE - 1) / GEMM_TILE * nb);
+    int64_t t0 = 0, step = 0;
 #define PANEL_TILES(TM)                                                                                   \
-    for (; m - t0 >= (TM); t0 += (TM)) {                                                                 \
-        if (with_minimum) panel_tile(u, q, t0, (TM), 1, bias, y, j0, n, k);                              \
-        else panel_tile(u, q, t0, (TM), 0, bias, y, j0, n, k);                                           \
+    for (; m - t0 >= (TM); t0 += (TM), step += nb) {                                                     \
+        if (with_minimum) panel_tile(u, q, t0, (TM), 1, bias, y, j0, n, k, &stream, step);               \
+        else panel_tile(u, q, t0, (TM), 0, bias, y, j0, n, k, &stream, step);                            \
     }
     PANEL_TILES(8) PANEL_TILES(4) PANEL_TILES(2) PANEL_TILES(1)
 #undef PANEL_TILES
+    prefetch_until(&stream, stream.steps);  /* the tails took more tiles than estimated: the rest */
 }
 
 /* Rows [t0, t0 + TM) of x times two panels side by side (32 output rows from j0, the first
@@ -389,11 +406,13 @@ static void panel_rows(unpacked_panel u, quantized_x q, int with_minimum, const 
 static inline __attribute__((always_inline)) void panel_pair_tile(const unpacked_panel u[2], quantized_x q, int64_t t0,
                                                                   const int TM, const int with_minimum,
                                                                   const uint16_t *bias, uint16_t *y, int64_t j0,
-                                                                  int64_t n, int64_t k) {
+                                                                  int64_t n, int64_t k, prefetch_stream *ahead,
+                                                                  int64_t step) {
     const int64_t nb = k / QK;
     __m512 acc[2][PAIR_TILE];
     for (int t = 0; t < TM; ++t) acc[0][t] = acc[1][t] = _mm512_setzero_ps();
     for (int64_t kb = 0; kb < nb; ++kb) {
+        prefetch_until(ahead, step + kb);
         const __m512i *a = u[0].codes + kb * 8, *b = u[1].codes + kb * 8;
         __m512i dot[2][PAIR_TILE];
         for (int t = 0; t < TM; ++t)  /* types with minimums have no code offset: they start at 0 */
@@ -415,17 +434,23 @@ static inline __attribute__((always_inline)) void panel_pair_tile(const unpacked
     for (int j = 0; j < 2; ++j) store_rows(acc[j], t0, TM, bias, y, j0 + 16 * j, u[j].rows, n);
 }
 
-/* All m rows of x times two panels side by side: tiles of PAIR_TILE, the rest in tiles of 4, 2, 1. */
+/* All m rows of x times two panels side by side: tiles of PAIR_TILE, the rest in tiles of 4, 2,
+ * 1; meanwhile the `ahead` bytes of W from `next` (the two panels unpacked PREFETCH_PANELS on),
+ * prefetched over the tiles' blocks. */
 static void panel_pair_rows(const unpacked_panel u[2], quantized_x q, int with_minimum, const uint16_t *bias,
-                            uint16_t *y, int64_t j0, int64_t m, int64_t n, int64_t k) {
-    int64_t t0 = 0;
+                            uint16_t *y, int64_t j0, int64_t m, int64_t n, int64_t k, const uint8_t *next,
+                            int64_t ahead) {
+    const int64_t nb = k / QK;
+    prefetch_stream stream = prefetch_spread(next, ahead, (m + PAIR_TILE - 1) / PAIR_TILE * nb);
+    int64_t t0 = 0, step = 0;
 #define PAIR_TILES(TM)                                                                                    \
-    for (; m - t0 >= (TM); t0 += (TM)) {                                                                 \
-        if (with_minimum) panel_pair_tile(u, q, t0, (TM), 1, bias, y, j0, n, k);                         \
-        else panel_pair_tile(u, q, t0, (TM), 0, bias, y, j0, n, k);                                      \
+    for (; m - t0 >= (TM); t0 += (TM), step += nb) {                                                     \
+        if (with_minimum) panel_pair_tile(u, q, t0, (TM), 1, bias, y, j0, n, k, &stream, step);          \
+        else panel_pair_tile(u, q, t0, (TM), 0, bias, y, j0, n, k, &stream, step);                       \
     }
     PAIR_TILES(PAIR_TILE) PAIR_TILES(4) PAIR_TILES(2) PAIR_TILES(1)
 #undef PAIR_TILES
+    prefetch_until(&stream, stream.steps);  /* the tails took more tiles than estimated: the rest */
 }
 
 #endif
