@@ -255,7 +255,8 @@ int gguf_gemm_int8_bf16(const uint16_t *x, const uint8_t *w, int type, const uin
             status = 2;
         }
         int started = 0;
-        #pragma omp for schedule(static)
+        /* nowait: the panels' outputs are disjoint, and the region's end is the one barrier */
+        #pragma omp for schedule(static) nowait
         for (int64_t i = 0; i < (panels + group - 1) / group; ++i) {
             if (!few_rows && buffer == NULL) continue;
             const int64_t p = group * i;
