@@ -25,10 +25,11 @@
  * codes of x's dwords g and 4 + g). Per block and row of x, a panel then takes 8 vpdpbusd, a
  * conversion to float, a multiply and one or two multiply-adds for its 16 outputs. Threads
  * unpack two panels at a time and multiply tiles of up to 6 rows of x into both, each dword of
- * x broadcast once for the two (panel_pair_tile); an odd last panel takes tiles of up to 8 rows
- * alone. x of up to 8 rows needs no unpacked copy: each block is multiplied into all its rows
- * as it is decoded (multiply_panel), and threads take single panels. x is quantized once per
- * call. Which product serves which rows: gguf_product_path.
+ * x broadcast once for the two (panel_pair_tile), and prefetch their next two meanwhile; an odd
+ * last panel takes tiles of up to 8 rows alone. x of up to 8 rows needs no unpacked copy: each
+ * block is multiplied into all its rows as it is decoded (multiply_panel), and threads take
+ * single panels. x is quantized once per call. Which product serves which rows:
+ * gguf_product_path.
  */
 #ifndef VLLM_CPU_GGUF_GEMV_PANELS_H
 #define VLLM_CPU_GGUF_GEMV_PANELS_H
@@ -295,8 +296,9 @@ typedef struct {
     int rows;
 } unpacked_panel;
 
-/* Prefetches of `lines` lines from `next`, spread evenly over `steps` steps of work: *line, the
- * first not yet issued. Spread, they leave the core's misses in flight to the loads beside them. */
+/* Prefetches of `lines` lines from `next`, spread evenly over `steps` steps of work (`line`: the
+ * first not yet issued). Issued together, they would take all of the core's misses in flight and
+ * stall the loads beside them until they arrive. */
 typedef struct {
     const uint8_t *next;
     int64_t lines, steps, line;
