@@ -37,6 +37,7 @@
 #include <stdlib.h>
 
 #include "cpu_gguf_gemv_blocks.h"
+#include "prefetch.h"
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define HAVE_GGUF_GEMM 1
@@ -296,24 +297,6 @@ typedef struct {
     int rows;
 } unpacked_panel;
 
-/* Prefetches of `lines` lines from `next`, spread evenly over `steps` steps of work (`line`: the
- * first not yet issued). Issued together, they would take all of the core's misses in flight and
- * stall the loads beside them until they arrive. */
-typedef struct {
-    const uint8_t *next;
-    int64_t lines, steps, line;
-} prefetch_stream;
-
-static inline prefetch_stream prefetch_spread(const uint8_t *next, int64_t bytes, int64_t steps) {
-    return (prefetch_stream){next, (bytes + 63) / 64, steps > 0 ? steps : 1, 0};
-}
-
-/* The prefetches of s due by the end of step `step` (all of them from its last step on). */
-static inline void prefetch_until(prefetch_stream *s, int64_t step) {
-    const int64_t due = step + 1 >= s->steps ? s->lines : s->lines * (step + 1) / s->steps;
-    for (; s->line < due; ++s->line) _mm_prefetch((const char *)(s->next + 64 * s->line), _MM_HINT_T1);
-}
-
 /* Rows [j0, j0 + rows) of W -> the panel, unpacked into `buffer` (nb x (8 zmm of codes, 16 D,
  * 16 M), 64-byte aligned): in rows, the panel's 16 rows are read a block of each at a time, 16
  * short streams the hardware prefetchers do not follow from memory; in panels (`panels`: W
@@ -341,7 +324,7 @@ static inline __attribute__((always_inline)) void multiply_panel(
     __m512 acc[GEMM_TILE];
     for (int t = 0; t < TM; ++t) acc[t] = _mm512_setzero_ps();
     for (int64_t kb = 0; kb < nb; ++kb) {
-        prefetch_until(&stream, kb);
+        prefetch_step(&stream);
         __m512i u[8];
         __m512 D, M;
         decode_any(&p, panels, type, kb, u, &D, &M);
@@ -369,13 +352,12 @@ static void multiply_panel_rows(const uint8_t *w, int type, int panels, int64_t 
  * constants in each caller, so the sums stay in registers. */
 static inline __attribute__((always_inline)) void panel_tile(unpacked_panel u, quantized_x q, int64_t t0, const int TM,
                                                              const int with_minimum, const uint16_t *bias, uint16_t *y,
-                                                             int64_t j0, int64_t n, int64_t k, prefetch_stream *ahead,
-                                                             int64_t step) {
+                                                             int64_t j0, int64_t n, int64_t k, prefetch_stream *ahead) {
     const int64_t nb = k / QK;
     __m512 acc[GEMM_TILE];
     for (int t = 0; t < TM; ++t) acc[t] = _mm512_setzero_ps();
     for (int64_t kb = 0; kb < nb; ++kb) {
-        prefetch_until(ahead, step + kb);
+        prefetch_step(ahead);
         tile_block(u.codes + kb * 8, u.D[kb], u.M[kb], q, t0 * nb + kb, nb, TM, with_minimum, acc);
     }
     store_rows(acc, t0, TM, bias, y, j0, u.rows, n);
@@ -388,15 +370,15 @@ static void panel_rows(unpacked_panel u, quantized_x q, int with_minimum, const 
                        int64_t j0, int64_t m, int64_t n, int64_t k, const uint8_t *next, int64_t ahead) {
     const int64_t nb = k / QK;
     prefetch_stream stream = prefetch_spread(next, ahead, (m + GEMM_TILE - 1) / GEMM_TILE * nb);
-    int64_t t0 = 0, step = 0;
+    int64_t t0 = 0;
 #define PANEL_TILES(TM)                                                                                   \
-    for (; m - t0 >= (TM); t0 += (TM), step += nb) {                                                     \
-        if (with_minimum) panel_tile(u, q, t0, (TM), 1, bias, y, j0, n, k, &stream, step);               \
-        else panel_tile(u, q, t0, (TM), 0, bias, y, j0, n, k, &stream, step);                            \
+    for (; m - t0 >= (TM); t0 += (TM)) {                                                                 \
+        if (with_minimum) panel_tile(u, q, t0, (TM), 1, bias, y, j0, n, k, &stream);                     \
+        else panel_tile(u, q, t0, (TM), 0, bias, y, j0, n, k, &stream);                                  \
     }
     PANEL_TILES(8) PANEL_TILES(4) PANEL_TILES(2) PANEL_TILES(1)
 #undef PANEL_TILES
-    prefetch_until(&stream, stream.steps);  /* the tails took more tiles than estimated: the rest */
+    prefetch_rest(&stream);  /* where the tails took more tiles than estimated */
 }
 
 /* Rows [t0, t0 + TM) of x times two panels side by side (32 output rows from j0, the first
@@ -408,13 +390,12 @@ static void panel_rows(unpacked_panel u, quantized_x q, int with_minimum, const 
 static inline __attribute__((always_inline)) void panel_pair_tile(const unpacked_panel u[2], quantized_x q, int64_t t0,
                                                                   const int TM, const int with_minimum,
                                                                   const uint16_t *bias, uint16_t *y, int64_t j0,
-                                                                  int64_t n, int64_t k, prefetch_stream *ahead,
-                                                                  int64_t step) {
+                                                                  int64_t n, int64_t k, prefetch_stream *ahead) {
     const int64_t nb = k / QK;
     __m512 acc[2][PAIR_TILE];
     for (int t = 0; t < TM; ++t) acc[0][t] = acc[1][t] = _mm512_setzero_ps();
     for (int64_t kb = 0; kb < nb; ++kb) {
-        prefetch_until(ahead, step + kb);
+        prefetch_step(ahead);
         const __m512i *a = u[0].codes + kb * 8, *b = u[1].codes + kb * 8;
         __m512i dot[2][PAIR_TILE];
         for (int t = 0; t < TM; ++t)  /* types with minimums have no code offset: they start at 0 */
@@ -444,15 +425,15 @@ static void panel_pair_rows(const unpacked_panel u[2], quantized_x q, int with_m
                             int64_t ahead) {
     const int64_t nb = k / QK;
     prefetch_stream stream = prefetch_spread(next, ahead, (m + PAIR_TILE - 1) / PAIR_TILE * nb);
-    int64_t t0 = 0, step = 0;
+    int64_t t0 = 0;
 #define PAIR_TILES(TM)                                                                                    \
-    for (; m - t0 >= (TM); t0 += (TM), step += nb) {                                                     \
-        if (with_minimum) panel_pair_tile(u, q, t0, (TM), 1, bias, y, j0, n, k, &stream, step);          \
-        else panel_pair_tile(u, q, t0, (TM), 0, bias, y, j0, n, k, &stream, step);                       \
+    for (; m - t0 >= (TM); t0 += (TM)) {                                                                 \
+        if (with_minimum) panel_pair_tile(u, q, t0, (TM), 1, bias, y, j0, n, k, &stream);                \
+        else panel_pair_tile(u, q, t0, (TM), 0, bias, y, j0, n, k, &stream);                             \
     }
     PAIR_TILES(PAIR_TILE) PAIR_TILES(4) PAIR_TILES(2) PAIR_TILES(1)
 #undef PAIR_TILES
-    prefetch_until(&stream, stream.steps);  /* the tails took more tiles than estimated: the rest */
+    prefetch_rest(&stream);  /* where the tails took more tiles than estimated */
 }
 
 #endif
