@@ -16,7 +16,9 @@
  *
  * Each thread takes groups of column blocks (2-4 blocks, or 1-2 gate/up pairs; units_per_group)
  * and passes every block of rows of x by them: the group's weights come from memory for the
- * first block of rows and from L2 for the others.
+ * first block of rows and from L2 for the others. Where there are others, it prefetches its next
+ * group's weights into L2 meanwhile, spread over the passes, so that the memory does not idle
+ * while a group computes from L2.
  */
 #ifndef VLLM_CPU_TILE_GEMM_AVX512_H
 #define VLLM_CPU_TILE_GEMM_AVX512_H
@@ -24,8 +26,11 @@
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(VLLM_LAYER_OPS_X16)
 #define HAVE_TILE_GEMM_AVX512 1
 
+#include "prefetch.h"
+
 #define DOT_ACCUMULATORS 24  /* of the 32 registers; the rest hold weights and a broadcast */
 #define DOT_MAX_ROWS 12      /* rows of x per block of rows (one or two column blocks) */
+#define PREFETCH_PAIRS 8     /* pairs of k per step of the prefetches (k / 2 is a multiple of 16) */
 
 /* One group of column blocks: where their weights start, and where their outputs go. */
 struct dot_group {
@@ -35,17 +40,23 @@ struct dot_group {
 };
 
 /* Rows x[0 .. ROWS) by the group's BLOCKS blocks, over all of k, then the epilogue into y
- * (rows of y_stride elements: n, or n / 2 fused). ROWS and BLOCKS are constants in every copy
+ * (rows of y_stride elements: n, or n / 2 fused), a step of the two prefetch streams `ahead` for
+ * every PREFETCH_PAIRS pairs of k. ROWS and BLOCKS are constants in every copy
  * (dot_rows_blocks), so that the sums are registers. */
 static inline __attribute__((always_inline)) void dot_rows(const int ROWS, const int BLOCKS, const uint16_t *x,
                                                            const struct dot_group *g, const uint16_t *bias,
-                                                           uint16_t *y, int64_t y_stride, int64_t n, int64_t k) {
+                                                           uint16_t *y, int64_t y_stride, int64_t n, int64_t k,
+                                                           prefetch_stream ahead[2]) {
     __m512 acc[DOT_MAX_ROWS][4];
     for (int i = 0; i < ROWS; ++i)
         for (int c = 0; c < BLOCKS; ++c) acc[i][c] = _mm512_setzero_ps();
     const uint16_t *w[4];
     for (int c = 0; c < BLOCKS; ++c) w[c] = g->w[c];
     for (int64_t p = 0; p < k / 2; ++p) {
+        if (p % PREFETCH_PAIRS == 0) {
+            prefetch_step(&ahead[0]);
+            prefetch_step(&ahead[1]);
+        }
         __m512bh wv[4];
         for (int c = 0; c < BLOCKS; ++c) wv[c] = (__m512bh)_mm512_loadu_si512((const void *)(w[c] + 32 * p));
         for (int i = 0; i < ROWS; ++i) {
@@ -76,12 +87,13 @@ static inline __attribute__((always_inline)) void dot_rows(const int ROWS, const
 }
 
 typedef void (*dot_rows_fn)(const uint16_t *x, const struct dot_group *g, const uint16_t *bias, uint16_t *y,
-                            int64_t y_stride, int64_t n, int64_t k);
+                            int64_t y_stride, int64_t n, int64_t k, prefetch_stream ahead[2]);
 
 #define DOT_ROWS(R, B)                                                                                  \
     static void dot_rows_##R##_##B(const uint16_t *x, const struct dot_group *g, const uint16_t *bias,  \
-                                   uint16_t *y, int64_t y_stride, int64_t n, int64_t k) {               \
-        dot_rows(R, B, x, g, bias, y, y_stride, n, k);                                                  \
+                                   uint16_t *y, int64_t y_stride, int64_t n, int64_t k,                 \
+                                   prefetch_stream ahead[2]) {                                          \
+        dot_rows(R, B, x, g, bias, y, y_stride, n, k, ahead);                                           \
     }
 /* dot_max_rows(B) copies for each B: 12 rows by 1-2 blocks, 8 by 3, 6 by 4. */
 #define DOT_ROWS_1_TO_6(B) DOT_ROWS(1, B) DOT_ROWS(2, B) DOT_ROWS(3, B) DOT_ROWS(4, B) DOT_ROWS(5, B) DOT_ROWS(6, B)
@@ -127,9 +139,18 @@ static void avx512_gemm(const uint16_t *x, const uint16_t *packed, const uint16_
         }
         /* Blocks of rows as even as the accumulators allow: 32 rows by 4 blocks are 5 x 4 + 6 + 6. */
         const int64_t most = dot_max_rows(g.blocks), row_blocks = (m + most - 1) / most;
+        /* The next group (this thread's but after its last), prefetched over all the passes: its
+         * blocks, or its gate blocks and its up blocks. In one pass, the group's own reads keep
+         * the memory busy. */
+        prefetch_stream ahead[2] = {prefetch_spread(packed, 0, 1), prefetch_spread(packed, 0, 1)};
+        const int64_t next = b0 + size, next_count = units - next < size ? units - next : size;
+        for (int r = 0; row_blocks > 1 && next < units && r < (fused ? 2 : 1); ++r)
+            ahead[r] = prefetch_spread(packed + group_block(fused, next, next_count, half, r * next_count) * 16 * k,
+                                       next_count * 16 * k * (int64_t)sizeof(uint16_t),
+                                       row_blocks * (k / 2 / PREFETCH_PAIRS));
         for (int64_t rb = 0, r0 = 0; rb < row_blocks; ++rb) {
             const int64_t rows = (m - r0) / (row_blocks - rb);
-            dot_rows_blocks((int)rows, g.blocks)(x + r0 * k, &g, bias, y + r0 * y_stride, y_stride, n, k);
+            dot_rows_blocks((int)rows, g.blocks)(x + r0 * k, &g, bias, y + r0 * y_stride, y_stride, n, k, ahead);
             r0 += rows;
         }
     }
