@@ -266,10 +266,12 @@ int gguf_gemm_int8_bf16(const uint16_t *x, const uint8_t *w, int type, const uin
                 prefetch_panels(w, n, stride, p, PREFETCH_PANELS);
                 started = 1;
             }
+            /* the panels PREFETCH_PANELS on, prefetched while these multiply (where W has them) */
+            const int64_t ahead = 16 * (p + PREFETCH_PANELS);
+            const uint8_t *next = prefetched(w, n, ahead, stride);
             if (few_rows) {
-                const int64_t ahead = 16 * (p + PREFETCH_PANELS);  /* the panel prefetched, if W has it */
-                multiply_panel_rows(w, type, in_panels, 16 * p, panel_height(n, 16 * p), nb,
-                                    prefetched(w, n, ahead, stride), panel_height(n, ahead) * stride, q, m, bias, y, n);
+                multiply_panel_rows(w, type, in_panels, 16 * p, panel_height(n, 16 * p), nb, next,
+                                    panel_height(n, ahead) * stride, q, m, bias, y, n);
                 continue;
             }
             unpacked_panel u[2];
@@ -278,15 +280,11 @@ int gguf_gemm_int8_bf16(const uint16_t *x, const uint8_t *w, int type, const uin
                 const int64_t row = 16 * (p + j);
                 u[j] = unpack_panel(w, type, in_panels, row, panel_height(n, row), nb, buffer + j * unpacked);
             }
-            /* the panels unpacked PREFETCH_PANELS on, prefetched while these multiply */
-            const int64_t ahead = 16 * (p + PREFETCH_PANELS);
             const int64_t ahead_rows = panel_height(n, ahead) + (count == 2 ? panel_height(n, ahead + 16) : 0);
             if (count == 2)
-                panel_pair_rows(u, q, has_minimum(type), bias, y, 16 * p, m, n, k, prefetched(w, n, ahead, stride),
-                                ahead_rows * stride);
+                panel_pair_rows(u, q, has_minimum(type), bias, y, 16 * p, m, n, k, next, ahead_rows * stride);
             else
-                panel_rows(u[0], q, has_minimum(type), bias, y, 16 * p, m, n, k, prefetched(w, n, ahead, stride),
-                           ahead_rows * stride);
+                panel_rows(u[0], q, has_minimum(type), bias, y, 16 * p, m, n, k, next, ahead_rows * stride);
         }
         free(buffer);
     }

@@ -144,10 +144,11 @@ static void avx512_gemm(const uint16_t *x, const uint16_t *packed, const uint16_
          * the memory busy. */
         prefetch_stream ahead[2] = {prefetch_spread(packed, 0, 1), prefetch_spread(packed, 0, 1)};
         const int64_t next = b0 + size, next_count = units - next < size ? units - next : size;
-        for (int r = 0; row_blocks > 1 && next < units && r < (fused ? 2 : 1); ++r)
-            ahead[r] = prefetch_spread(packed + group_block(fused, next, next_count, half, r * next_count) * 16 * k,
-                                       next_count * 16 * k * (int64_t)sizeof(uint16_t),
-                                       row_blocks * (k / 2 / PREFETCH_PAIRS));
+        if (row_blocks > 1 && next < units)
+            for (int r = 0; r < (fused ? 2 : 1); ++r)
+                ahead[r] = prefetch_spread(packed + group_block(fused, next, next_count, half, r * next_count) * 16 * k,
+                                           next_count * 16 * k * (int64_t)sizeof(uint16_t),
+                                           row_blocks * (k / 2 / PREFETCH_PAIRS));
         for (int64_t rb = 0, r0 = 0; rb < row_blocks; ++rb) {
             const int64_t rows = (m - r0) / (row_blocks - rb);
             dot_rows_blocks((int)rows, g.blocks)(x + r0 * k, &g, bias, y + r0 * y_stride, y_stride, n, k, ahead);
