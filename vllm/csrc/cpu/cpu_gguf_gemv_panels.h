@@ -194,25 +194,33 @@ typedef struct {
     int32_t *start;    /* -offset * sx: where each block's integer dot product starts */
 } quantized_x;
 
-/* bf16 x (m, k) -> its blocks' codes, with gguf_matmul_int8's arithmetic (quantize_block). */
+/* Block i of bf16 x -> its codes, with gguf_matmul_int8's arithmetic (quantize_block). */
+static inline void quantize_x_block(const uint16_t *x, int offset, int64_t i, quantized_x q) {
+    const __m512 lo = bf16x16_to_float(x + i * QK), hi = bf16x16_to_float(x + i * QK + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+    const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+    /* conversions round to nearest even, as nearbyintf does */
+    const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(id)));
+    const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(id)));
+    _mm_storeu_si128((__m128i *)(q.qx + i * QK), _mm512_cvtepi32_epi8(qlo));
+    _mm_storeu_si128((__m128i *)(q.qx + i * QK + 16), _mm512_cvtepi32_epi8(qhi));
+    const int32_t s = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+    q.dx[i] = d;
+    q.dxsx[i] = d * (float)s;
+    q.start[i] = -offset * s;
+}
+
+/* bf16 x (m, k) -> its blocks' codes. Few blocks (a decode's rows) stay on the calling thread,
+ * outside any OpenMP region, which would cost more than they do. */
 static void quantize_x(const uint16_t *x, int type, int64_t m, int64_t k, quantized_x q) {
     const int64_t blocks = m * (k / QK);
     const int offset = code_offset(type);
-    #pragma omp parallel for schedule(static) if (blocks >= 256)
-    for (int64_t i = 0; i < blocks; ++i) {
-        const __m512 lo = bf16x16_to_float(x + i * QK), hi = bf16x16_to_float(x + i * QK + 16);
-        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-        const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-        /* conversions round to nearest even, as nearbyintf does */
-        const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(id)));
-        const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(id)));
-        _mm_storeu_si128((__m128i *)(q.qx + i * QK), _mm512_cvtepi32_epi8(qlo));
-        _mm_storeu_si128((__m128i *)(q.qx + i * QK + 16), _mm512_cvtepi32_epi8(qhi));
-        const int32_t s = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
-        q.dx[i] = d;
-        q.dxsx[i] = d * (float)s;
-        q.start[i] = -offset * s;
+    if (blocks < 256) {
+        for (int64_t i = 0; i < blocks; ++i) quantize_x_block(x, offset, i, q);
+        return;
     }
+    #pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < blocks; ++i) quantize_x_block(x, offset, i, q);
 }
 
 /* 16 float32 -> bf16 with float_to_bf16's rounding (nearest even, NaN kept quiet). */
