@@ -112,6 +112,30 @@ def test_engine_decodes_through_fused_layers(bf16_llm):
     assert outputs[0] == outputs[1]
 
 
+def test_each_step_writes_the_caches_it_is_given(bf16_llm):
+    """The C layers take a list of caches' addresses once: a step given another list writes its
+    keys and values into that one, and leaves the caches of the steps before untouched."""
+    runner = bf16_llm.llm_engine.runner
+    model, fused = runner.model.model, FusedLayers.build(runner.model.model)
+    metadata, positions = _step(runner, [5, 40], [], random.Random(3))
+    slots = metadata.slot_mapping
+    first = runner.cache.kv_caches
+    second = [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in first]
+    with torch.inference_mode(), forward_context(ForwardContext(metadata, runner.attn_backend)):
+        cos, sin = model.rotary(positions)                                    # (T, 1, D) each
+        fused(model.embed_tokens(torch.tensor([7, 11])), cos, sin, metadata, first)
+        kept = [(k.clone(), v.clone()) for k, v in first]
+        fused(model.embed_tokens(torch.tensor([300, 5000])), cos, sin, metadata, second)
+
+    def rows(cache: torch.Tensor) -> torch.Tensor:                            # (T, KVH, D)
+        return cache.flatten(0, 1)[slots]
+
+    for (k, v), (k0, v0), (k2, v2) in zip(first, kept, second, strict=True):
+        assert torch.equal(k, k0) and torch.equal(v, v0)
+        assert (rows(k2) != 0).any() and (rows(v2) != 0).any()
+        assert not torch.equal(rows(k2), rows(k0))
+
+
 @pytest.fixture(scope="module", params=["llama", "qwen2", "mistral"])
 def bf16_llm_d64(request, tokenizer_dir, tmp_path_factory) -> LLM:
     """head_dim 64, so that prefill chunks take the C prefill kernel and the C layers with it."""

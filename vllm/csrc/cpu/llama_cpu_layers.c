@@ -20,6 +20,7 @@
  *   hidden += down(silu(gate) * up)                                      gate, up = gate_up(norm(hidden))
  *
  * A step's tokens: its decodes first (one token per sequence), then its prefill chunks.
+ * llama_layers runs all of a model's layers for a step in one call.
  */
 #include <stdint.h>
 #include <string.h>
@@ -95,6 +96,21 @@ int64_t llama_layer_workspace(const struct layer_weights *L, int64_t tokens) {
     return tokens * (2 * L->hidden + widest_row(L) + L->intermediate + 2 * L->heads * L->head_dim);
 }
 
+/* The step's rows r = 0 .. t - 1 through the statements given, shared out among the threads
+ * from PARALLEL_ROWS rows on. Below, they run on the calling thread outside any OpenMP region:
+ * a region costs more than a few rows of these steps, even one its `if` clause keeps to one
+ * thread. */
+#define PARALLEL_ROWS 8
+#define FOR_EACH_ROW(t, r, ...)                                                                    \
+    do {                                                                                           \
+        if ((t) >= PARALLEL_ROWS) {                                                                \
+            _Pragma("omp parallel for schedule(static)")                                           \
+            for (int64_t r = 0; r < (t); ++r) { __VA_ARGS__ }                                      \
+        } else {                                                                                   \
+            for (int64_t r = 0; r < (t); ++r) { __VA_ARGS__ }                                      \
+        }                                                                                          \
+    } while (0)
+
 /* y (m, n) = x (m, k) @ W^T + bias, on W's kernel for m rows. */
 static int project(const struct product *P, const uint16_t *x, const uint16_t *w,
                    const uint16_t *tiles, const uint16_t *bias, uint16_t *y, int64_t m, int64_t n,
@@ -113,12 +129,10 @@ int llama_layer(const struct layer_weights *L, const struct layer_step *S, uint1
     uint16_t *act = wide + t * widest_row(L), *query = act + t * inter, *attn = query + t * q_size;
     int status = 0;
 
-    #pragma omp parallel for schedule(static) if (t >= 8)
-    for (int64_t r = 0; r < t; ++r) rms_norm_row(hidden + r * h, L->input_norm, normed + r * h, h, L->eps);
+    FOR_EACH_ROW(t, r, rms_norm_row(hidden + r * h, L->input_norm, normed + r * h, h, L->eps););
     status |= project(&L->qkv_product, normed, L->qkv, L->qkv_tiles, L->qkv_bias, wide, t, qkv_size,
                       h);                                                                 /* (T, q + 2 kv) */
-    #pragma omp parallel for schedule(static) if (t >= 8)
-    for (int64_t r = 0; r < t; ++r) {
+    FOR_EACH_ROW(t, r,
         const uint16_t *row = wide + r * qkv_size, *cos = S->cos + r * d, *sin = S->sin + r * d;
         for (int64_t head = 0; head < L->heads; ++head)
             rotate(row + head * d, cos, sin, query + (r * L->heads + head) * d, d);
@@ -127,7 +141,7 @@ int llama_layer(const struct layer_weights *L, const struct layer_step *S, uint1
         for (int64_t head = 0; head < L->kv_heads; ++head)
             rotate(row + q_size + head * d, cos, sin, k_dst + head * d, d);
         memcpy(v_dst, row + q_size + kv_size, sizeof(uint16_t) * kv_size);
-    }
+    );
     if (S->decodes > 0)  /* (decodes, H, D) */
         status |= S->attend_decodes(query, key_cache, value_cache, S->decode_block_tables, S->seq_lens, attn,
                                     S->decodes, L->heads, L->kv_heads, d, S->block_size,
@@ -139,11 +153,10 @@ int llama_layer(const struct layer_weights *L, const struct layer_step *S, uint1
             S->prefill_max_blocks, S->window, L->scale);
     status |= project(&L->o_product, attn, L->o, L->o_tiles, L->o_bias, proj, t, h, q_size);    /* (T, hidden) */
 
-    #pragma omp parallel for schedule(static) if (t >= 8)
-    for (int64_t r = 0; r < t; ++r) {
+    FOR_EACH_ROW(t, r,
         add_into(hidden + r * h, proj + r * h, h);
         rms_norm_row(hidden + r * h, L->post_norm, normed + r * h, h, L->eps);
-    }
+    );
     /* (T, I) in one pass where the tile GEMM runs gate_up and its gate and up blocks pair up */
     if (t > L->gate_up_product.gemv_rows && L->gate_up_tiles != NULL && S->tile_gemm_silu_mul != NULL &&
         inter % 16 == 0) {
@@ -151,12 +164,22 @@ int llama_layer(const struct layer_weights *L, const struct layer_step *S, uint1
     } else {
         status |= project(&L->gate_up_product, normed, L->gate_up, L->gate_up_tiles, L->gate_up_bias, wide, t,
                           2 * inter, h);                                                              /* (T, 2I) */
-        #pragma omp parallel for schedule(static) if (t >= 8)
-        for (int64_t r = 0; r < t; ++r) silu_mul_row(wide + r * 2 * inter, act + r * inter, inter);
+        FOR_EACH_ROW(t, r, silu_mul_row(wide + r * 2 * inter, act + r * inter, inter););
     }
     status |= project(&L->down_product, act, L->down, L->down_tiles, L->down_bias, proj, t, h,
                       inter);                                                               /* (T, hidden) */
-    #pragma omp parallel for schedule(static) if (t >= 8)
-    for (int64_t r = 0; r < t; ++r) add_into(hidden + r * h, proj + r * h, h);
+    FOR_EACH_ROW(t, r, add_into(hidden + r * h, proj + r * h, h););
     return status;
+}
+
+/* The `count` layers of a model for one step, in order, each on its own caches; stops at the
+ * first a kernel rejects (its status). One call for the model: a call per layer from Python
+ * costs more than a batch-1 layer's norms and residual adds. */
+int llama_layers(const struct layer_weights *layers, int64_t count, const struct layer_step *S, uint16_t *hidden,
+                 uint16_t *const *key_caches, uint16_t *const *value_caches, uint16_t *workspace) {
+    for (int64_t i = 0; i < count; ++i) {
+        const int status = llama_layer(layers + i, S, hidden, key_caches[i], value_caches[i], workspace);
+        if (status != 0) return status;
+    }
+    return 0;
 }

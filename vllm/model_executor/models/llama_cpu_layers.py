@@ -8,7 +8,7 @@ reading itself. A prefill chunk's layers are mostly products, yet their ~15 torc
 calls a layer still add a fixed cost to every step. How close decodes come to the weight-reading
 bound is workload C's `C_fraction_of_memory_bandwidth` in benchmarks/results/workloads.json
 (`python benchmarks/benchmark_workloads.py --output-json benchmarks/results/workloads.json`). `FusedLayers`
-runs each layer as one C call instead, for a step of decodes, prefill chunks or both whose
+runs all the layers in one C call instead (each layer's steps in C), for a step of decodes, prefill chunks or both whose
 attention the C kernels take whole (no metadata groups) and whose rows the GEMV or the tile
 GEMM take (up to PACKED_MAX_ROWS; linear.py says which takes which). It uses the same kernels as
 the op-by-op path and rounds to bf16 where it does.
@@ -70,7 +70,8 @@ class _Step(ctypes.Structure):
 
 
 _LIBRARY = CLibrary(KERNEL_SOURCES / "llama_cpu_layers.c", "the layers run op by op", {
-    "llama_layer": CFunction([ctypes.POINTER(_Layer), ctypes.POINTER(_Step), _ptr, _ptr, _ptr, _ptr]),
+    "llama_layers": CFunction([ctypes.POINTER(_Layer), _i64, ctypes.POINTER(_Step), _ptr, ctypes.POINTER(_ptr),
+                               ctypes.POINTER(_ptr), _ptr]),
     "llama_layer_workspace": CFunction([ctypes.POINTER(_Layer), _i64], _i64),
 })
 
@@ -109,7 +110,7 @@ def _product(linear: torch.nn.Module) -> _Product | None:
 
 
 class FusedLayers:
-    """Runs all decoder layers of a `LlamaModel` for a step, one C call per layer.
+    """Runs all decoder layers of a `LlamaModel` for a step, in one C call.
 
     Holds pointers to the layers' weights: the model's parameters must not be replaced or moved
     after it is built (the runner builds it once the weights are loaded and packed).
@@ -123,7 +124,7 @@ class FusedLayers:
         linears = _linears(model)
         self._tile_gemm_silu_mul = cpu_tile_gemm.kernel_address(silu_mul=True)
         self.max_tokens = min(p.max_rows for p in products)
-        self._layers = []
+        layers = []
         for index, layer in enumerate(model.layers):
             attn, mlp = layer.self_attn, layer.mlp
             for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
@@ -134,7 +135,7 @@ class FusedLayers:
                 if linear.bias is not None and linear.bias.shape != linear.weight.shape[:1]:
                     raise ValueError(f"bias of shape {tuple(linear.bias.shape)} for a weight of "
                                      f"shape {tuple(linear.weight.shape)}")
-            self._layers.append(_Layer(
+            layers.append(_Layer(
                 _address(layer.input_layernorm.weight), _address(attn.qkv_proj.weight),
                 _address(attn.qkv_proj.bias), _address(attn.o_proj.weight), _address(attn.o_proj.bias),
                 _address(layer.post_attention_layernorm.weight), _address(mlp.gate_up_proj.weight),
@@ -145,6 +146,10 @@ class FusedLayers:
                 layer.input_layernorm.weight.shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim,
                 mlp.intermediate_size, layer.input_layernorm.eps, attn.scale))
         assert all(layer.input_layernorm.eps == layer.post_attention_layernorm.eps for layer in model.layers)
+        self._layers = (_Layer * len(layers))(*layers)
+        # Each layer's key and value cache addresses, for the caches last given (_bind)
+        self._caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._keys = self._values = None
         # Keeps the pointed-to weights and tile copies alive.
         self._tensors = list(model.parameters()) + [_tiles(m) for m in linears]
         self._workspace = torch.empty(0, dtype=torch.bfloat16)  # grown to the largest step's need
@@ -199,11 +204,19 @@ class FusedLayers:
             step.token_offsets, step.query_lens = prefills.token_offsets.data_ptr(), prefills.query_lens.data_ptr()
             step.context_lens = prefills.context_lens.data_ptr()
             step.prefill_max_blocks = prefills.block_tables.shape[1]
-        need = self._lib.llama_layer_workspace(ctypes.byref(self._layers[0]), num_tokens)
+        need = self._lib.llama_layer_workspace(self._layers, num_tokens)
         if self._workspace.numel() < need:
             self._workspace = torch.empty(need, dtype=torch.bfloat16)
-        run, step_ref = self._lib.llama_layer, ctypes.byref(step)
-        out, workspace = hidden.data_ptr(), self._workspace.data_ptr()
-        for layer, (k, v) in zip(self._layers, kv_caches, strict=True):
-            status = run(ctypes.byref(layer), step_ref, out, k.data_ptr(), v.data_ptr(), workspace)
-            assert status == 0, "a kernel rejected its sizes; build() checks them"
+        if kv_caches is not self._caches:
+            self._bind(kv_caches)
+        status = self._lib.llama_layers(self._layers, len(self._layers), ctypes.byref(step), hidden.data_ptr(),
+                                        self._keys, self._values, self._workspace.data_ptr())
+        assert status == 0, "a kernel rejected its sizes; build() checks them"
+
+    def _bind(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Takes the addresses of the layers' caches (the model's list, the same every step
+        until the caches are bound again); keeps the list, and so the caches, alive."""
+        assert len(kv_caches) == len(self._layers)
+        self._caches = kv_caches
+        self._keys = (_ptr * len(kv_caches))(*(k.data_ptr() for k, _ in kv_caches))
+        self._values = (_ptr * len(kv_caches))(*(v.data_ptr() for _, v in kv_caches))
