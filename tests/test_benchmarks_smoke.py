@@ -215,6 +215,11 @@ def test_workloads(tiny_checkpoints, tmp_path):
         assert len(values["C_memory_bounds_bytes_per_s"]) == 3 and min(values["C_memory_bounds_bytes_per_s"]) > 0
     e = result["workloads"]["vllm"]["E"]
     assert e["chunked"]["p99_gap_s"] <= e["chunked"]["max_gap_s"]
+    for name in ("chunked", "unchunked"):  # each figure the mean of its two runs
+        runs = e[name]["runs"]
+        assert len(runs) == 2
+        assert e[name]["total_tokens_per_s"] == pytest.approx((runs[0]["total_tokens_per_s"]
+                                                               + runs[1]["total_tokens_per_s"]) / 2)
     assert set(result["ratios"]) == {"A_throughput_vs_hf", "B_ttft_hf_over_ours", "C_decode_vs_hf",
                                      "D_wall_ours_over_hf"}
     assert re.search(r"^A_throughput_vs_hf: [0-9.]+$", proc.stdout, re.M), proc.stdout
