@@ -206,12 +206,13 @@ def test_paged_decode_kernel_on_model_shapes(dtype, sliding_window, heads, decod
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="the decode kernel needs a C compiler")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("contexts", [[1999], [700, 2100], [300], [2000, 40, 90, 130]])
+@pytest.mark.parametrize("contexts", [[1999], [700, 2100], [300], [271, 767], [2000, 40, 90, 130]])
 def test_paged_decode_kernel_splits_long_sequences_over_threads(contexts, dtype, decode_copies):
-    """Sequences longer than a task's range (whole 64-key tiles, at least 2, at most a sixth of
-    all keys with 3 threads) are split into ranges and merged: one 2000-token sequence into 6
-    of 384 keys, 701 and 2101 keys into 2 and 5 of 512, 301 into 3 of 128; a long sequence
-    among short ones into 6 while the short ones stay whole."""
+    """Sequences of more than a 64-key tile are split into parts and merged (task_parts): up to
+    256 keys a part a tile (41, 91, 131 keys: 1, 2, 3 parts); above, parts of 256 and the rest
+    where their count is even or the rest short (2101 keys: 8 and 53), else an even count with
+    the tiles dealt evenly (2000: 7 of 256 and 208; 701: 128, 192, 192, 189; 301: 128, 173; 272:
+    128, 144; 768: 4 of 192)."""
     torch.manual_seed(1)
     num_heads, num_kv_heads, head_dim, block_size, num_blocks = 9, 3, 64, 128, 40
     key_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim).to(dtype)
@@ -224,7 +225,7 @@ def test_paged_decode_kernel_splits_long_sequences_over_threads(contexts, dtype,
     q = torch.randn(len(spans), num_heads, head_dim).to(dtype)
     out = torch.zeros_like(q)
     threads = torch.get_num_threads()
-    torch.set_num_threads(3)  # the kernel splits by OpenMP's thread count, which torch sets
+    torch.set_num_threads(3)  # more parts than threads, and an odd count of threads
     try:
         cpu_paged_decode.paged_decode(q, key_cache, value_cache, meta.paged_decodes.block_tables,
                                       meta.paged_decodes.seq_lens, head_dim ** -0.5, None, out)

@@ -5,7 +5,7 @@ How a prompt is cut into chunks and which other sequences share its steps change
 whatever the step holds, greedy tokens and their logprobs are the same bits in every case:
 - prefill attention: a query's running softmax maximum moves with its own scores only, not
   with the other queries of its 16-query task (which depend on where the chunk starts);
-- decode attention: a long sequence is split into parts of a fixed key count, not a share of
+- decode attention: a long sequence is split into parts by its own length, not by a share of
   the step's keys, so its partial sums merge in the same order whatever the batch;
 - products: on the AVX512-BF16 tile GEMM every row count, decodes included, sums a row in
   the same order (cpu_tile_gemm.takes_decode_rows); on AMX the GEMV takes 1-4 rows, so there

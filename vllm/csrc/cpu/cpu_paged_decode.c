@@ -9,8 +9,8 @@
  *
  * A task attends all heads of one sequence with an online softmax over tiles of keys, each
  * tile's rows read into the cache in one pass before it is computed: no gather of the blocks,
- * no padding to the longest sequence, no mask. A sequence with more keys than a task takes
- * (task_keys) is split over several tasks and the parts merged. Scores, softmax and the
+ * no padding to the longest sequence, no mask. A sequence of more than a tile of keys is split
+ * over several tasks (task_parts) and the parts merged. Scores, softmax and the
  * weighted sum of values stay in float32. Decode attention is bound by reading the cache, and this reads each
  * key and value row once, where gathering the blocks for SDPA reads them, writes a padded copy
  * and reads that again. bf16 caches with 1-4 query heads per KV head (head_dim 64) or 1-2
@@ -216,17 +216,40 @@ static inline int64_t attended_keys(int64_t seq_len, int64_t window) {
     return window > 0 && seq_len > window ? window : seq_len;
 }
 
-/* The keys of one task of a sequence of `keys` keys: a long sequence is split over tasks of
- * TASK_KEYS keys, and one of up to TASK_KEYS over tasks of a tile, so that a sequence alone (as
- * in batch-1 decode) still spreads over several threads instead of keeping one busy while the
- * others wait. Counts fixed by the sequence's own length, not shares of the step's keys: its
- * parts, and so the order its partial sums merge in, depend on its length only, so its attention
- * is the same bits whatever else the step holds. */
+/* The tasks of a sequence of `keys` keys. Up to TASK_KEYS, one a tile, so that a sequence alone
+ * (as in batch-1 decode) still spreads over several threads instead of keeping one busy while
+ * the others wait. More, parts of TASK_KEYS and a last part of the rest, where that makes an
+ * even count of parts or a short last one (two threads then end together, give or take the
+ * short one); else one part more, the tiles dealt evenly among them. Whole parts of TASK_KEYS
+ * alone would leave a thread with one part more than the other: a sequence of 272 keys, 256 on
+ * one thread and 16 on the other. Counts fixed by the sequence's own length, not shares of the
+ * step's keys or threads: its parts, and so the order its partial sums merge in, depend on its
+ * length only, so its attention is the same bits whatever else the step holds. */
 #define TASK_KEYS (4 * TILE)
 
-static inline int64_t task_keys(int64_t keys) { return keys <= TASK_KEYS ? TILE : TASK_KEYS; }
+/* Whether a sequence of more than TASK_KEYS keys takes parts of TASK_KEYS and the rest. */
+static inline int whole_parts(int64_t keys) {
+    const int64_t parts = (keys + TASK_KEYS - 1) / TASK_KEYS;
+    return parts % 2 == 1 && keys - (parts - 1) * TASK_KEYS < TASK_KEYS / 2;
+}
 
-/* Each sequence's keys in tasks of task_keys keys, attended in parallel, then each
+static inline int64_t task_parts(int64_t keys) {
+    const int64_t tiles = (keys + TILE - 1) / TILE, parts = (keys + TASK_KEYS - 1) / TASK_KEYS;
+    if (keys <= TASK_KEYS) return tiles > 0 ? tiles : 1;
+    return whole_parts(keys) ? parts : parts + parts % 2;
+}
+
+/* Where part p of a sequence's `parts` (task_parts) starts, in keys from its first attended one
+ * (p = parts: `keys`). */
+static inline int64_t part_start(int64_t keys, int64_t parts, int64_t p) {
+    int64_t start;
+    if (keys <= TASK_KEYS) start = p * TILE;
+    else if (whole_parts(keys)) start = p * TASK_KEYS;
+    else start = TILE * (p * ((keys + TILE - 1) / TILE) / parts);  /* the tiles dealt evenly */
+    return start < keys ? start : keys;
+}
+
+/* Each sequence's keys in its tasks (task_parts), attended in parallel, then each
  * sequence's parts merged by their maxima and total weights. */
 #define DEFINE_PAGED_DECODE(NAME, ATTEND, T, STORE)                                                \
 int NAME(const T *query, const T *key_cache, const T *value_cache, const int64_t *block_tables,   \
@@ -239,9 +262,7 @@ int NAME(const T *query, const T *key_cache, const T *value_cache, const int64_t
     if (first_task == NULL) return 2;                                                             \
     for (int64_t s = 0; s < num_seqs; ++s) {                                                      \
         first_task[s] = num_tasks;                                                                \
-        const int64_t keys = attended_keys(seq_lens[s], window), range = task_keys(keys);         \
-        const int64_t parts = (keys + range - 1) / range;                                         \
-        num_tasks += parts > 1 ? parts : 1;                                                       \
+        num_tasks += task_parts(attended_keys(seq_lens[s], window));                              \
     }                                                                                             \
     first_task[num_seqs] = num_tasks;                                                             \
     int64_t *task_seq = malloc(sizeof(int64_t) * (num_tasks > 0 ? num_tasks : 1));               \
@@ -257,8 +278,9 @@ int NAME(const T *query, const T *key_cache, const T *value_cache, const int64_t
     _Pragma("omp for schedule(dynamic, 1)")                                                       \
     for (int64_t i = 0; i < num_tasks; ++i) {                                                     \
         const int64_t s = task_seq[i], len = seq_lens[s], keys = attended_keys(len, window);       \
-        const int64_t range = task_keys(keys), lo = len - keys + (i - first_task[s]) * range;      \
-        const int64_t hi = lo + range < len ? lo + range : len;                                   \
+        const int64_t parts = first_task[s + 1] - first_task[s], part = i - first_task[s];        \
+        const int64_t lo = len - keys + part_start(keys, parts, part);                            \
+        const int64_t hi = len - keys + part_start(keys, parts, part + 1);                        \
         const T *q = query + s * num_heads * head_dim;                                            \
         const int64_t *table = block_tables + s * max_blocks;                                     \
         float *partial = partials + i * num_heads * stride;                                       \
