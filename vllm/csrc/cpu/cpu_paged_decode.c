@@ -218,13 +218,14 @@ static inline int64_t attended_keys(int64_t seq_len, int64_t window) {
 
 /* The tasks of a sequence of `keys` keys. Up to TASK_KEYS, one a tile, so that a sequence alone
  * (as in batch-1 decode) still spreads over several threads instead of keeping one busy while
- * the others wait. More, parts of TASK_KEYS and a last part of the rest, where that makes an
- * even count of parts or a short last one (two threads then end together, give or take the
- * short one); else one part more, the tiles dealt evenly among them. Whole parts of TASK_KEYS
- * alone would leave a thread with one part more than the other: a sequence of 272 keys, 256 on
- * one thread and 16 on the other. Counts fixed by the sequence's own length, not shares of the
- * step's keys or threads: its parts, and so the order its partial sums merge in, depend on its
- * length only, so its attention is the same bits whatever else the step holds. */
+ * the others wait. More, an even count of parts (ceil(keys / TASK_KEYS), rounded up) with the
+ * tiles dealt evenly among them; but where that count is odd and the last of parts of TASK_KEYS
+ * would be short (under half of one), those parts as they are, since two threads then end
+ * within the short one. Parts of TASK_KEYS alone would leave one thread a part more than the
+ * other: a sequence of 272 keys, 256 on one thread and 16 on the other. Counts fixed by the
+ * sequence's own length, not shares of the step's keys or threads: its parts, and so the order
+ * its partial sums merge in, depend on its length only, so its attention is the same bits
+ * whatever else the step holds. */
 #define TASK_KEYS (4 * TILE)
 
 /* Whether a sequence of more than TASK_KEYS keys takes parts of TASK_KEYS and the rest. */
