@@ -121,8 +121,8 @@ static int project(const struct product *P, const uint16_t *x, const uint16_t *w
 
 /* hidden: (T, hidden) bf16, updated in place; caches: (num_blocks, block_size, KVH, D);
  * workspace: llama_layer_workspace(L, T) elements. */
-int llama_layer(const struct layer_weights *L, const struct layer_step *S, uint16_t *hidden,
-                uint16_t *key_cache, uint16_t *value_cache, uint16_t *workspace) {
+static int llama_layer(const struct layer_weights *L, const struct layer_step *S, uint16_t *hidden,
+                       uint16_t *key_cache, uint16_t *value_cache, uint16_t *workspace) {
     const int64_t t = S->tokens, h = L->hidden, d = L->head_dim, inter = L->intermediate;
     const int64_t q_size = L->heads * d, kv_size = L->kv_heads * d, qkv_size = q_size + 2 * kv_size;
     uint16_t *normed = workspace, *proj = normed + t * h, *wide = proj + t * h;

@@ -8,9 +8,9 @@ reading itself. A prefill chunk's layers are mostly products, yet their ~15 torc
 calls a layer still add a fixed cost to every step. How close decodes come to the weight-reading
 bound is workload C's `C_fraction_of_memory_bandwidth` in benchmarks/results/workloads.json
 (`python benchmarks/benchmark_workloads.py --output-json benchmarks/results/workloads.json`). `FusedLayers`
-runs all the layers in one C call instead (each layer's steps in C), for a step of decodes, prefill chunks or both whose
-attention the C kernels take whole (no metadata groups) and whose rows the GEMV or the tile
-GEMM take (up to PACKED_MAX_ROWS; linear.py says which takes which). It uses the same kernels as
+runs all the layers in one C call instead (each layer's steps in C), for a step of decodes,
+prefill chunks or both whose attention the C kernels take whole (no metadata groups) and whose
+rows the GEMV or the tile GEMM take (up to PACKED_MAX_ROWS; linear.py says which takes which). It uses the same kernels as
 the op-by-op path and rounds to bf16 where it does.
 
 With quantization="gguf" the products are cpu_gguf_gemv.c's, one entry point per GGUF type
