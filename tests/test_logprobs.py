@@ -1,11 +1,10 @@
 """logprobs and prompt_logprobs against log_softmax of transformers' logits, at any chunking."""
 
-import os
 
 import pytest
 import torch
 
-from tests.utils import random_prompts, smollm2_path
+from tests.utils import hf_model, random_prompts, smollm2_path
 from vllm import LLM, SamplingParams
 
 TOL = 1e-4  # float32 end to end
@@ -63,10 +62,8 @@ def _flat(outs) -> list[float]:
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])
 def test_tiny_models_match_transformers_at_every_budget(tiny_checkpoints, kind):
-    from transformers import AutoModelForCausalLM
-
     path = tiny_checkpoints[kind]
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = hf_model(path)
     prompts = random_prompts([37, 1, 2, 150, 64], seed=7)
     results = {}
     for budget in (4, 16, 2048):
@@ -83,10 +80,8 @@ def test_tiny_models_match_transformers_at_every_budget(tiny_checkpoints, kind):
 
 def test_prompt_logprobs_survive_preemption(tiny_checkpoints):
     """A tiny cache forces recomputation; prompt logprobs are neither lost nor duplicated."""
-    from transformers import AutoModelForCausalLM
-
     path = tiny_checkpoints["llama"]
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = hf_model(path)
     prompts = random_prompts([120, 100, 90, 70], seed=8)
     llm = LLM(path, dtype="float32", max_num_batched_tokens=16, max_num_seqs=4, block_size=16,
               max_model_len=256, enforce_eager=True, num_gpu_blocks_override=16)
@@ -126,11 +121,7 @@ def test_too_many_logprobs_is_a_clear_error(tiny_checkpoints):
 
 
 def test_real_model_logprobs_match_transformers():
-    from transformers import AutoModelForCausalLM
-
-    path = smollm2_path()
-    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                 dtype=torch.float32).eval()
+    model = hf_model(smollm2_path())
     prompt = "Chunked prefill splits a long prompt into pieces, so that the decodes of other requests"
     llm = LLM(dtype="float32", max_num_batched_tokens=8, max_num_seqs=8, block_size=16,
               max_model_len=256, enforce_eager=True)

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from tests.utils import hf_greedy, smollm2_path
+from tests.utils import hf_greedy, hf_model, smollm2_path
 from vllm import LLM, SamplingParams
 
 PROMPTS = [
@@ -37,15 +37,6 @@ def _tokenized() -> tuple:
 @functools.cache
 def _hf(dtype: torch.dtype) -> tuple:
     return tuple(map(tuple, hf_greedy(smollm2_path(), [list(p) for p in _tokenized()], MAX_TOKENS, dtype)))
-
-
-@functools.cache
-def _hf_model(dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM
-
-    path = smollm2_path()
-    return AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                dtype=dtype).eval()
 
 
 def _ours(dtype: str, budget: int, enforce_eager: bool = True, quantization: str | None = None
@@ -77,7 +68,7 @@ def test_bfloat16_close_to_transformers(enforce_eager, quantization):
     distribution for the same prefix."""
     ours = _ours("bfloat16", 64, enforce_eager, quantization)
     ref = _hf(torch.bfloat16)
-    model = _hf_model(torch.bfloat16)
+    model = hf_model(smollm2_path(), torch.bfloat16)
     for prompt, a, b in zip(_tokenized(), ours, ref, strict=True):
         i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
         if i is None:

@@ -1,5 +1,6 @@
 """Helpers for the tests: tiny checkpoints, Hugging Face references, prompt sets."""
 
+import functools
 import os
 import random
 import shutil
@@ -60,16 +61,23 @@ def random_prompts(lengths: list[int], seed: int = 0, vocab: int = TINY_VOCAB) -
     return [[rng.randrange(100, vocab) for _ in range(n)] for n in lengths]
 
 
-def hf_greedy(model_path: str, prompts: list[list[int]], max_new_tokens: int,
-              dtype: torch.dtype = torch.float32) -> list[list[int]]:
-    """Transformers' greedy `generate`, one prompt at a time (no padding); EOS ends a sequence."""
+@functools.cache
+def hf_model(model_path: str, dtype: torch.dtype = torch.float32):
+    """Transformers' model of a checkpoint directory or .gguf file, loaded once per session (a
+    GGUF file is dequantized when loaded, which takes seconds); callers must not modify it."""
     from transformers import AutoModelForCausalLM
 
     kwargs = {}
     if model_path.endswith(".gguf"):
         kwargs["gguf_file"] = os.path.basename(model_path)
         model_path = os.path.dirname(model_path)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, **kwargs).eval()
+    return AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, **kwargs).eval()
+
+
+def hf_greedy(model_path: str, prompts: list[list[int]], max_new_tokens: int,
+              dtype: torch.dtype = torch.float32) -> list[list[int]]:
+    """Transformers' greedy `generate`, one prompt at a time (no padding); EOS ends a sequence."""
+    model = hf_model(model_path, dtype)
     outs = []
     with torch.inference_mode():
         for prompt in prompts:

@@ -25,6 +25,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from vllm.envs import cache_root
 from vllm.logger import init_logger
 from vllm.platforms.cpu import cpu_flags, cpu_isa
 
@@ -116,10 +117,9 @@ def load_c_library(source: Path, fallback: str) -> ctypes.CDLL | None:
     flags = _FLAGS + isa_flags() + sanitize + emulate  # the later -O wins
     build = " ".join([compiler, *flags, *sorted(cpu_flags())])
     key = hashlib.sha256(text + build.encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("VLLM_CACHE_ROOT", Path.home() / ".cache" / "vllm"))
     variant = ("kernels" + ("-" + cpu_isa() if cpu_isa() else "") + ("-sanitized" if sanitize else "")
                + ("-amx-emulated" if emulate else ""))
-    library = cache / variant / f"{source.stem}_{key}.so"
+    library = cache_root() / variant / f"{source.stem}_{key}.so"
     try:
         error = None if library.exists() else _compile(compiler, source, library, flags)
         lib = None if error else ctypes.CDLL(str(library))

@@ -7,6 +7,7 @@ from torch import nn
 
 from vllm.logger import init_logger
 from vllm.model_executor.layers.quantization import int8_weights
+from vllm.model_executor.model_loader.gguf_metadata import converted_metadata_dir
 from vllm.model_executor.model_loader.gguf_weights import iter_gguf_weights, quantized_type_names
 from vllm.model_executor.model_loader.hf_weights import iter_hf_weights
 from vllm.model_executor.model_loader.source import ModelSource, resolve_model_source
@@ -19,11 +20,23 @@ __all__ = ["ModelSource", "resolve_model_source", "load_hf_config", "load_genera
            "quantized_type_names"]
 
 
+def _metadata_location(source: ModelSource, needed_file: str) -> tuple[str, dict]:
+    """(directory, from_pretrained kwargs) to read `source`'s config or tokenizer from: for a GGUF
+    file, the files converted from its metadata where they hold `needed_file`, else the
+    checkpoint itself."""
+    if source.gguf_file:
+        converted = converted_metadata_dir(source.directory, source.gguf_file)
+        if converted is not None and os.path.isfile(os.path.join(converted, needed_file)):
+            return converted, {"local_files_only": True}
+    return source.directory, source.hf_kwargs()
+
+
 def load_hf_config(source: ModelSource):
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(source.directory, **source.hf_kwargs())
+        directory, kwargs = _metadata_location(source, "config.json")
+        return AutoConfig.from_pretrained(directory, **kwargs)
     except (OSError, KeyError) as e:
         raise ValueError(f"cannot read the model config of {source.display_name}: {e}") from e
 
@@ -45,7 +58,8 @@ def load_tokenizer(source: ModelSource):
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(source.directory, **source.hf_kwargs())
+        directory, kwargs = _metadata_location(source, "tokenizer_config.json")
+        return AutoTokenizer.from_pretrained(directory, **kwargs)
     except (OSError, ValueError) as e:
         raise ValueError(f"cannot load a tokenizer from {source.display_name}: {e}") from e
 

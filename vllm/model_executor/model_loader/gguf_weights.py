@@ -1,14 +1,13 @@
 """Reads a GGUF checkpoint's tensors under Hugging Face Llama parameter names: dequantized to
 float32, or, with `keep_quantized`, its Q8_0/Q4_0/Q4_1/Q4_K/Q6_K matrices left in their blocks."""
 
-import functools
-import os
 from collections.abc import Iterator
 
 import numpy as np
 import torch
 
 from vllm.model_executor.layers.quantization import gguf_blocks
+from vllm.model_executor.model_loader.gguf_metadata import tensor_index
 
 # GGUF tensor name (after "blk.N.") -> Hugging Face name (after "model.layers.N.").
 _LAYER_NAMES = {
@@ -57,20 +56,7 @@ _FLOAT_TYPE_NAMES = ("F32", "F16", "BF16")
 def quantized_type_names(path: str) -> frozenset[str]:
     """Names of the quantized tensor types in a GGUF file ("Q4_1", "Q6_K", ...), read from its
     tensor list without loading any data."""
-    stat = os.stat(path)
-    return _quantized_type_names(path, stat.st_mtime_ns, stat.st_size)
-
-
-@functools.lru_cache(maxsize=8)
-def _quantized_type_names(path: str, mtime_ns: int, size: int) -> frozenset[str]:
-    # The reader parses every metadata field (a vocabulary's worth): once per file version.
-    from gguf import GGUFReader
-
-    try:
-        reader = GGUFReader(path)
-    except ValueError as e:
-        raise ValueError(f"cannot read the GGUF file {path}: {e}") from e
-    return frozenset(tensor.tensor_type.name for tensor in reader.tensors) - set(_FLOAT_TYPE_NAMES)
+    return frozenset(t.type_name for t in tensor_index(path).tensors) - set(_FLOAT_TYPE_NAMES)
 
 
 def iter_gguf_weights(path: str, num_heads: int, num_kv_heads: int, keep_quantized: bool = False
@@ -78,34 +64,29 @@ def iter_gguf_weights(path: str, num_heads: int, num_kv_heads: int, keep_quantiz
     """Yields (hf_name, float32 tensor) for every tensor in the file; with `keep_quantized`,
     (hf_name, GGUFBlocks) for its quantized matrices, which must then all be of a type the
     kernels take (float tensors, such as norms, are float32 tensors either way)."""
-    from gguf import GGMLQuantizationType, GGUFReader, dequantize
+    from gguf import GGMLQuantizationType, dequantize
 
-    try:
-        reader = GGUFReader(path)
-    except ValueError as e:  # e.g. a quantized tensor whose rows are not whole blocks of its type
-        raise ValueError(f"cannot read the GGUF file {path}: {e}") from e
-    arch = reader.fields["general.architecture"].contents()
-    if arch != "llama":
-        raise ValueError(f"GGUF architecture {arch!r} is not supported (only 'llama')")
-    float_types = tuple(GGMLQuantizationType[name] for name in _FLOAT_TYPE_NAMES)
-    for tensor in reader.tensors:
+    index = tensor_index(path)
+    if index.architecture != "llama":
+        raise ValueError(f"GGUF architecture {index.architecture!r} is not supported (only 'llama')")
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    for tensor in index.tensors:
         name = _hf_name(tensor.name)
-        # GGUF lists dims fastest-first; numpy's shape is the reverse.
-        shape = tuple(int(d) for d in reversed(tensor.shape))
-        quantized = keep_quantized and tensor.tensor_type not in float_types
-        if quantized and not (gguf_blocks.is_supported(tensor.tensor_type) and len(shape) == 2):
+        shape, tensor_type = tensor.shape, GGMLQuantizationType[tensor.type_name]
+        quantized = keep_quantized and tensor.type_name not in _FLOAT_TYPE_NAMES
+        if quantized and not (gguf_blocks.is_supported(tensor_type) and len(shape) == 2):
             raise ValueError(
-                f"GGUF tensor {tensor.name!r} is {tensor.tensor_type.name}, which quantization='gguf' "
+                f"GGUF tensor {tensor.name!r} is {tensor.type_name}, which quantization='gguf' "
                 f"cannot keep quantized (supported: {', '.join(gguf_blocks.supported_type_names())}); "
                 "load it with quantization='none' to dequantize every tensor")
-        if quantized:  # rows of blocks: (rows, row bytes)
-            weights = np.asarray(tensor.data).reshape(shape[0], -1)
-        else:
-            weights = dequantize(tensor.data, tensor.tensor_type).reshape(shape).astype(np.float32)
+        # Rows of raw bytes: (rows, row bytes), the layout dequantize takes for every type.
+        rows = int(np.prod(shape[:-1]))
+        raw = data[tensor.offset:tensor.offset + tensor.num_bytes].reshape(rows, -1)
+        weights = raw if quantized else dequantize(raw, tensor_type).reshape(shape).astype(np.float32)
         # Both permutations move whole rows, so they apply to rows of blocks as they are.
         if name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):
             weights = _unpermute_rope(weights, num_heads)
         elif name.endswith("k_proj.weight") or name.endswith("k_proj.bias"):
             weights = _unpermute_rope(weights, num_kv_heads)
         weights = torch.from_numpy(np.require(weights, requirements=["C", "W"]))  # blocks: off the file's map
-        yield name, gguf_blocks.GGUFBlocks(weights, int(tensor.tensor_type), shape[1]) if quantized else weights
+        yield name, gguf_blocks.GGUFBlocks(weights, int(tensor_type), shape[1]) if quantized else weights

@@ -1,0 +1,140 @@
+"""A GGUF file's metadata, converted once per version of the file: the Hugging Face config and
+tokenizer files, and the list of its tensors.
+
+Reading a GGUF file's header with the gguf package parses every field in Python, the
+vocabulary's tens of thousands of strings included, and transformers does so again for the
+config and for the tokenizer: seconds each, at every engine start. The first start saves what
+it read as plain files under VLLM_CACHE_ROOT; later starts load those and map the tensors' bytes
+straight from the file:
+
+    VLLM_CACHE_ROOT/gguf-metadata/SmolLM2-135M-Instruct.Q4_1-3f2a.../config.json
+                                                                   tokenizer.json, ...
+                                                                   tensors.json
+
+A directory is keyed by the file's absolute path, size and modification time and by the
+versions of transformers and gguf, whose conversions it holds. Where it cannot be written, the
+callers read the file itself, as on every start before.
+"""
+
+import dataclasses
+import functools
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from importlib.metadata import version
+from pathlib import Path
+
+from vllm.envs import cache_root
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+_TENSORS = "tensors.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class GGUFTensorInfo:
+    """Where one tensor's bytes lie in the file, and what they hold."""
+    name: str
+    type_name: str              # a GGMLQuantizationType name: "Q4_1", "F32", ...
+    shape: tuple[int, ...]      # numpy order (GGUF lists the dims fastest-first)
+    offset: int                 # of the first byte in the file
+    num_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class GGUFIndex:
+    architecture: str
+    tensors: tuple[GGUFTensorInfo, ...]
+
+
+def converted_metadata_dir(directory: str, gguf_file: str) -> str | None:
+    """The directory of the files converted from `gguf_file` (in `directory`), converted now if
+    they are not there yet (without tokenizer files where transformers cannot convert the
+    tokenizer); None where it cannot be written. Errors reading the file or converting its
+    config propagate as the gguf package or transformers raise them."""
+    target = _target(os.path.join(directory, gguf_file))
+    if target.is_dir():
+        return str(target)
+    try:
+        _convert(directory, gguf_file, target)
+    except OSError as e:
+        logger.info("Cannot keep the metadata converted from %s in %s (%s): it is read from the file each time",
+                    gguf_file, target.parent, e)
+        return None
+    return str(target)
+
+
+def tensor_index(path: str) -> GGUFIndex:
+    """The tensors of the GGUF file at `path`, from the converted metadata where it can be kept."""
+    try:
+        converted = converted_metadata_dir(os.path.dirname(path), os.path.basename(path))
+    except (KeyError, ValueError):  # a config transformers cannot convert: the tensors may still load
+        converted = None
+    if converted is None or not (Path(converted) / _TENSORS).is_file():
+        return _read_index(path)
+    data = json.loads((Path(converted) / _TENSORS).read_text())
+    return GGUFIndex(data["architecture"],
+                     tuple(GGUFTensorInfo(name, type_name, tuple(shape), offset, num_bytes)
+                           for name, type_name, shape, offset, num_bytes in data["tensors"]))
+
+
+def _target(path: str) -> Path:
+    path = os.path.abspath(path)
+    stat = os.stat(path)
+    versions = f"{version('transformers')}|{version('gguf')}"
+    key = hashlib.sha256(f"{path}|{stat.st_size}|{stat.st_mtime_ns}|{versions}".encode()).hexdigest()[:16]
+    return cache_root() / "gguf-metadata" / f"{Path(path).stem}-{key}"
+
+
+def _read_index(path: str) -> GGUFIndex:
+    stat = os.stat(path)
+    return _read_index_of_version(os.path.abspath(path), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def _read_index_of_version(path: str, size: int, mtime_ns: int) -> GGUFIndex:
+    """Parses the whole header: once a process per version of a file, where none is kept."""
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(path)
+    except ValueError as e:  # e.g. a quantized tensor whose rows are not whole blocks of its type
+        raise ValueError(f"cannot read the GGUF file {path}: {e}") from e
+    field = reader.fields.get("general.architecture")
+    return GGUFIndex(
+        "" if field is None else field.contents(),
+        tuple(GGUFTensorInfo(t.name, t.tensor_type.name, tuple(int(d) for d in reversed(t.shape)),
+                             int(t.data_offset), int(t.n_bytes)) for t in reader.tensors))
+
+
+def _convert(directory: str, gguf_file: str, target: Path) -> None:
+    from transformers import AutoConfig, AutoTokenizer
+
+    target.parent.mkdir(parents=True, exist_ok=True)  # before the work: it may not be writable
+    index = _read_index(os.path.join(directory, gguf_file))
+    kwargs = {"gguf_file": gguf_file, "local_files_only": True}
+    config = AutoConfig.from_pretrained(directory, **kwargs)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(directory, **kwargs)
+    except (OSError, KeyError, ValueError):
+        # The model may still run with a tokenizer given apart; load_tokenizer reports this
+        # one's error from the file itself.
+        tokenizer = None
+    # Written beside the target, then renamed: a process starting meanwhile never reads half of it.
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        config.save_pretrained(staging)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(staging)
+        tensors = [[t.name, t.type_name, list(t.shape), t.offset, t.num_bytes] for t in index.tensors]
+        (staging / _TENSORS).write_text(json.dumps({"architecture": index.architecture, "tensors": tensors}))
+        try:
+            staging.rename(target)
+        except OSError:
+            if not target.is_dir():  # else another process converted it first: theirs is the same
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
