@@ -77,7 +77,9 @@ def test_kept_metadata_is_what_the_file_holds_and_a_later_start_parses_no_header
 
     gguf_metadata._read_index_of_version.cache_clear()
     monkeypatch.setattr(gguf, "GGUFReader", refuse)
-    monkeypatch.setattr("transformers.modeling_gguf_pytorch_utils.load_gguf_checkpoint", refuse)
+    from transformers import modeling_gguf_pytorch_utils
+
+    monkeypatch.setattr(modeling_gguf_pytorch_utils, "load_gguf_checkpoint", refuse)
     again = load_hf_config(source)
     assert again.to_dict() | {"_name_or_path": ""} == config.to_dict() | {"_name_or_path": ""}
     assert load_tokenizer(source).get_vocab() == tokenizer.get_vocab()
