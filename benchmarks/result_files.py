@@ -33,6 +33,24 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_generation() -> dict[str, int]:
+    """/proc/cpuinfo's "cpu family" and "model" numbers: a guest's model name may hide the
+    generation ("AMD EPYC" is family 25 for Zen 3 and 4, 26 for Zen 5)."""
+    numbers: dict[str, int] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("cpu family", "model") and key not in numbers and value.strip().isdigit():
+                    numbers[key] = int(value)
+                if len(numbers) == 2 or not line.strip():
+                    break
+    except OSError:
+        pass
+    return {"cpu_family": numbers["cpu family"], "cpu_model_number": numbers["model"]} if len(numbers) == 2 else {}
+
+
 def _git(*cmd: str) -> str | None:
     try:
         out = subprocess.run(["git", *cmd], cwd=REPO_DIR, capture_output=True, text=True, timeout=10)
@@ -47,6 +65,7 @@ def machine_info() -> dict:
     from vllm.platforms.cpu import cpu_flags
     info = {
         "cpu_model": cpu_model(),
+        **cpu_generation(),
         "nproc": os.cpu_count(),
         "cpus_available": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "cpu_features": sorted(cpu_flags() & {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile",

@@ -11,6 +11,7 @@ import importlib.util
 import json
 import math
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -90,6 +91,8 @@ def test_throughput_vllm(tiny_checkpoints, tmp_path):
     assert result["output_tokens_per_second"] > 0
     assert math.isclose(result["tokens_per_second"], result["total_num_tokens"] / result["elapsed_time"])
     assert {"cpu_model", "nproc", "torch_version"} <= result["machine"].keys()
+    if platform.machine() == "x86_64" and os.path.exists("/proc/cpuinfo"):  # Linux lists the generation there
+        assert isinstance(result["machine"]["cpu_family"], int) and isinstance(result["machine"]["cpu_model_number"], int)
     assert result["args"]["input_len"] == 16
     # The warm-up is not in the measured counters: 4 x 16 prompt tokens and 4 x 3 decodes are
     # computed (the engine may count a prompt's last token as a decode, so only the sum is fixed).
