@@ -72,10 +72,10 @@ def hf_model_kwargs(path: str) -> tuple[str, dict]:
 
 
 def load_hf_tokenizer(model: str | None, tokenizer: str | None = None):
-    """The transformers tokenizer of the model (or of --tokenizer), loaded from local files."""
-    from transformers import AutoTokenizer
-    directory, kwargs = hf_load_kwargs(resolve_model_path(tokenizer if tokenizer else model))
-    return AutoTokenizer.from_pretrained(directory, local_files_only=True, **kwargs)
+    """The transformers tokenizer of the model (or of --tokenizer), loaded from local files as
+    the engine loads it (a .gguf file's from the metadata kept for it)."""
+    from vllm.model_executor.model_loader import load_tokenizer, resolve_model_source
+    return load_tokenizer(resolve_model_source(resolve_model_path(tokenizer if tokenizer else model)))
 
 
 def default_dtype_name() -> str:

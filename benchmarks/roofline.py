@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import time
 
-from engine_setup import hf_load_kwargs, resolve_model_path
+from engine_setup import resolve_model_path
 from step_stats import StepRecord
 
 
@@ -134,9 +134,10 @@ def model_param_counts(model_path: str) -> dict:
     use it; tied or not, it is read once per step that samples).
     """
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-    directory, kwargs = hf_load_kwargs(model_path)
-    config = AutoConfig.from_pretrained(directory, local_files_only=True, **kwargs)
+    from transformers import AutoModelForCausalLM
+
+    from vllm.model_executor.model_loader import load_hf_config, resolve_model_source
+    config = load_hf_config(resolve_model_source(model_path))  # as the engine reads it
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     embed = model.get_input_embeddings().weight
