@@ -5,6 +5,7 @@ features, cores, load, torch version, git commit), and progress lines on stderr.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -22,33 +23,34 @@ RESULTS_DIR = BENCH_DIR / "results"
 _LOAD_AT_START = os.getloadavg() if hasattr(os, "getloadavg") else None
 
 
-def cpu_model() -> str:
+@functools.cache
+def _first_cpu_fields() -> dict[str, str]:
+    """The fields of the first processor listed in /proc/cpuinfo (empty where there is none)."""
+    fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                if not line.strip():
+                    break
+                key, _, value = line.partition(":")
+                fields[key.strip()] = value.strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return fields
+
+
+def cpu_model() -> str:
+    return _first_cpu_fields().get("model name") or platform.processor() or platform.machine()
 
 
 def cpu_generation() -> dict[str, int]:
-    """/proc/cpuinfo's "cpu family" and "model" numbers: a guest's model name may hide the
-    generation ("AMD EPYC" is family 25 for Zen 3 and 4, 26 for Zen 5)."""
-    numbers: dict[str, int] = {}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                key = key.strip()
-                if key in ("cpu family", "model") and key not in numbers and value.strip().isdigit():
-                    numbers[key] = int(value)
-                if len(numbers) == 2 or not line.strip():
-                    break
-    except OSError:
-        pass
-    return {"cpu_family": numbers["cpu family"], "cpu_model_number": numbers["model"]} if len(numbers) == 2 else {}
+    """The CPU's family and model numbers, where /proc/cpuinfo lists them: a guest's model name may
+    hide the generation ("AMD EPYC" is family 25 for Zen 3 and 4, 26 for Zen 5)."""
+    fields = _first_cpu_fields()
+    family, model = fields.get("cpu family", ""), fields.get("model", "")
+    if not (family.isdigit() and model.isdigit()):
+        return {}
+    return {"cpu_family": int(family), "cpu_model_number": int(model)}
 
 
 def _git(*cmd: str) -> str | None:
