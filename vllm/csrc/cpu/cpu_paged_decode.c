@@ -59,9 +59,9 @@ static inline void tile_slots(const int64_t *table, int64_t t0, int64_t n, int64
 
 /* Reads a byte of every cache line of a tile's rows in both caches, before the tile is
  * computed. From memory, lines arrive at the rate of the misses in flight: the tile's own loads,
- * spread among its arithmetic, keep few in flight, and software prefetches of the next tile did
- * not raise that rate; these loads, with nothing between them, keep many, and the arithmetic then
- * finds the tile in the cache. */
+ * spread among its arithmetic, keep few in flight; these loads, with nothing between them, keep
+ * many, and the arithmetic then finds the tile in the cache. The AVX512-BF16 copies also ask for
+ * the next tile's rows into L2 while they score a tile, so that these loads find them there. */
 static inline void load_tile(const char *const *key_rows, const char *const *value_rows, int64_t n,
                              int64_t row_bytes) {
     uint8_t sink = 0;
@@ -71,18 +71,27 @@ static inline void load_tile(const char *const *key_rows, const char *const *val
     (void)sink;
 }
 
-/* The cache rows of keys t0 .. t0 + n - 1 of a sequence, n = min(TILE, last - t0), in both caches
- * (row_bytes apart: all KV heads side by side), loaded into the cache (load_tile); returns n. */
-static inline int64_t tile_rows(const int64_t *table, int64_t t0, int64_t last, int64_t block_size,
-                                const char *key_cache, const char *value_cache, int64_t row_bytes,
-                                const char **key_rows, const char **value_rows) {
-    const int64_t n = last - t0 < TILE ? last - t0 : TILE;
+/* The cache rows of keys t0 .. t0 + n - 1 of a sequence, n = min(TILE, last - t0) (0 from
+ * `last` on), in both caches (row_bytes apart: all KV heads side by side); returns n. */
+static inline int64_t tile_row_pointers(const int64_t *table, int64_t t0, int64_t last, int64_t block_size,
+                                        const char *key_cache, const char *value_cache, int64_t row_bytes,
+                                        const char **key_rows, const char **value_rows) {
+    const int64_t n = last - t0 < TILE ? (last > t0 ? last - t0 : 0) : TILE;
     int64_t slots[TILE];
     tile_slots(table, t0, n, block_size, slots);
     for (int64_t i = 0; i < n; ++i) {
         key_rows[i] = key_cache + slots[i] * row_bytes;
         value_rows[i] = value_cache + slots[i] * row_bytes;
     }
+    return n;
+}
+
+/* tile_row_pointers, the rows then loaded into the cache (load_tile). */
+static inline int64_t tile_rows(const int64_t *table, int64_t t0, int64_t last, int64_t block_size,
+                                const char *key_cache, const char *value_cache, int64_t row_bytes,
+                                const char **key_rows, const char **value_rows) {
+    const int64_t n = tile_row_pointers(table, t0, last, block_size, key_cache, value_cache, row_bytes,
+                                        key_rows, value_rows);
     load_tile(key_rows, value_rows, n, row_bytes);
     return n;
 }

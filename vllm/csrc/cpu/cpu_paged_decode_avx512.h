@@ -60,6 +60,17 @@ static inline void unpair_dims(float *acc, int64_t head_dim) {
     }
 }
 
+/* Share `step` of `steps` of the rows of the tile ahead (n rows, row_bytes each, in both caches),
+ * asked for into L2: rows [step * n / steps, (step + 1) * n / steps). */
+static inline void prefetch_rows_share(const char *const *key_rows, const char *const *value_rows, int64_t n,
+                                       int64_t step, int64_t steps, int64_t row_bytes) {
+    for (int64_t r = step * n / steps; r < (step + 1) * n / steps; ++r)
+        for (int64_t b = 0; b < row_bytes; b += 64) {
+            _mm_prefetch(key_rows[r] + b, _MM_HINT_T1);
+            _mm_prefetch(value_rows[r] + b, _MM_HINT_T1);
+        }
+}
+
 /* attend_bf16 for G query heads per KV head and head_dim HD, on AVX512-BF16: a query-key
  * score is two or four bf16 dot-product instructions (exact products, float32 sums) and 16
  * scores are reduced together; the G heads' value sums stay in registers while a tile's values
@@ -74,7 +85,7 @@ static void attend_bf16_g##G##_d##HD(                                           
     float total[MAX_HEADS];                                                                       \
     uint16_t pairs[MAX_HEADS][TILE];                                                              \
     __m512bh q[MAX_HEADS][QC];                                                                    \
-    const char *key_rows[TILE], *value_rows[TILE];                                                \
+    const char *key_rows[TILE], *value_rows[TILE], *keys_ahead[TILE], *values_ahead[TILE];        \
     const int64_t row_stride = num_kv_heads * HD;                                                 \
     for (int64_t h = 0; h < num_heads; ++h) {                                                     \
         for (int c = 0; c < QC; ++c)                                                              \
@@ -86,9 +97,17 @@ static void attend_bf16_g##G##_d##HD(                                           
     for (int64_t t0 = first; t0 < last; t0 += TILE) {                                             \
         const int64_t n = tile_rows(table, t0, last, block_size, (const char *)key_cache,         \
                                     (const char *)value_cache, row_stride * 2, key_rows, value_rows); \
+        /* The next tile's rows are asked for while this one's scores are made, a share in each   \
+         * pass (in one burst they would fill the miss queue and stall the loop), so that its     \
+         * loads (load_tile) find them in L2. */                                                  \
+        const int64_t n_ahead = tile_row_pointers(table, t0 + TILE, last, block_size, (const char *)key_cache, \
+                                                  (const char *)value_cache, row_stride * 2, keys_ahead, \
+                                                  values_ahead);                                   \
         for (int64_t h = 0; h < num_heads; ++h) {                                                 \
             const int64_t g = h / G;                                                              \
             for (int64_t i0 = 0; i0 < n; i0 += 16) {                                              \
+                prefetch_rows_share(keys_ahead, values_ahead, n_ahead, h * (TILE / 16) + i0 / 16,  \
+                                    num_heads * (TILE / 16), row_stride * 2);                     \
                 __m512 part[16];                                                                  \
                 for (int j = 0; j < 16; ++j) {                                                    \
                     part[j] = _mm512_setzero_ps();                                                \
