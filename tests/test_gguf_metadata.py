@@ -1,7 +1,8 @@
 """A GGUF file's metadata converted once (vllm/model_executor/model_loader/gguf_metadata.py): the
 config, tokenizer and tensors read from the kept files are those read from the file itself, a
-later engine start parses no GGUF header, a changed file is converted again, and without a
-writable cache everything is read from the file as before."""
+later engine start parses no GGUF header, a changed file is converted again (the kept files no
+start can use any more are removed), and without a writable cache everything is read from the
+file as before."""
 
 import functools
 import os
@@ -103,8 +104,7 @@ def test_kept_metadata_is_what_the_file_holds_and_a_later_start_parses_no_header
     assert torch.equal(dense[names["token_embd.weight"]], torch.from_numpy(expected.astype(np.float32)))
 
 
-def test_a_changed_file_is_converted_again(cache_root, tmp_path):
-    path = str(tmp_path / "one_matrix.gguf")
+def _write_one_matrix(path: str) -> None:
     writer = gguf.GGUFWriter(path, "llama")
     weights = np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32)
     writer.add_tensor("blk.0.attn_q.weight", gguf.quants.quantize(weights, gguf.GGMLQuantizationType.Q8_0),
@@ -112,11 +112,34 @@ def test_a_changed_file_is_converted_again(cache_root, tmp_path):
     for write in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file):
         write()
     writer.close()
+
+
+def test_a_changed_file_is_converted_again_and_its_old_version_removed(cache_root, tmp_path):
+    path = str(tmp_path / "one_matrix.gguf")
+    _write_one_matrix(path)
     assert quantized_type_names(path) == {"Q8_0"}
     [first] = _kept_dirs(cache_root)
     os.utime(path, ns=(os.stat(path).st_atime_ns, os.stat(path).st_mtime_ns + 10**9))
     assert quantized_type_names(path) == {"Q8_0"}
-    assert len(_kept_dirs(cache_root)) == 2 and first in _kept_dirs(cache_root)
+    [second] = _kept_dirs(cache_root)
+    assert second != first
+
+
+def test_a_conversion_removes_what_no_start_can_use(cache_root, tmp_path):
+    paths = {name: str(tmp_path / f"{name}.gguf") for name in ("gone", "stale", "alive", "other")}
+    for name in ("gone", "stale", "alive"):
+        _write_one_matrix(paths[name])
+        quantized_type_names(paths[name])
+    by_name = {name.split("-")[0]: name for name in _kept_dirs(cache_root)}
+    os.remove(paths["gone"])
+    # As if made by other package versions: its key no longer matches, though the file is unchanged.
+    root = cache_root / "gguf-metadata"
+    (root / by_name["stale"]).rename(root / "stale-0000000000000000")
+    (root / "made-by-hand").mkdir()
+    _write_one_matrix(paths["other"])
+    quantized_type_names(paths["other"])
+    assert sorted(name.split("-")[0] for name in _kept_dirs(cache_root)) == ["alive", "made", "other"]
+    assert quantized_type_names(paths["alive"]) == {"Q8_0"} and by_name["alive"] in _kept_dirs(cache_root)
 
 
 def test_without_a_writable_cache_the_file_is_read_each_time(tmp_path, monkeypatch):

@@ -12,8 +12,10 @@ straight from the file:
                                                                    tensors.json
 
 A directory is keyed by the file's absolute path, size and modification time and by the
-versions of transformers and gguf, whose conversions it holds. Where it cannot be written, the
-callers read the file itself, as on every start before.
+versions of transformers and gguf, whose conversions it holds, and names the file it was made
+from (source.json). Each conversion removes the directories that no start can use any more:
+those of files since changed or deleted, or made by other versions of the two packages. Where
+the directory cannot be written, the callers read the file itself, as on every start before.
 """
 
 import dataclasses
@@ -32,6 +34,7 @@ from vllm.logger import init_logger
 logger = init_logger(__name__)
 
 _TENSORS = "tensors.json"
+_SOURCE = "source.json"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,6 +134,7 @@ def _convert(directory: str, gguf_file: str, target: Path) -> None:
             tokenizer.save_pretrained(staging)
         tensors = [[t.name, t.type_name, list(t.shape), t.offset, t.num_bytes] for t in index.tensors]
         (staging / _TENSORS).write_text(json.dumps({"architecture": index.architecture, "tensors": tensors}))
+        (staging / _SOURCE).write_text(json.dumps({"path": os.path.abspath(os.path.join(directory, gguf_file))}))
         try:
             staging.rename(target)
         except OSError:
@@ -138,3 +142,21 @@ def _convert(directory: str, gguf_file: str, target: Path) -> None:
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+    _remove_stale(target.parent)
+
+
+def _remove_stale(root: Path) -> None:
+    """Removes the converted directories under `root` whose file has changed or gone, or whose
+    key the installed transformers and gguf no longer make: no start looks them up again. A
+    directory that names no file (staging, or made otherwise) is left alone."""
+    for kept in root.iterdir():
+        try:
+            source = json.loads((kept / _SOURCE).read_text())["path"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        try:
+            current = _target(source)
+        except OSError:  # the file is gone
+            current = None
+        if current != kept:
+            shutil.rmtree(kept, ignore_errors=True)
