@@ -30,6 +30,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <xmmintrin.h>
 
 #include "amx.h"
 #include "bf16.h"
@@ -60,10 +61,17 @@ static inline void tile_slots(const int64_t *table, int64_t t0, int64_t n, int64
 /* Reads a byte of every cache line of a tile's rows in both caches, before the tile is
  * computed. From memory, lines arrive at the rate of the misses in flight: the tile's own loads,
  * spread among its arithmetic, keep few in flight; these loads, with nothing between them, keep
- * many, and the arithmetic then finds the tile in the cache. The AVX512-BF16 copies also ask for
- * the next tile's rows into L2 while they score a tile, so that these loads find them there. */
+ * many, and the arithmetic then finds the tile in the cache. Every line is first asked for into
+ * L2, whose misses in flight outnumber the loads': the loads then wait on lines already coming.
+ * The AVX512-BF16 copies also ask for the next tile's rows into L2 while they score a tile, so
+ * that these loads find them there. */
 static inline void load_tile(const char *const *key_rows, const char *const *value_rows, int64_t n,
                              int64_t row_bytes) {
+    for (int64_t i = 0; i < n; ++i)
+        for (int64_t b = 0; b < row_bytes; b += 64) {
+            _mm_prefetch(key_rows[i] + b, _MM_HINT_T1);
+            _mm_prefetch(value_rows[i] + b, _MM_HINT_T1);
+        }
     uint8_t sink = 0;
     for (int64_t i = 0; i < n; ++i)
         for (int64_t b = 0; b < row_bytes; b += 64)
