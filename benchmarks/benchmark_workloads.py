@@ -10,10 +10,11 @@
        in the order chunked, unchunked, unchunked, chunked; engine only.
 
 Prompts are random token ids, outputs greedy with exactly the requested length (ignore_eos).
-B reports prefill as a fraction of the bf16 matmul peak (dense FLOPs, 2 x body parameters per
-token) and C decode as a fraction of memory bandwidth (every weight read once per step), both
-ceilings measured in the same run: the matmul peak at its start, the bandwidth right before and
-after each of C's runs (the higher of the two is that run's bound; the best run's fraction is
+A, B and D report their dense FLOPs (2 x body parameters per token the body runs on: every
+prompt token and every output token but the last; attention left out) as a fraction of the bf16
+matmul peak, and C decode as a fraction of memory bandwidth (every weight read once per step),
+both ceilings measured in the same run: the matmul peak at its start, the bandwidth right before
+and after each of C's runs (the higher of the two is that run's bound; the best run's fraction is
 quoted). `--scale` shrinks every length (for smoke tests).
 
     python benchmarks/benchmark_workloads.py --output-json benchmarks/results/workloads.json
@@ -21,6 +22,7 @@ quoted). `--scale` shrinks every length (for smoke tests).
 
 import argparse
 import copy
+import functools
 import random
 import statistics
 import time
@@ -176,18 +178,22 @@ def run(args: argparse.Namespace) -> dict:
         runner = BACKENDS[backend](args)
         runner.generate(a_prompts[:2], 4)  # warm-up
         res = w.setdefault(backend, {})
+        # llama.cpp's quantized weights have another roofline
+        of_matmul_peak = None if backend == "llama.cpp" else functools.partial(
+            _fraction_of_matmul_peak, params["matmul_body"], result["machine_roofline"]["matmul"]["flops_per_s"])
         if "A" in want:
             elapsed = runner.generate(a_prompts, out_a)
             res["A_total_tokens_per_s"] = 16 * (len(a_prompts[0]) + out_a) / elapsed
+            if of_matmul_peak:
+                res["A_fraction_of_matmul_peak"] = of_matmul_peak(a_prompts, out_a, elapsed)
         if "B" in want:
             if backend == "vllm":
                 ttft = min(runner.token_times(b_prompt, 1)[0] for _ in range(REPEATS))
             else:
                 ttft = min(runner.generate([b_prompt], 1) for _ in range(REPEATS))
             res["B_ttft_s"] = ttft
-            if backend != "llama.cpp":  # its quantized weights have another roofline
-                flops = 2.0 * params["matmul_body"] * len(b_prompt)
-                res["B_fraction_of_matmul_peak"] = flops / ttft / result["machine_roofline"]["matmul"]["flops_per_s"]
+            if of_matmul_peak:
+                res["B_fraction_of_matmul_peak"] = of_matmul_peak([b_prompt], 1, ttft)
         if "C" in want:
             # A shared machine's bandwidth moves within minutes: each run's bound is measured
             # right before and after it (the higher of the two).
@@ -211,6 +217,8 @@ def run(args: argparse.Namespace) -> dict:
                 res["D_wall_s"] = sum(runner.generate([p], out_a) for p in d_prompts)
             else:
                 res["D_wall_s"] = runner.generate(d_prompts, out_a)
+            if of_matmul_peak:
+                res["D_fraction_of_matmul_peak"] = of_matmul_peak(d_prompts, out_a, res["D_wall_s"])
         del runner
 
     if "E" in want and "vllm" in backends:
@@ -252,6 +260,14 @@ def run(args: argparse.Namespace) -> dict:
     result["machine"] = result_files.machine_info()
     result["args"] = result_files.args_dict(args)
     return result
+
+
+def _fraction_of_matmul_peak(body_params: int, peak_flops_per_s: float, prompts: list[list[int]], output_len: int,
+                             seconds: float) -> float:
+    """The dense FLOPs of generating `output_len` tokens for each prompt (the body runs on every
+    prompt token and on every output token but the last) per second, over the matmul peak."""
+    tokens = sum(len(p) + output_len - 1 for p in prompts)
+    return 2.0 * body_params * tokens / seconds / peak_flops_per_s
 
 
 def _decode_rate(runner, backend: str, prompt: list[int], out: int) -> float:
