@@ -1,7 +1,7 @@
 """A GGUF file's metadata converted once (vllm/model_executor/model_loader/gguf_metadata.py): the
 config, tokenizer and tensors read from the kept files are those read from the file itself, a
-later engine start parses no GGUF header, a changed file is converted again (the kept files no
-start can use any more are removed), and without a writable cache everything is read from the
+later engine start parses no GGUF header, a changed file is converted again (the kept files of
+changed or deleted files are removed), and without a writable cache everything is read from the
 file as before."""
 
 import functools
@@ -125,21 +125,25 @@ def test_a_changed_file_is_converted_again_and_its_old_version_removed(cache_roo
     assert second != first
 
 
-def test_a_conversion_removes_what_no_start_can_use(cache_root, tmp_path):
-    paths = {name: str(tmp_path / f"{name}.gguf") for name in ("gone", "stale", "alive", "other")}
-    for name in ("gone", "stale", "alive"):
+def test_a_conversion_removes_the_metadata_of_changed_or_deleted_files_only(cache_root, tmp_path):
+    paths = {name: str(tmp_path / f"{name}.gguf") for name in ("gone", "changed", "alive", "other")}
+    for name in ("gone", "changed", "alive"):
         _write_one_matrix(paths[name])
         quantized_type_names(paths[name])
     by_name = {name.split("-")[0]: name for name in _kept_dirs(cache_root)}
     os.remove(paths["gone"])
-    # As if made by other package versions: its key no longer matches, though the file is unchanged.
+    _write_one_matrix(paths["changed"])  # a new version, not yet converted
+    os.utime(paths["changed"], ns=(0, os.stat(paths["changed"]).st_mtime_ns + 10**9))
     root = cache_root / "gguf-metadata"
-    (root / by_name["stale"]).rename(root / "stale-0000000000000000")
+    # As if made by other transformers or gguf versions (another environment sharing the cache):
+    # its key is not this one's, but its file is unchanged.
+    (root / by_name["alive"]).rename(root / "alive-0000000000000000")
     (root / "made-by-hand").mkdir()
     _write_one_matrix(paths["other"])
     quantized_type_names(paths["other"])
-    assert sorted(name.split("-")[0] for name in _kept_dirs(cache_root)) == ["alive", "made", "other"]
-    assert quantized_type_names(paths["alive"]) == {"Q8_0"} and by_name["alive"] in _kept_dirs(cache_root)
+    kept = _kept_dirs(cache_root)
+    assert len(kept) == 3 and [name for name in kept if not name.startswith("other-")] == [
+        "alive-0000000000000000", "made-by-hand"]
 
 
 def test_without_a_writable_cache_the_file_is_read_each_time(tmp_path, monkeypatch):

@@ -1,6 +1,5 @@
 """logprobs and prompt_logprobs against log_softmax of transformers' logits, at any chunking."""
 
-
 import pytest
 import torch
 

@@ -61,10 +61,14 @@ def random_prompts(lengths: list[int], seed: int = 0, vocab: int = TINY_VOCAB) -
     return [[rng.randrange(100, vocab) for _ in range(n)] for n in lengths]
 
 
-@functools.cache
 def hf_model(model_path: str, dtype: torch.dtype = torch.float32):
     """Transformers' model of a checkpoint directory or .gguf file, loaded once per session (a
     GGUF file is dequantized when loaded, which takes seconds); callers must not modify it."""
+    return _hf_model(model_path, dtype)  # one cache key however the dtype is passed
+
+
+@functools.cache
+def _hf_model(model_path: str, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
 
     kwargs = {}

@@ -84,7 +84,7 @@ static inline void load_tile(const char *const *key_rows, const char *const *val
 static inline int64_t tile_row_pointers(const int64_t *table, int64_t t0, int64_t last, int64_t block_size,
                                         const char *key_cache, const char *value_cache, int64_t row_bytes,
                                         const char **key_rows, const char **value_rows) {
-    const int64_t n = last - t0 < TILE ? (last > t0 ? last - t0 : 0) : TILE;
+    const int64_t n = last <= t0 ? 0 : last - t0 < TILE ? last - t0 : TILE;
     int64_t slots[TILE];
     tile_slots(table, t0, n, block_size, slots);
     for (int64_t i = 0; i < n; ++i) {

@@ -12,10 +12,11 @@ straight from the file:
                                                                    tensors.json
 
 A directory is keyed by the file's absolute path, size and modification time and by the
-versions of transformers and gguf, whose conversions it holds, and names the file it was made
-from (source.json). Each conversion removes the directories that no start can use any more:
-those of files since changed or deleted, or made by other versions of the two packages. Where
-the directory cannot be written, the callers read the file itself, as on every start before.
+versions of transformers and gguf, whose conversions it holds, and names the version of the file
+it was made from (source.json). Each conversion removes the directories of files since changed
+or deleted, which no start can use any more; those of other transformers or gguf versions stay,
+as another environment sharing the cache may be reading them. Where the directory cannot be
+written, the callers read the file itself, as on every start before.
 """
 
 import dataclasses
@@ -86,15 +87,14 @@ def tensor_index(path: str) -> GGUFIndex:
 
 def _target(path: str) -> Path:
     path = os.path.abspath(path)
-    stat = os.stat(path)
+    size, mtime_ns = _file_version(path)
     versions = f"{version('transformers')}|{version('gguf')}"
-    key = hashlib.sha256(f"{path}|{stat.st_size}|{stat.st_mtime_ns}|{versions}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{path}|{size}|{mtime_ns}|{versions}".encode()).hexdigest()[:16]
     return cache_root() / "gguf-metadata" / f"{Path(path).stem}-{key}"
 
 
 def _read_index(path: str) -> GGUFIndex:
-    stat = os.stat(path)
-    return _read_index_of_version(os.path.abspath(path), stat.st_size, stat.st_mtime_ns)
+    return _read_index_of_version(os.path.abspath(path), *_file_version(path))
 
 
 @functools.lru_cache(maxsize=8)
@@ -134,7 +134,8 @@ def _convert(directory: str, gguf_file: str, target: Path) -> None:
             tokenizer.save_pretrained(staging)
         tensors = [[t.name, t.type_name, list(t.shape), t.offset, t.num_bytes] for t in index.tensors]
         (staging / _TENSORS).write_text(json.dumps({"architecture": index.architecture, "tensors": tensors}))
-        (staging / _SOURCE).write_text(json.dumps({"path": os.path.abspath(os.path.join(directory, gguf_file))}))
+        path = os.path.abspath(os.path.join(directory, gguf_file))
+        (staging / _SOURCE).write_text(json.dumps({"path": path, "version": _file_version(path)}))
         try:
             staging.rename(target)
         except OSError:
@@ -145,18 +146,24 @@ def _convert(directory: str, gguf_file: str, target: Path) -> None:
     _remove_stale(target.parent)
 
 
+def _file_version(path: str) -> list[int]:
+    stat = os.stat(path)
+    return [stat.st_size, stat.st_mtime_ns]
+
+
 def _remove_stale(root: Path) -> None:
-    """Removes the converted directories under `root` whose file has changed or gone, or whose
-    key the installed transformers and gguf no longer make: no start looks them up again. A
-    directory that names no file (staging, or made otherwise) is left alone."""
+    """Removes the converted directories under `root` whose file has changed or gone: no start
+    looks them up again. A directory that names no file (staging, or made otherwise) is left
+    alone."""
     for kept in root.iterdir():
         try:
-            source = json.loads((kept / _SOURCE).read_text())["path"]
+            source = json.loads((kept / _SOURCE).read_text())
+            path, made_from = source["path"], source["version"]
         except (OSError, ValueError, KeyError, TypeError):
             continue
         try:
-            current = _target(source)
+            current = _file_version(path)
         except OSError:  # the file is gone
             current = None
-        if current != kept:
+        if current != made_from:
             shutil.rmtree(kept, ignore_errors=True)
