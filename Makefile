@@ -18,4 +18,5 @@ demo: setup
 	$(PY) examples/chunked_prefill_demo.py --compare
 
 test: setup
+	$(VENV)/bin/ruff check .  # the lint rules in pyproject.toml
 	$(PY) -m pytest -q --durations=25 tests  # the slowest tests, to keep CI under its time limit

@@ -12,7 +12,8 @@ Each is reported as milliseconds per step (median and best of the rounds) and GB
 values read, cold also as the fraction of this machine's read bandwidth, measured in the same
 run (roofline.measure_memory_bandwidth, before and after: the higher).
 
-    PYTHONPATH=$PWD python benchmarks/benchmark_decode_attention.py [--output-json benchmarks/results/decode_attention.json]
+    PYTHONPATH=$PWD python benchmarks/benchmark_decode_attention.py \
+        [--output-json benchmarks/results/decode_attention.json]
 """
 
 import argparse

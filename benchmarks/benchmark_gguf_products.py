@@ -39,10 +39,10 @@ def _random_blocks(quant_type: int, n: int, k: int, rng: np.random.Generator) ->
     cannot quantize, random bytes with scales (d and dmin; d) of 2^-10."""
     import gguf
 
-    name = gguf.GGMLQuantizationType(quant_type).name
+    kind = gguf.GGMLQuantizationType(quant_type)
+    name = kind.name
     if name not in SUPER_BLOCKS:
-        data = gguf.quants.quantize(rng.standard_normal((n, k)).astype(np.float32), gguf.GGMLQuantizationType(quant_type))
-        return np.ascontiguousarray(data)
+        return np.ascontiguousarray(gguf.quants.quantize(rng.standard_normal((n, k)).astype(np.float32), kind))
     blocks = rng.integers(0, 256, (n, k // 256, SUPER_BLOCKS[name]), dtype=np.uint8)
     scales, count = (slice(0, 4), 2) if name == "Q4_K" else (slice(208, 210), 1)  # fp16 d, dmin; d
     blocks[..., scales] = np.full(count, 2.0 ** -10, dtype=np.float16).view(np.uint8)

@@ -9,7 +9,8 @@ is reported as milliseconds (median and best of the rounds), TFLOP/s (4 x head_d
 the causal query-key pairs) and the fraction of this machine's bf16 matmul peak, measured in
 the same run (torch.matmul 2048^3).
 
-    PYTHONPATH=$PWD python benchmarks/benchmark_prefill_attention.py [--output-json benchmarks/results/prefill_attention.json]
+    PYTHONPATH=$PWD python benchmarks/benchmark_prefill_attention.py \
+        [--output-json benchmarks/results/prefill_attention.json]
 """
 
 import argparse

@@ -628,7 +628,7 @@ def main(args: argparse.Namespace, extra_flags: list[str]) -> dict:
         results["comparison"] = {k: {"chunked": c[k], "unchunked": u[k]} for k in keys}
         print("{s:{c}^{n}}".format(s=" chunked vs unchunked ", n=50, c="="))
         for k in keys:
-            print("{:<28} {:>10.2f} {:>10.2f}".format(k, c[k], u[k]))
+            print(f"{k:<28} {c[k]:>10.2f} {u[k]:>10.2f}")
         print("=" * 50)
 
     if args.save_result or args.output_json:

@@ -304,7 +304,8 @@ def main() -> None:
         if "E" in values:
             e = values["E"]
             print(f"E: P99 gap chunked {e['chunked']['p99_gap_s'] * 1e3:.0f} ms vs unchunked "
-                  f"{e['unchunked']['p99_gap_s'] * 1e3:.0f} ms (ratio {e['p99_gap_ratio_chunked_over_unchunked']:.2f}), "
+                  f"{e['unchunked']['p99_gap_s'] * 1e3:.0f} ms "
+                  f"(ratio {e['p99_gap_ratio_chunked_over_unchunked']:.2f}), "
                   f"throughput ratio {e['throughput_ratio_chunked_over_unchunked']:.2f}")
     for k, v in result.get("ratios", {}).items():
         print(f"{k}: {v:.2f}")

@@ -194,7 +194,7 @@ class LaunchedServer:
         self.proc: subprocess.Popen | None = None
         self.startup_seconds: float | None = None
 
-    def __enter__(self) -> "LaunchedServer":
+    def __enter__(self) -> LaunchedServer:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
         self._log = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL
         start = time.perf_counter()

@@ -127,7 +127,7 @@ async def run_async(engine: AsyncLLMEngine, requests: list[tuple[float, str, str
         await asyncio.sleep(delay)
         sent, sent_step = time.perf_counter(), stats.num_steps
         first = first_step = None
-        async for out in engine.generate(prompt, params, name):
+        async for out in engine.generate(prompt, params, name):  # noqa: B007 (the last one is kept)
             if first is None:
                 # The first output comes out of the step that sampled it, already counted.
                 first, first_step = time.perf_counter(), stats.num_steps

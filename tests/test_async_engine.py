@@ -279,7 +279,7 @@ def test_invalid_input_raises_in_the_caller_while_others_complete(llm):
         started = asyncio.Event()
 
         async def consume(i: int) -> RequestOutput:
-            async for out in aengine.generate({"prompt_token_ids": prompts[i]}, params, f"ok{i}"):
+            async for out in aengine.generate({"prompt_token_ids": prompts[i]}, params, f"ok{i}"):  # noqa: B007
                 started.set()
             return out
 

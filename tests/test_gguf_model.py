@@ -4,7 +4,6 @@ tied lm_head Q8_0) against the same file's weights dequantized when loaded (the 
 import functools
 
 import pytest
-import torch
 
 from tests.test_real_model import PROMPTS
 from tests.utils import assert_greedy_close

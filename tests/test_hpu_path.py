@@ -173,7 +173,8 @@ def test_audit_catches_an_unpadded_tensor(hpu, request, tiny_checkpoints, monkey
     if unpadded == "rows":
         monkeypatch.setattr(backend, "padded_rows", lambda n, num_tokens: n)
     else:
-        monkeypatch.setattr(backend, "buckets", dataclasses.replace(backend.buckets, **{unpadded: list(range(1, 1024))}))
+        every_size = dataclasses.replace(backend.buckets, **{unpadded: list(range(1, 1024))})
+        monkeypatch.setattr(backend, "buckets", every_size)
     prompts, params = _workload(2)
     llm.generate(prompts, params, use_tqdm=False)
     new = new_since(warmed, hpu, audit)

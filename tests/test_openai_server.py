@@ -2,7 +2,6 @@
 equal `LLM.generate`'s, streaming adds up to the whole, bad requests get the right status, and a
 client that leaves aborts its request and frees its KV blocks."""
 
-import json
 import time
 
 import httpx2

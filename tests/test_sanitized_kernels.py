@@ -3,8 +3,8 @@
 A subprocess builds the C kernels with VLLM_C_SANITIZE=address (vllm/platforms/c_build.py) and
 runs the tests that drive them: the kernels against their references (the GGUF products too),
 the attention kernels on model shapes, the whole-layer C path, and the step checks with every
-out-of-range value (which must be refused before a kernel touches memory). Any out-of-bounds access or undefined behaviour
-aborts the subprocess. Where the CPU has AVX512-BF16 but no AMX, the kernels' AMX copies run on
+out-of-range value (which must be refused before a kernel touches memory). Any out-of-bounds access or
+undefined behaviour aborts the subprocess. Where the CPU has AVX512-BF16 but no AMX, the kernels' AMX copies run on
 emulated tiles (VLLM_C_EMULATE=amx, test_amx_emulation.py), so that their tile loads and stores are
 checked too. Other paths for an ISA this CPU lacks skip there as they do anywhere.
 """
@@ -20,8 +20,9 @@ from tests.utils import asan_runtime
 from vllm.platforms.cpu import cpu_flags
 
 ROOT = Path(__file__).resolve().parent.parent
-TESTS = ["tests/test_c_kernels.py", "tests/test_attention.py", "tests/test_step_checks.py", "tests/test_gguf_kernels.py",
-         "tests/test_fused_layers.py", "-k", "not test_fused_layers or llama"]  # the fused layers of one model
+TESTS = ["tests/test_c_kernels.py", "tests/test_attention.py", "tests/test_step_checks.py",
+         "tests/test_gguf_kernels.py", "tests/test_fused_layers.py",
+         "-k", "not test_fused_layers or llama"]  # the fused layers of one model
 
 
 def test_kernel_tests_pass_with_sanitized_kernels(tmp_path):

@@ -72,7 +72,8 @@ def test_stop_completed_by_the_last_allowed_token_wins_over_the_length(llm, free
     full, pieces = free_run
     # A token whose own text first occurs where it is, so the stop completes with that token.
     i = next(i for i in range(2, len(pieces))
-             if len(pieces[i]) > len(pieces[i - 1]) and full.text.find(pieces[i][len(pieces[i - 1]):]) == len(pieces[i - 1]))
+             if len(pieces[i]) > len(pieces[i - 1])
+             and full.text.find(pieces[i][len(pieces[i - 1]):]) == len(pieces[i - 1]))
     stop = pieces[i][len(pieces[i - 1]):]
     params = SamplingParams(temperature=0, max_tokens=i + 1, ignore_eos=True, stop=[stop])
     out = llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0]

@@ -2,7 +2,7 @@
 tokenized form the engine queues."""
 
 from dataclasses import dataclass
-from typing import TypedDict, Union
+from typing import TypedDict
 
 
 class TextPrompt(TypedDict):
@@ -13,7 +13,7 @@ class TokensPrompt(TypedDict):
     prompt_token_ids: list[int]
 
 
-PromptType = Union[str, TextPrompt, TokensPrompt]
+PromptType = str | TextPrompt | TokensPrompt
 
 
 @dataclass(frozen=True, slots=True)

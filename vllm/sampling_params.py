@@ -97,7 +97,7 @@ class SamplingParams:
         }
         for name, (in_range, allowed) in ranges.items():
             value = getattr(self, name)
-            _check(name, value, lambda v: _is_number(v) and in_range(v), f"a number {allowed}")
+            _check(name, value, lambda v, in_range=in_range: _is_number(v) and in_range(v), f"a number {allowed}")
             setattr(self, name, float(value))
 
     def _normalise_stops(self) -> None:

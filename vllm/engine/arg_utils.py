@@ -278,10 +278,9 @@ class EngineArgs:
                         "(requests without SamplingParams use them; generation_config='vllm' "
                         "keeps SamplingParams' defaults)", defaults)
         kv_cache_bytes = self.kv_cache_memory_bytes
-        if kv_cache_bytes is None and self.num_gpu_blocks_override is None:
-            if platform.sizes_kv_cache_from_device_memory:
-                kv_cache_bytes = platform.kv_cache_budget(self.gpu_memory_utilization,
-                                                          model_weight_bytes(hf_config, dtype))
+        if (kv_cache_bytes is None and self.num_gpu_blocks_override is None
+                and platform.sizes_kv_cache_from_device_memory):
+            kv_cache_bytes = platform.kv_cache_budget(self.gpu_memory_utilization, model_weight_bytes(hf_config, dtype))
         cache_config = CacheConfig(
             block_size=self.block_size,
             kv_cache_memory_bytes=kv_cache_bytes if kv_cache_bytes is not None else kv_cache_bytes_from_env(),

@@ -10,8 +10,8 @@ bound is workload C's `C_fraction_of_memory_bandwidth` in benchmarks/results/wor
 (`python benchmarks/benchmark_workloads.py --output-json benchmarks/results/workloads.json`). `FusedLayers`
 runs all the layers in one C call instead (each layer's steps in C), for a step of decodes,
 prefill chunks or both whose attention the C kernels take whole (no metadata groups) and whose
-rows the GEMV or the tile GEMM take (up to PACKED_MAX_ROWS; linear.py says which takes which). It uses the same kernels as
-the op-by-op path and rounds to bf16 where it does.
+rows the GEMV or the tile GEMM take (up to PACKED_MAX_ROWS; linear.py says which takes which). It
+uses the same kernels as the op-by-op path and rounds to bf16 where it does.
 
 With quantization="gguf" the products are cpu_gguf_gemv.c's, one entry point per GGUF type
 with the bf16 GEMV's signature (the weight is its rows of blocks): the same product as the

@@ -1,4 +1,3 @@
-import torch
 from torch import nn
 
 from habana_frameworks.recorder import RECORDER, signature
