@@ -34,7 +34,7 @@ logger = init_logger(__name__)
 KERNEL_SOURCES = Path(__file__).parents[1] / "csrc" / "cpu"
 # -fopenmp links libgomp, the OpenMP runtime torch's CPU wheels load: the kernels' threads are
 # torch's threads (same soname, one runtime in the process).
-_FLAGS = ["-O3", "-mprefer-vector-width=512", "-fopenmp", "-shared", "-fPIC", "-std=c11", f"-I{KERNEL_SOURCES}"]
+BUILD_FLAGS = ["-O3", "-mprefer-vector-width=512", "-fopenmp", "-shared", "-fPIC", "-std=c11", f"-I{KERNEL_SOURCES}"]
 
 
 def c_kernels_enabled() -> bool:
@@ -114,7 +114,7 @@ def load_c_library(source: Path, fallback: str) -> ctypes.CDLL | None:
     # The headers it includes key the build with the source.
     text = source.read_bytes() + b"".join(h.read_bytes() for h in included_headers(source))
     sanitize, emulate = sanitizer_flags(), emulation_flags()
-    flags = _FLAGS + isa_flags() + sanitize + emulate  # the later -O wins
+    flags = BUILD_FLAGS + isa_flags() + sanitize + emulate  # the later -O wins
     build = " ".join([compiler, *flags, *sorted(cpu_flags())])
     key = hashlib.sha256(text + build.encode()).hexdigest()[:16]
     variant = ("kernels" + ("-" + cpu_isa() if cpu_isa() else "") + ("-sanitized" if sanitize else "")

@@ -1,0 +1,47 @@
+"""The C kernels (vllm/csrc/cpu/) compile without a warning under -Wall -Wextra, for every
+instruction set they have code for, whatever this machine has: each target below selects other
+#if branches of the sources (AVX2 only, AVX-512, AVX512-BF16 and VNNI without AMX, AMX, and the
+AMX copies over the C emulation of the tile instructions). Only the compiler's front end runs
+(-fsyntax-only): nothing is built or executed, so a target need not be this CPU's."""
+
+import platform
+import shutil
+import subprocess
+
+import pytest
+
+from vllm.platforms.c_build import BUILD_FLAGS, KERNEL_SOURCES
+
+TARGETS = {
+    "avx2": ["-march=x86-64-v3"],
+    "avx512": ["-march=x86-64-v4"],
+    "avx512-bf16": ["-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni"],
+    "amx": ["-march=sapphirerapids"],
+    "amx-emulated": ["-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni", "-DVLLM_EMULATE_AMX"],
+}
+SOURCES = sorted(p.name for p in KERNEL_SOURCES.glob("*.c"))
+COMPILER = shutil.which("cc")
+
+pytestmark = pytest.mark.skipif(COMPILER is None or platform.machine() != "x86_64",
+                                reason="needs a C compiler for x86-64")
+
+
+def _knows(target: list[str]) -> bool:
+    """Whether the compiler takes the target's flags (an older one may not know a CPU's name)."""
+    return subprocess.run([COMPILER, *target, "-E", "-x", "c", "-"], input="", capture_output=True,
+                          text=True).returncode == 0
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_the_kernels_compile_without_warnings(target):
+    if not _knows(TARGETS[target]):
+        pytest.skip(f"{COMPILER} does not take {TARGETS[target]}")
+    assert {"cpu_gguf_gemv.c", "cpu_paged_decode.c", "llama_cpu_layers.c"} <= set(SOURCES), SOURCES
+    flags = [f for f in BUILD_FLAGS if f != "-shared"] + TARGETS[target]
+    failures = {}
+    for name in SOURCES:
+        result = subprocess.run([COMPILER, *flags, "-Wall", "-Wextra", "-Werror", "-fsyntax-only",
+                                 str(KERNEL_SOURCES / name)], capture_output=True, text=True)
+        if result.returncode != 0:
+            failures[name] = result.stderr
+    assert not failures, "\n".join(f"{name}:\n{err}" for name, err in failures.items())
