@@ -152,7 +152,7 @@ def search_server(name: str, grid: list[float], slos: list[Slo], run_at: Callabl
     def run_probe(rate: float) -> Probe:
         probe = probe_from_run(rate, run_at(rate), percentile)
         met = [f"{s.itl_ms:g}" for s in slos if probe.meets(s)]
-        requests = probe.details.get('completed', 0) + probe.failed
+        requests = probe.details.get("completed", 0) + probe.failed
         print(f"[{name}] rate {rate:.3f} req/s, {requests} requests: P99 ITL {probe.p99_itl_ms:.1f} ms, "
               f"P{percentile:g} TTFT "
               f"{probe.ttft_ms:.0f} ms, {probe.details.get('request_throughput', 0):.2f} req/s served, "

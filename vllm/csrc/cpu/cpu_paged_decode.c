@@ -58,6 +58,16 @@ static inline void tile_slots(const int64_t *table, int64_t t0, int64_t n, int64
     }
 }
 
+/* Asks for rows [first, end) of a tile (row_bytes each, in both caches) into L2. */
+static inline void prefetch_rows(const char *const *key_rows, const char *const *value_rows, int64_t first,
+                                 int64_t end, int64_t row_bytes) {
+    for (int64_t i = first; i < end; ++i)
+        for (int64_t b = 0; b < row_bytes; b += 64) {
+            _mm_prefetch(key_rows[i] + b, _MM_HINT_T1);
+            _mm_prefetch(value_rows[i] + b, _MM_HINT_T1);
+        }
+}
+
 /* Reads a byte of every cache line of a tile's rows in both caches, before the tile is
  * computed. From memory, lines arrive at the rate of the misses in flight: the tile's own loads,
  * spread among its arithmetic, keep few in flight; these loads, with nothing between them, keep
@@ -67,11 +77,7 @@ static inline void tile_slots(const int64_t *table, int64_t t0, int64_t n, int64
  * that these loads find them there. */
 static inline void load_tile(const char *const *key_rows, const char *const *value_rows, int64_t n,
                              int64_t row_bytes) {
-    for (int64_t i = 0; i < n; ++i)
-        for (int64_t b = 0; b < row_bytes; b += 64) {
-            _mm_prefetch(key_rows[i] + b, _MM_HINT_T1);
-            _mm_prefetch(value_rows[i] + b, _MM_HINT_T1);
-        }
+    prefetch_rows(key_rows, value_rows, 0, n, row_bytes);
     uint8_t sink = 0;
     for (int64_t i = 0; i < n; ++i)
         for (int64_t b = 0; b < row_bytes; b += 64)

@@ -64,11 +64,7 @@ static inline void unpair_dims(float *acc, int64_t head_dim) {
  * asked for into L2: rows [step * n / steps, (step + 1) * n / steps). */
 static inline void prefetch_rows_share(const char *const *key_rows, const char *const *value_rows, int64_t n,
                                        int64_t step, int64_t steps, int64_t row_bytes) {
-    for (int64_t r = step * n / steps; r < (step + 1) * n / steps; ++r)
-        for (int64_t b = 0; b < row_bytes; b += 64) {
-            _mm_prefetch(key_rows[r] + b, _MM_HINT_T1);
-            _mm_prefetch(value_rows[r] + b, _MM_HINT_T1);
-        }
+    prefetch_rows(key_rows, value_rows, step * n / steps, (step + 1) * n / steps, row_bytes);
 }
 
 /* attend_bf16 for G query heads per KV head and head_dim HD, on AVX512-BF16: a query-key
