@@ -167,3 +167,14 @@ def test_chat_uses_the_chat_template(llm):
     two = llm.chat([conversation, [{"role": "user", "content": "Hi"}]], SamplingParams(max_tokens=2),
                    use_tqdm=False)
     assert len(two) == 2
+
+
+def test_chat_continues_the_final_message(llm):
+    partial = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "My favourite is"}]
+    params = SamplingParams(temperature=0, max_tokens=2)
+    out = llm.chat(partial, params, add_generation_prompt=False, continue_final_message=True, use_tqdm=False)[0]
+    assert out.prompt.endswith("My favourite is")
+    closed = llm.chat(partial, params, add_generation_prompt=False, use_tqdm=False)[0]
+    assert closed.prompt.startswith(out.prompt) and len(closed.prompt) > len(out.prompt)
+    with pytest.raises(ValueError, match="add_generation_prompt and continue_final_message"):
+        llm.chat(partial, params, continue_final_message=True)

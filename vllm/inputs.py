@@ -32,7 +32,7 @@ def parse_prompt(prompt: PromptType | ProcessedPrompt, tokenizer) -> ProcessedPr
     if isinstance(prompt, ProcessedPrompt):
         return prompt
     if isinstance(prompt, str):
-        text, token_ids = prompt, tokenizer(_checked_text(prompt)).input_ids
+        text, token_ids = prompt, tokenizer(checked_text(prompt)).input_ids
     elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
         text, ids = prompt.get("prompt"), prompt["prompt_token_ids"]
         if not isinstance(ids, (list, tuple)):
@@ -44,7 +44,7 @@ def parse_prompt(prompt: PromptType | ProcessedPrompt, tokenizer) -> ProcessedPr
             raise ValueError(f"prompt_token_ids holds ids outside the vocabulary [0, {vocab}): {bad[:5]}")
     elif isinstance(prompt, dict) and "prompt" in prompt:
         text = prompt["prompt"]
-        token_ids = tokenizer(_checked_text(text)).input_ids
+        token_ids = tokenizer(checked_text(text)).input_ids
     else:
         raise ValueError("a prompt must be a string, {'prompt': str} or {'prompt_token_ids': [...]}, "
                          f"got {type(prompt).__name__}")
@@ -53,7 +53,8 @@ def parse_prompt(prompt: PromptType | ProcessedPrompt, tokenizer) -> ProcessedPr
     return ProcessedPrompt(text, token_ids)
 
 
-def _checked_text(text) -> str:
+def checked_text(text) -> str:
+    """`text`, checked to be a string the tokenizer can encode; raises ValueError otherwise."""
     if not isinstance(text, str):
         raise ValueError(f"a prompt's text must be a string, got {type(text).__name__}")
     try:

@@ -7,6 +7,7 @@ from tqdm.auto import tqdm
 
 from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.llm_engine import LLMEngine
+from vllm.entrypoints.chat_utils import apply_chat_template, has_chat_template
 from vllm.inputs import PromptType
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
@@ -75,19 +76,19 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             continue_final_message: bool = False) -> list[RequestOutput]:
         """Generates replies to one conversation (a list of {"role", "content"} messages) or to a
-        list of conversations, formatted with the tokenizer's chat template."""
+        list of conversations, formatted with the tokenizer's chat template; with
+        `continue_final_message`, continues each conversation's last message instead."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.get_tokenizer()
-        if not getattr(tokenizer, "chat_template", None):
+        if not has_chat_template(tokenizer):
             raise ValueError("the tokenizer has no chat template; use generate() with plain prompts")
         prompts = []
         for conversation in conversations:
-            text = tokenizer.apply_chat_template(conversation, tokenize=False,
-                                                 add_generation_prompt=add_generation_prompt)
-            # The template writes the special tokens itself; tokenizing must not add more.
-            ids = tokenizer(text, add_special_tokens=False).input_ids
+            text, ids = apply_chat_template(tokenizer, conversation, add_generation_prompt=add_generation_prompt,
+                                            continue_final_message=continue_final_message)
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 

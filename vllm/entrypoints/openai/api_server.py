@@ -26,10 +26,12 @@ from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.engine.async_llm_engine import AsyncEngineDeadError, AsyncLLMEngine
 from vllm.engine.metrics import LoggingStatLogger, PrometheusStatLogger, log_interval_from_env
 from vllm.entrypoints.openai.cli_args import engine_args_from, make_arg_parser
-from vllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from vllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                              TokenizeRequest)
 from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from vllm.entrypoints.openai.serving_engine import SSE_DONE, OpenAIServingError, error_response, sse
+from vllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +66,7 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str], api_key: st
     app.state.engine = engine
     completions = OpenAIServingCompletion(engine, served_model_names)
     chat = OpenAIServingChat(engine, served_model_names)
+    tokenization = OpenAIServingTokenization(engine, served_model_names)
 
     if api_key:
         @app.middleware("http")
@@ -109,6 +112,14 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str], api_key: st
     @app.post("/v1/chat/completions")
     async def create_chat_completion(request: ChatCompletionRequest, raw: Request):
         return await _respond(raw, chat.create_chat_completion(request))
+
+    @app.post("/tokenize")
+    async def tokenize(request: TokenizeRequest):
+        return tokenization.create_tokenize(request)
+
+    @app.post("/detokenize")
+    async def detokenize(request: DetokenizeRequest):
+        return tokenization.create_detokenize(request)
 
     return app
 

@@ -8,9 +8,8 @@ from vllm.entrypoints.openai.protocol import (AssistantMessage, ChatCompletionLo
                                               ChatCompletionStreamChoice,
                                               ChatCompletionStreamResponse, ChatCompletionTopLogprob,
                                               DeltaMessage, UsageInfo, random_id)
-from vllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing,
-                                                    OpenAIServingError, merge_streams, sse,
-                                                    stop_hold, text_delta)
+from vllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing, merge_streams, sse, stop_hold,
+                                                    text_delta)
 from vllm.inputs import ProcessedPrompt
 from vllm.logprobs import Logprob
 from vllm.outputs import RequestOutput
@@ -38,16 +37,8 @@ class OpenAIServingChat(OpenAIServing):
         return self._response(request, request_id, model, final)
 
     def _apply_chat_template(self, request: ChatCompletionRequest) -> ProcessedPrompt:
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise OpenAIServingError("this model's tokenizer has no chat template; use /v1/completions")
-        try:
-            conversation = [{"role": m.role, "content": m.text()} for m in request.messages]
-        except ValueError as e:
-            raise OpenAIServingError(str(e), param="messages") from None
-        text = self.tokenizer.apply_chat_template(
-            conversation, tokenize=False, add_generation_prompt=request.add_generation_prompt)
-        # The template writes the special tokens itself; tokenizing must not add more.
-        ids = self.tokenizer(text, add_special_tokens=False).input_ids
+        text, ids = self.chat_prompt(request.messages, request.add_generation_prompt,
+                                     request.continue_final_message)
         return self.tokenize({"prompt": text, "prompt_token_ids": ids})
 
     def _response(self, request: ChatCompletionRequest, request_id: str, model: str,

@@ -8,7 +8,8 @@ from http import HTTPStatus
 from pydantic import BaseModel
 
 from vllm.engine.async_llm_engine import AsyncLLMEngine
-from vllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, ModelCard, ModelList
+from vllm.entrypoints.chat_utils import apply_chat_template, has_chat_template
+from vllm.entrypoints.openai.protocol import ChatMessage, ErrorInfo, ErrorResponse, ModelCard, ModelList
 from vllm.inputs import ProcessedPrompt, parse_prompt
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
@@ -70,6 +71,19 @@ class OpenAIServing:
             return parse_prompt(prompt, self.tokenizer)
         except ValueError as e:
             raise OpenAIServingError(str(e), param="prompt") from None
+
+    def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool,
+                    continue_final_message: bool, add_special_tokens: bool = False) -> tuple[str, list[int]]:
+        """The text and token ids of the conversation through the chat template."""
+        if not has_chat_template(self.tokenizer):
+            raise OpenAIServingError("this model's tokenizer has no chat template; use /v1/completions")
+        try:
+            conversation = [{"role": m.role, "content": m.text()} for m in messages]
+            return apply_chat_template(self.tokenizer, conversation, add_generation_prompt=add_generation_prompt,
+                                       continue_final_message=continue_final_message,
+                                       add_special_tokens=add_special_tokens)
+        except ValueError as e:
+            raise OpenAIServingError(str(e), param="messages") from None
 
     def max_tokens_for(self, prompt: ProcessedPrompt, requested: int | None) -> int:
         """`requested`, or all that max_model_len leaves; a prompt that leaves too little is a 400
