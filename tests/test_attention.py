@@ -1,5 +1,6 @@
 """The vectorized mixed-batch paged attention against the naive per-token reference."""
 
+import dataclasses
 import random
 import shutil
 
@@ -72,6 +73,43 @@ def test_mixed_batch_matches_reference(seed, block_size, heads, sliding_window):
         if want is None:
             want = reference_paged_attention(q, key_cache, value_cache, spans, scale, sliding_window)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not (shutil.which("cc") and {"avx512_bf16", "avx512bw"} <= cpu_flags()),
+                    reason="both C kernels: a C compiler and AVX512-BF16")
+def test_with_both_kernels_each_query_goes_to_the_kernel_of_its_positions_role():
+    """Prompt positions to the prefill kernel and generated ones to the decode kernel, whatever
+    the span's role in the step: a prompt's last token alone (a one-token span among the
+    decodes) and the generated positions of a recomputed request (inside a prefill chunk)."""
+    torch.manual_seed(0)
+    block_size, num_blocks, heads, kv_heads, head_dim = 16, 24, 4, 2, 64
+    free = list(range(num_blocks))
+    spans = []
+    for offset, q_len, ctx, prompt in [(0, 1, 40, 10), (1, 1, 7, 8), (2, 12, 20, 25), (14, 9, 0, 9)]:
+        table = [free.pop() for _ in range(-(-(ctx + q_len) // block_size))]
+        spans.append(SeqSpan(offset, q_len, ctx, table, num_prompt_tokens=prompt))
+    slots = [slot for s in spans for slot in kv_slots(s.block_table, range(s.context_len, s.context_len + s.query_len),
+                                                      block_size)]
+    meta = build_attention_metadata(spans, 2, slots, block_size, heads // kv_heads, None, num_blocks,
+                                    torch.device("cpu"), torch.bfloat16, paged_decode=True, paged_prefill=True)
+    decodes, prefills = meta.paged_decodes, meta.paged_prefills
+    assert decodes.rows.tolist() == [0, *range(7, 14)]
+    assert decodes.seq_lens.tolist() == [41, *range(26, 33)]
+    assert prefills.token_offsets.tolist() == [1, 2, 14]
+    assert prefills.query_lens.tolist() == [1, 5, 9]
+    assert prefills.context_lens.tolist() == [7, 20, 0]
+    key_cache = torch.randn(num_blocks + 1, block_size, kv_heads, head_dim).bfloat16()
+    value_cache = torch.randn_like(key_cache)
+    q = torch.randn(len(slots), heads, head_dim).bfloat16()                     # (T, H, D)
+    got = paged_attention(q, None, None, key_cache, value_cache, meta, head_dim ** -0.5)
+    want = reference_paged_attention(q.float(), key_cache.float(), value_cache.float(), spans, head_dim ** -0.5)
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+    # Spans that do not give their prompt's length keep their role in the step.
+    unknown = [dataclasses.replace(s, num_prompt_tokens=None) for s in spans]
+    by_step = build_attention_metadata(unknown, 2, slots, block_size, heads // kv_heads, None, num_blocks,
+                                       torch.device("cpu"), torch.bfloat16, paged_decode=True, paged_prefill=True)
+    assert by_step.paged_decodes.rows is None and by_step.paged_decodes.seq_lens.tolist() == [41, 8]
+    assert by_step.paged_prefills.token_offsets.tolist() == [2, 14]
 
 
 def test_cache_write_lands_in_the_right_slots():

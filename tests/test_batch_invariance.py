@@ -1,8 +1,12 @@
 """A token's result does not depend on the rest of its step (bf16, C kernels).
 
 How a prompt is cut into chunks and which other sequences share its steps change with the load
-(the budget, the cache size, preemption). Where the kernels sum every output in one order
-whatever the step holds, greedy tokens and their logprobs are the same bits in every case:
+(the budget, the cache size, prefix-cache hits, preemption). Where the kernels sum every output
+in one order whatever the step holds, greedy tokens and their logprobs are the same bits in
+every case:
+- kernels by position: a prompt's positions always take the prefill kernel, generated ones the
+  decode kernel, even a prompt's last token alone in a step or a preempted request's generated
+  tokens computed again in a chunk (cpu_metadata._by_role);
 - prefill attention: a query's running softmax maximum moves with its own scores only, not
   with the other queries of its 16-query task (which depend on where the chunk starts);
 - decode attention: a long sequence is split into parts by its own length, not by a share of
@@ -129,19 +133,32 @@ def tiny_path(tokenizer_dir, tmp_path_factory) -> str:
     return build_tiny_checkpoint("llama", str(tmp_path_factory.mktemp("llama")), tokenizer_dir, hidden_size=256)
 
 
-def _generate(path: str, budget: int, prompts: list[list[int]], together: bool) -> list[tuple]:
-    llm = LLM(path, dtype="bfloat16", max_model_len=512, block_size=BLOCK, num_gpu_blocks_override=256,
-              enforce_eager=True, enable_chunked_prefill=True, max_num_batched_tokens=budget,
-              enable_prefix_caching=False)
+def _llm(path: str, budget: int, num_blocks: int = 256, prefix_caching: bool = False) -> LLM:
+    llm = LLM(path, dtype="bfloat16", max_model_len=min(512, num_blocks * BLOCK), block_size=BLOCK,
+              num_gpu_blocks_override=num_blocks, enforce_eager=True, enable_chunked_prefill=True,
+              max_num_batched_tokens=budget, enable_prefix_caching=prefix_caching)
     fused = llm.llm_engine.runner.attn_backend.fused_layers
     if fused is None or not fused.takes_prefills or not cpu_tile_gemm.takes_decode_rows():
         pytest.skip("the C layers do not sum every row alike here (no AVX512-BF16, or AMX's GEMV)")
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
-    requests = [{"prompt_token_ids": p} for p in prompts]
-    outputs = (llm.generate(requests, params, use_tqdm=False) if together
-               else [llm.generate([r], params, use_tqdm=False)[0] for r in requests])
+    return llm
+
+
+def _params(max_tokens: int = 12) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=2)
+
+
+def _results(outputs) -> list[tuple]:
+    """Each sample's tokens and the bits of its logprobs."""
     return [(tuple(c.token_ids), [{t: lp.logprob for t, lp in step.items()} for step in c.logprobs])
-            for c in (o.outputs[0] for o in outputs)]
+            for o in outputs for c in o.outputs]
+
+
+def _generate(path: str, budget: int, prompts: list[list[int]], together: bool) -> list[tuple]:
+    llm = _llm(path, budget)
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    outputs = (llm.generate(requests, _params(), use_tqdm=False) if together
+               else [llm.generate([r], _params(), use_tqdm=False)[0] for r in requests])
+    return _results(outputs)
 
 
 def test_tokens_and_logprobs_do_not_depend_on_batch_or_budget(tiny_path):
@@ -151,3 +168,34 @@ def test_tokens_and_logprobs_do_not_depend_on_batch_or_budget(tiny_path):
     together = _generate(tiny_path, 64, prompts, together=True)
     alone = _generate(tiny_path, 32, prompts, together=False)
     assert together == alone
+
+
+def test_a_prompts_last_token_alone_in_its_step_gets_the_same_bits(tiny_path):
+    """With 16-token steps, prompts of 17, 33 and 65 tokens end with a one-token chunk, which the
+    scheduler runs among the decodes; whole, each is one chunk. The prefill kernel takes that
+    last position either way."""
+    prompts = random_prompts([17, 33, 65], seed=4)
+    assert _generate(tiny_path, 16, prompts, together=False) == _generate(tiny_path, 512, prompts, together=False)
+
+
+def test_a_prefix_cache_hit_that_leaves_one_prompt_token_gets_the_same_bits(tiny_path):
+    """A prompt that repeats an earlier one's 32 tokens and adds one computes that token alone;
+    without the cache, all 33 in one chunk."""
+    first, last = random_prompts([32, 1], seed=5)
+    cached = _llm(tiny_path, 64, prefix_caching=True)
+    cached.generate({"prompt_token_ids": first}, _params(), use_tqdm=False)
+    hit = cached.generate({"prompt_token_ids": first + last}, _params(), use_tqdm=False)
+    assert hit[0].num_cached_tokens == 32
+    fresh = _llm(tiny_path, 64).generate({"prompt_token_ids": first + last}, _params(), use_tqdm=False)
+    assert _results(hit) == _results(fresh)
+
+
+def test_preempted_requests_compute_their_tokens_again_to_the_same_bits(tiny_path):
+    """In a cache of 12 blocks, three requests of 100 tokens preempt each other; a preempted one
+    computes its prompt and its generated tokens again in prefill chunks, where the decode kernel
+    takes the generated positions as it did when they were decodes."""
+    requests = [{"prompt_token_ids": p} for p in random_prompts([40, 50, 30], seed=6)]
+    small, roomy = _llm(tiny_path, 64, num_blocks=12), _llm(tiny_path, 64)
+    preempted = small.generate(requests, _params(100), use_tqdm=False)
+    assert small.llm_engine.scheduler.num_preemptions > 0
+    assert _results(preempted) == _results(roomy.generate(requests, _params(100), use_tqdm=False))

@@ -27,15 +27,16 @@ def bf16_llm(request, tiny_checkpoints) -> LLM:
                num_gpu_blocks_override=512, enforce_eager=True)
 
 
-def _step(runner, contexts: list[int], chunks: list[tuple[int, int]], rng: random.Random):
+def _step(runner, contexts: list[int], chunks: list[tuple[int, int]], rng: random.Random,
+          prompts: list[int] | None = None):
     """Metadata and positions for one decode per context length, then one prefill chunk per
-    (query_len, context_len), on distinct random blocks."""
+    (query_len, context_len), on distinct random blocks; `prompts`: each one's prompt length."""
     blocks = list(range(1, runner.cache.kv_caches[0][0].shape[0]))
     rng.shuffle(blocks)
     spans, slots, positions = [], [], []
-    for query_len, ctx in [(1, c) for c in contexts] + chunks:
+    for i, (query_len, ctx) in enumerate([(1, c) for c in contexts] + chunks):
         table = [blocks.pop() for _ in range((ctx + query_len - 1) // BLOCK + 1)]
-        spans.append(SeqSpan(len(positions), query_len, ctx, table))
+        spans.append(SeqSpan(len(positions), query_len, ctx, table, prompts[i] if prompts else None))
         for pos in range(ctx, ctx + query_len):
             positions.append(pos)
             slots.append(table[pos // BLOCK] * BLOCK + pos % BLOCK)
@@ -47,16 +48,16 @@ def _step(runner, contexts: list[int], chunks: list[tuple[int, int]], rng: rando
 
 
 def _assert_fused_matches_op_by_op(runner, contexts: list[int], chunks: list[tuple[int, int]],
-                                   rng: random.Random) -> None:
+                                   rng: random.Random, prompts: list[int] | None = None):
     """Runs one step (see _step) through the op-by-op layers and through C layers built under the
     tile GEMM copy in use (they keep the GEMV's rows of their build, and on AMX the GEMV keeps 1-4
     rows, on the AVX512 copy the tile GEMM takes them), from the same random caches: the hidden
-    states and the cache writes must agree."""
+    states and the cache writes must agree. Returns the step's metadata."""
     model, fused = runner.model.model, FusedLayers.build(runner.model.model)
-    metadata, positions = _step(runner, contexts, chunks, rng)
+    metadata, positions = _step(runner, contexts, chunks, rng, prompts)
     ids = torch.tensor([rng.randrange(100, 49152) for _ in range(positions.shape[0])])
     assert fused.accepts(metadata, positions.shape[0])
-    assert (metadata.paged_prefills is not None) == bool(chunks)
+    assert (metadata.paged_prefills is not None) == bool(chunks) or prompts is not None
     caches = runner.cache.kv_caches
     for k, v in caches:
         k.normal_()
@@ -79,6 +80,7 @@ def _assert_fused_matches_op_by_op(runner, contexts: list[int], chunks: list[tup
     for (k, v), (rk, rv) in zip(got_caches, ref_caches):
         torch.testing.assert_close(k, rk, rtol=2 ** -6, atol=2 ** -6)
         torch.testing.assert_close(v, rv, rtol=2 ** -6, atol=2 ** -6)
+    return metadata
 
 
 @pytest.fixture(params=["amx", "avx512"])
@@ -161,6 +163,18 @@ def test_fused_mixed_steps_match_op_by_op(bf16_llm_d64, contexts, chunks, tile_c
     keys are random."""
     runner = bf16_llm_d64.llm_engine.runner
     _assert_fused_matches_op_by_op(runner, contexts, chunks, random.Random(len(contexts) + len(chunks)))
+
+
+def test_fused_steps_of_queries_by_role_match_op_by_op(bf16_llm_d64, tile_copy):
+    """With the prompts' lengths, queries go to the kernel of their position's role: here a
+    prompt's last token among the decodes (context 7 of an 8-token prompt) to the prefill kernel,
+    and the generated positions 25-31 of a recomputed request's chunk to the decode kernel, in
+    rows the C layers gather for it and scatter back."""
+    runner = bf16_llm_d64.llm_engine.runner
+    metadata = _assert_fused_matches_op_by_op(runner, [40, 7, 90], [(12, 20), (9, 0)], random.Random(7),
+                                              prompts=[10, 8, 30, 25, 9])
+    assert metadata.paged_decodes.rows.tolist() == [0, 2, *range(8, 15)]
+    assert metadata.paged_prefills.token_offsets.tolist() == [1, 3, 15]
 
 
 def test_steps_past_the_packed_rows_are_refused(bf16_llm_d64):

@@ -159,6 +159,21 @@ def test_check_metadata_names_each_out_of_range_value(case):
         check_metadata(meta, PAD + 1, BLOCK)
 
 
+@pytest.mark.parametrize("row, message", [(16, r"decode row 16 outside \[0, 16\)"), (-1, r"decode row -1")])
+def test_check_metadata_names_a_decode_row_outside_the_step(row, message):
+    """Queries by role: a chunk's prompt positions 10-11 for the prefill kernel, its generated
+    positions 12-15 in rows 3-6 for the decode kernel, which the C layers gather by row."""
+    spans = [SeqSpan(0, 1, 20, [1, 2], num_prompt_tokens=10), SeqSpan(1, 6, 10, [6], num_prompt_tokens=12)]
+    slots = [1 * BLOCK + 4] + [6 * BLOCK + p for p in range(10, 16)] + [PAD * BLOCK] * 9
+    meta = build_attention_metadata(spans, 1, slots, BLOCK, 2, None, PAD, torch.device("cpu"),
+                                    paged_decode=True, paged_prefill=True)
+    assert meta.paged_decodes.rows.tolist() == [0, 3, 4, 5, 6]
+    check_metadata(meta, PAD + 1, BLOCK)
+    meta.paged_decodes.rows[2] = row
+    with pytest.raises(IndexError, match=message):
+        check_metadata(meta, PAD + 1, BLOCK)
+
+
 def test_the_cpu_backend_checks_the_metadata_it_builds(llm):
     """A table entry past even the pad block, as a bug in the metadata builder or a new caller of
     the backend would pass it: build_metadata refuses it before any layer reads it."""

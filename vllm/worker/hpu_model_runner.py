@@ -201,7 +201,7 @@ class HPUModelRunner:
             chunk = range(s.start_position, s.start_position + s.num_tokens)
             positions.extend(chunk)
             slots.extend(kv_slots(s.block_table, chunk, block_size))
-            spans.append(SeqSpan(offset, s.num_tokens, s.context_len, s.block_table))
+            spans.append(SeqSpan(offset, s.num_tokens, s.context_len, s.block_table, len(s.prompt_token_ids)))
             if s.sample:
                 sampled.append(offset + s.num_tokens - 1)
             if s.prompt_logprob_targets:

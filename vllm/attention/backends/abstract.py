@@ -23,12 +23,15 @@ from vllm.config import EngineConfig
 
 @dataclass(frozen=True, slots=True)
 class SeqSpan:
-    """Where one sequence's tokens sit in the step: flat offset, query length, cached context."""
+    """Where one sequence's tokens sit in the step: flat offset, query length, cached context;
+    and its prompt's length, which tells the prompt's positions from generated ones (None: not
+    given, each query keeps the role its span has in the step)."""
 
     token_offset: int
     query_len: int
     context_len: int
     block_table: list[int]
+    num_prompt_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

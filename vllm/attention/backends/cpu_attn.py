@@ -136,8 +136,14 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     paged = metadata.paged_decodes
     if paged is not None:
         s = paged.seq_lens.shape[0]
-        cpu_paged_decode.paged_decode(query[:s].contiguous(), key_cache, value_cache, paged.block_tables,
-                                      paged.seq_lens, scale, paged.sliding_window, out[:s])
+        if paged.rows is None:  # the leading tokens
+            cpu_paged_decode.paged_decode(query[:s].contiguous(), key_cache, value_cache, paged.block_tables,
+                                          paged.seq_lens, scale, paged.sliding_window, out[:s])
+        else:
+            o = query.new_empty(s, num_heads, head_dim)                                # (S, H, D)
+            cpu_paged_decode.paged_decode(query.index_select(0, paged.rows), key_cache, value_cache,
+                                          paged.block_tables, paged.seq_lens, scale, paged.sliding_window, o)
+            out.index_copy_(0, paged.rows, o)
     prefills = metadata.paged_prefills
     if prefills is not None:
         cpu_paged_prefill.paged_prefill(query, key_cache, value_cache, prefills.block_tables,

@@ -16,6 +16,18 @@ On CPU the C kernels take the place of the groups and read the cache in place: `
 hands all decodes to vllm/csrc/cpu/cpu_paged_decode.c, and `PagedPrefills` all prefill
 chunks to vllm/csrc/cpu/cpu_paged_prefill.c. How the groups are attended:
 vllm/attention/backends/cpu_attn.py.
+
+With both kernels, a query goes to the kernel of its position's role rather than of its span's
+role in the step (`_by_role`): the prompt's positions to the prefill kernel, generated ones to
+the decode kernel. Each kernel sums a query's keys in an order fixed by its own sequence, so a
+position then gets the same bits in every step that computes it. By step role it would not:
+a chunk boundary or a prefix-cache hit can leave a prompt's last token alone (a one-token span
+the scheduler runs as a decode), and a preempted request computes its generated positions
+again in prefill chunks:
+
+    span       prompt p0..p4 cached, then [p5 | g0 g1 g2] in one recompute chunk (g: generated)
+    prefill    p5                     one query, context 5
+    decode     g0, g1, g2             rows of their own, each over the keys up to its position
 """
 
 from dataclasses import dataclass
@@ -60,11 +72,12 @@ class AttentionGroup:
 
 @dataclass(slots=True)
 class PagedDecodes:
-    """All the step's decodes (tokens 0..S-1), for the CPU kernel that reads the cache in place."""
+    """All the step's decodes, for the CPU kernel that reads the cache in place."""
 
     block_tables: torch.Tensor  # (S, B) int64; padding -> the pad block
     seq_lens: torch.Tensor      # (S,) int64: keys of each sequence, its new token included
     sliding_window: int | None
+    rows: torch.Tensor | None = None  # (S,) int64: each decode's token in the step; None: 0..S-1
 
 
 @dataclass(slots=True)
@@ -170,6 +183,28 @@ def _bands(spans: list[SeqSpan], size) -> list[list[SeqSpan]]:
     return [sorted(band, key=lambda s: s.token_offset) for band in bands]
 
 
+def _by_role(spans: list[SeqSpan]) -> tuple[list[SeqSpan], list[SeqSpan]]:
+    """(decodes, prefill chunks) of the step's spans by the role of each query's position: a
+    one-query span per generated position, and per sequence one chunk of its prompt positions."""
+    decodes: list[SeqSpan] = []
+    prefills: list[SeqSpan] = []
+    for span in spans:
+        assert span.num_prompt_tokens is not None
+        prompt = min(max(span.num_prompt_tokens - span.context_len, 0), span.query_len)
+        if prompt == span.query_len:  # a prompt chunk, or a prompt's last token alone
+            prefills.append(span)
+            continue
+        if prompt == 0 and span.query_len == 1:  # a decode
+            decodes.append(span)
+            continue
+        if prompt:
+            prefills.append(SeqSpan(span.token_offset, prompt, span.context_len, span.block_table,
+                                    span.num_prompt_tokens))
+        decodes.extend(SeqSpan(span.token_offset + i, 1, span.context_len + i, span.block_table,
+                               span.num_prompt_tokens) for i in range(prompt, span.query_len))
+    return decodes, prefills
+
+
 def build_attention_metadata(spans: list[SeqSpan], num_decodes: int, slot_mapping: list[int],
                              block_size: int, heads_per_kv: int, sliding_window: int | None,
                              pad_block: int, device: torch.device,
@@ -182,18 +217,24 @@ def build_attention_metadata(spans: list[SeqSpan], num_decodes: int, slot_mappin
     `split_prefill` selects the chunk-causal + context split for prefill chunks (CPU kernels);
     otherwise, and always under a sliding window, prefills use one explicit mask.
     `paged_decode` hands all decodes to the CPU kernel (vllm/attention/ops/cpu_paged_decode.py),
-    `paged_prefill` all prefill chunks to vllm/attention/ops/cpu_paged_prefill.py.
+    `paged_prefill` all prefill chunks to vllm/attention/ops/cpu_paged_prefill.py; with both, and
+    spans that give their prompt's length, each query goes to the kernel of its position's role
+    (see the module doc).
     """
     num_tokens = len(slot_mapping)
     groups = []
     decodes, prefills = spans[:num_decodes], spans[num_decodes:]
     assert all(s.query_len == 1 and s.token_offset == i for i, s in enumerate(decodes))
+    if paged_decode and paged_prefill and all(s.num_prompt_tokens is not None for s in spans):
+        decodes, prefills = _by_role(spans)
     paged = None
     if paged_decode and decodes:
+        leading = all(s.token_offset == i for i, s in enumerate(decodes))
         paged = PagedDecodes(
             _block_tables(decodes, lambda s: s.context_len + 1, block_size, pad_block).to(device),
             torch.tensor([s.context_len + 1 for s in decodes], dtype=torch.int64, device=device),
-            sliding_window)
+            sliding_window,
+            None if leading else torch.tensor([s.token_offset for s in decodes], dtype=torch.int64, device=device))
         decodes = []
     paged_prefills = None
     if paged_prefill and prefills:

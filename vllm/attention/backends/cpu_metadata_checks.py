@@ -30,6 +30,10 @@ def check_metadata(metadata: AttentionMetadata, num_cache_blocks: int, block_siz
         if decodes.seq_lens.shape != (num_seqs,) or num_seqs > num_tokens:
             raise IndexError(f"{num_seqs} decode block tables, {tuple(decodes.seq_lens.shape)} "
                              f"sequence lengths, {num_tokens} tokens")
+        if decodes.rows is not None:
+            if decodes.rows.shape != (num_seqs,):
+                raise IndexError(f"{num_seqs} decode block tables, {tuple(decodes.rows.shape)} decode rows")
+            _within("decode row", decodes.rows, 0, num_tokens)
         _within("decode block table entry", decodes.block_tables, 0, num_cache_blocks)
         # A length reads keys up to its last position: within its table of `width` blocks.
         _within("decode sequence length", decodes.seq_lens, 1, width * block_size + 1)

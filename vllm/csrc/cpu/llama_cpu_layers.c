@@ -19,8 +19,8 @@
  *   hidden += o_proj(attention(rope(q), rope(k) -> cache, v -> cache))   q, k, v = qkv(norm(hidden))
  *   hidden += down(silu(gate) * up)                                      gate, up = gate_up(norm(hidden))
  *
- * A step's tokens: its decodes first (one token per sequence), then its prefill chunks.
- * llama_layers runs all of a model's layers for a step in one call.
+ * A step's tokens: its decodes (one token per sequence; first, unless the step names their rows),
+ * then its prefill chunks. llama_layers runs all of a model's layers for a step in one call.
  */
 #include <stdint.h>
 #include <string.h>
@@ -65,13 +65,14 @@ struct layer_weights {
     float eps, scale;
 };
 
-/* What every layer of a step shares: T tokens, the first `decodes` of them one per sequence,
- * then `prefills` chunks. */
+/* What every layer of a step shares: T tokens, `decodes` of them one per sequence (the first
+ * ones, or the rows `decode_rows` names), and `prefills` chunks. */
 struct layer_step {
     int64_t tokens;
     const uint16_t *cos, *sin;    /* (T, D): rows of the tokens' positions; sin's first half negated */
     const int64_t *slots;         /* (T,): cache slot of each token's key and value; < 0: none */
     int64_t decodes;
+    const int64_t *decode_rows;          /* (decodes,): each decode's row; NULL: rows 0 .. decodes - 1 */
     const int64_t *decode_block_tables;  /* (decodes, decode_max_blocks) */
     const int64_t *seq_lens;             /* (decodes,): keys per sequence, its token included */
     int64_t decode_max_blocks;
@@ -93,7 +94,7 @@ static int64_t widest_row(const struct layer_weights *L) {
 
 /* The scratch rows one layer needs for T tokens, in bf16 elements. */
 int64_t llama_layer_workspace(const struct layer_weights *L, int64_t tokens) {
-    return tokens * (2 * L->hidden + widest_row(L) + L->intermediate + 2 * L->heads * L->head_dim);
+    return tokens * (2 * L->hidden + widest_row(L) + L->intermediate + 4 * L->heads * L->head_dim);
 }
 
 /* The step's rows r = 0 .. t - 1 through the statements given, shared out among the threads
@@ -127,6 +128,7 @@ static int llama_layer(const struct layer_weights *L, const struct layer_step *S
     const int64_t q_size = L->heads * d, kv_size = L->kv_heads * d, qkv_size = q_size + 2 * kv_size;
     uint16_t *normed = workspace, *proj = normed + t * h, *wide = proj + t * h;
     uint16_t *act = wide + t * widest_row(L), *query = act + t * inter, *attn = query + t * q_size;
+    uint16_t *decode_query = attn + t * q_size, *decode_attn = decode_query + t * q_size;
     int status = 0;
 
     FOR_EACH_ROW(t, r, rms_norm_row(hidden + r * h, L->input_norm, normed + r * h, h, L->eps););
@@ -142,10 +144,22 @@ static int llama_layer(const struct layer_weights *L, const struct layer_step *S
             rotate(row + q_size + head * d, cos, sin, k_dst + head * d, d);
         memcpy(v_dst, row + q_size + kv_size, sizeof(uint16_t) * kv_size);
     );
-    if (S->decodes > 0)  /* (decodes, H, D) */
-        status |= S->attend_decodes(query, key_cache, value_cache, S->decode_block_tables, S->seq_lens, attn,
+    if (S->decodes > 0) {  /* (decodes, H, D): the kernel takes them as consecutive rows */
+        const uint16_t *q = query;
+        uint16_t *out = attn;
+        if (S->decode_rows != NULL) {
+            for (int64_t i = 0; i < S->decodes; ++i)
+                memcpy(decode_query + i * q_size, query + S->decode_rows[i] * q_size, sizeof(uint16_t) * q_size);
+            q = decode_query;
+            out = decode_attn;
+        }
+        status |= S->attend_decodes(q, key_cache, value_cache, S->decode_block_tables, S->seq_lens, out,
                                     S->decodes, L->heads, L->kv_heads, d, S->block_size,
                                     S->decode_max_blocks, S->window, L->scale);
+        if (S->decode_rows != NULL)
+            for (int64_t i = 0; i < S->decodes; ++i)
+                memcpy(attn + S->decode_rows[i] * q_size, decode_attn + i * q_size, sizeof(uint16_t) * q_size);
+    }
     if (S->prefills > 0)  /* the chunks' rows of (T, H, D) */
         status |= S->attend_prefills == NULL ? 1 : S->attend_prefills(
             query, key_cache, value_cache, S->prefill_block_tables, S->token_offsets, S->query_lens,

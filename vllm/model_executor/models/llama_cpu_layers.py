@@ -62,7 +62,8 @@ class _Layer(ctypes.Structure):
 class _Step(ctypes.Structure):
     """struct layer_step of llama_cpu_layers.c, field for field."""
     _fields_ = [("tokens", _i64), ("cos", _ptr), ("sin", _ptr), ("slots", _ptr),
-                ("decodes", _i64), ("decode_block_tables", _ptr), ("seq_lens", _ptr), ("decode_max_blocks", _i64),
+                ("decodes", _i64), ("decode_rows", _ptr), ("decode_block_tables", _ptr), ("seq_lens", _ptr),
+                ("decode_max_blocks", _i64),
                 ("prefills", _i64), ("prefill_block_tables", _ptr), ("token_offsets", _ptr),
                 ("query_lens", _ptr), ("context_lens", _ptr), ("prefill_max_blocks", _i64),
                 ("block_size", _i64), ("window", _i64), ("tile_gemm_silu_mul", _ptr), ("attend_decodes", _ptr),
@@ -196,6 +197,7 @@ class FusedLayers:
                      attend_prefills=self._attend_prefills)
         if decodes is not None:
             step.decodes = decodes.seq_lens.shape[0]
+            step.decode_rows = None if decodes.rows is None else decodes.rows.data_ptr()
             step.decode_block_tables, step.seq_lens = decodes.block_tables.data_ptr(), decodes.seq_lens.data_ptr()
             step.decode_max_blocks = decodes.block_tables.shape[1]
         if prefills is not None:
