@@ -118,11 +118,10 @@ def _indices(spans: list[SeqSpan], num_tokens: int) -> tuple[torch.Tensor, torch
 
 def _block_tables(spans: list[SeqSpan], num_tokens_of, block_size: int, pad_block: int) -> torch.Tensor:
     counts = [_cdiv(num_tokens_of(s), block_size) for s in spans]
-    tables = torch.full((len(spans), max(max(counts), 1)), pad_block, dtype=torch.int64)
-    for i, (s, n) in enumerate(zip(spans, counts)):
-        if n:
-            tables[i, :n] = torch.tensor(s.block_table[:n])
-    return tables
+    width = max(max(counts), 1)
+    # One tensor from lists: a tensor per row would cost more than the rest of the metadata.
+    return torch.tensor([s.block_table[:n] + [pad_block] * (width - n) for s, n in zip(spans, counts)],
+                        dtype=torch.int64)
 
 
 def _masked_group(spans: list[SeqSpan], num_tokens: int, block_size: int, heads_per_kv: int,
@@ -190,18 +189,18 @@ def _by_role(spans: list[SeqSpan]) -> tuple[list[SeqSpan], list[SeqSpan]]:
     prefills: list[SeqSpan] = []
     for span in spans:
         assert span.num_prompt_tokens is not None
-        prompt = min(max(span.num_prompt_tokens - span.context_len, 0), span.query_len)
-        if prompt == span.query_len:  # a prompt chunk, or a prompt's last token alone
-            prefills.append(span)
-            continue
-        if prompt == 0 and span.query_len == 1:  # a decode
+        prompt = span.num_prompt_tokens - span.context_len  # of the span's positions
+        if prompt <= 0 and span.query_len == 1:  # a decode
             decodes.append(span)
             continue
-        if prompt:
+        if prompt >= span.query_len:  # a prompt chunk, or a prompt's last token alone
+            prefills.append(span)
+            continue
+        if prompt > 0:
             prefills.append(SeqSpan(span.token_offset, prompt, span.context_len, span.block_table,
                                     span.num_prompt_tokens))
         decodes.extend(SeqSpan(span.token_offset + i, 1, span.context_len + i, span.block_table,
-                               span.num_prompt_tokens) for i in range(prompt, span.query_len))
+                               span.num_prompt_tokens) for i in range(max(prompt, 0), span.query_len))
     return decodes, prefills
 
 
