@@ -16,6 +16,8 @@ every case:
   the engine-level check is skipped.
 """
 
+import random
+
 import pytest
 import torch
 
@@ -199,3 +201,38 @@ def test_preempted_requests_compute_their_tokens_again_to_the_same_bits(tiny_pat
     preempted = small.generate(requests, _params(100), use_tqdm=False)
     assert small.llm_engine.scheduler.num_preemptions > 0
     assert _results(preempted) == _results(roomy.generate(requests, _params(100), use_tqdm=False))
+
+
+def test_a_random_load_gives_each_request_what_it_gets_alone(tiny_path):
+    """Requests arrive while others run, in 16-token steps on a 24-block cache with prefix
+    caching: chunks split anywhere, prompts share prefixes, requests preempt each other, one is
+    aborted, some draw n seeded samples. Each request that finishes has the tokens and logprob
+    bits it has alone in a roomy engine."""
+    rng = random.Random(0)
+    shared = random_prompts([40], seed=7)[0]
+    requests = []
+    for i in range(10):
+        prompt = shared[:rng.randrange(0, 41)] * (i % 2) + random_prompts([rng.randrange(1, 140)], seed=100 + i)[0]
+        sampled = i % 3 == 1
+        requests.append((f"r{i}", prompt, SamplingParams(
+            temperature=0.8 if sampled else 0, seed=i if sampled else None, n=2 if sampled else 1,
+            max_tokens=rng.randrange(1, 50), ignore_eos=True, logprobs=2)))
+    llm = _llm(tiny_path, 16, num_blocks=24, prefix_caching=True)
+    engine, outputs, waiting, steps = llm.llm_engine, {}, list(requests), 0
+    while waiting or engine.has_unfinished_requests():
+        if waiting and (rng.random() < 0.4 or not engine.has_unfinished_requests()):
+            request_id, prompt, params = waiting.pop(0)
+            engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
+        outputs.update((o.request_id, o) for o in engine.step() if o.finished)
+        steps += 1
+        if steps == 20:
+            aborted = next(r for r, _, _ in requests if r in engine.requests)
+            engine.abort_request(aborted)
+    scheduler = engine.scheduler
+    assert scheduler.num_preemptions > 0 and scheduler.num_prefix_cache_hits > 0
+    assert aborted not in outputs and len(outputs) == len(requests) - 1
+    roomy = _llm(tiny_path, 512)
+    for request_id, prompt, params in requests:
+        if request_id != aborted:
+            alone = roomy.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
+            assert _results([outputs[request_id]]) == _results(alone), request_id
