@@ -21,11 +21,10 @@ With both kernels, a query goes to the kernel of its position's role rather than
 role in the step (`_by_role`): the prompt's positions to the prefill kernel, generated ones to
 the decode kernel. Each kernel sums a query's keys in an order fixed by its own sequence, so a
 position then gets the same bits in every step that computes it. By step role it would not:
-a chunk boundary or a prefix-cache hit can leave a prompt's last token alone (a one-token span
-the scheduler runs as a decode), and a preempted request computes its generated positions
-again in prefill chunks:
+a chunk boundary can leave a prompt's last token alone (a one-token span the scheduler runs as
+a decode), and a preempted request computes its generated positions again in prefill chunks:
 
-    span       prompt p0..p4 cached, then [p5 | g0 g1 g2] in one recompute chunk (g: generated)
+    span       p0..p4 done by an earlier chunk, then [p5 | g0 g1 g2] (p: prompt, g: generated)
     prefill    p5                     one query, context 5
     decode     g0, g1, g2             rows of their own, each over the keys up to its position
 """
