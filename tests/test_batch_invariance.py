@@ -149,10 +149,15 @@ def _params(max_tokens: int = 12) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=2)
 
 
+def _logprob_bits(steps) -> list:
+    return [None if step is None else {t: lp.logprob for t, lp in step.items()} for step in steps or []]
+
+
 def _results(outputs) -> list[tuple]:
-    """Each sample's tokens and the bits of its logprobs."""
-    return [(tuple(c.token_ids), [{t: lp.logprob for t, lp in step.items()} for step in c.logprobs])
-            for o in outputs for c in o.outputs]
+    """Each request's prompt logprobs, and each sample's tokens, text and the bits of its logprobs."""
+    return [(_logprob_bits(o.prompt_logprobs),
+             [(tuple(c.token_ids), c.text, c.finish_reason, _logprob_bits(c.logprobs)) for c in o.outputs])
+            for o in outputs]
 
 
 def _generate(path: str, budget: int, prompts: list[list[int]], together: bool) -> list[tuple]:
@@ -206,17 +211,20 @@ def test_preempted_requests_compute_their_tokens_again_to_the_same_bits(tiny_pat
 def test_a_random_load_gives_each_request_what_it_gets_alone(tiny_path):
     """Requests arrive while others run, in 16-token steps on a 24-block cache with prefix
     caching: chunks split anywhere, prompts share prefixes, requests preempt each other, one is
-    aborted, some draw n seeded samples. Each request that finishes has the tokens and logprob
-    bits it has alone in a roomy engine."""
+    aborted, some draw n seeded samples, some have penalties, a stop string and prompt logprobs.
+    Each request that finishes has the tokens, text and logprob bits it has alone in a roomy
+    engine."""
     rng = random.Random(0)
     shared = random_prompts([40], seed=7)[0]
     requests = []
     for i in range(10):
         prompt = shared[:rng.randrange(0, 41)] * (i % 2) + random_prompts([rng.randrange(1, 140)], seed=100 + i)[0]
-        sampled = i % 3 == 1
+        sampled, penalized = i % 3 == 1, i % 4 == 2
         requests.append((f"r{i}", prompt, SamplingParams(
             temperature=0.8 if sampled else 0, seed=i if sampled else None, n=2 if sampled else 1,
-            max_tokens=rng.randrange(1, 50), ignore_eos=True, logprobs=2)))
+            max_tokens=rng.randrange(1, 50), ignore_eos=True, logprobs=2,
+            repetition_penalty=1.2 if penalized else 1.0, frequency_penalty=0.3 if penalized else 0.0,
+            prompt_logprobs=1 if penalized else None, stop=["e"] if penalized else None)))
     llm = _llm(tiny_path, 16, num_blocks=24, prefix_caching=True)
     engine, outputs, waiting, steps = llm.llm_engine, {}, list(requests), 0
     while waiting or engine.has_unfinished_requests():
