@@ -13,7 +13,9 @@ every case:
   the step's keys, so its partial sums merge in the same order whatever the batch;
 - products: on the AVX512-BF16 tile GEMM every row count, decodes included, sums a row in
   the same order (cpu_tile_gemm.takes_decode_rows); on AMX the GEMV takes 1-4 rows, so there
-  the engine-level check is skipped.
+  the engine-level check is skipped. The default model's GGUF blocks, where the int8 GEMM takes
+  them at every row count (AVX512-VNNI), pass each row's blocks through one epilogue in block
+  order, whatever the tile.
 """
 
 import random
@@ -25,7 +27,9 @@ from vllm import LLM, SamplingParams
 from vllm.attention.ops import cpu_paged_decode, cpu_paged_prefill
 from vllm.model_executor.layers import cpu_tile_gemm
 from vllm.model_executor.layers.linear import Linear, PACKED_MAX_ROWS, can_pack
-from tests.utils import build_tiny_checkpoint, on_tile_gemm_copy, random_prompts
+from vllm.model_executor.layers.quantization import cpu_gguf_gemv
+from vllm.model_executor.layers.quantization.gguf_linear import is_quantized
+from tests.utils import build_tiny_checkpoint, on_tile_gemm_copy, random_prompts, smollm2_path
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4, 2, 64, 16
 
@@ -244,3 +248,36 @@ def test_a_random_load_gives_each_request_what_it_gets_alone(tiny_path):
         if request_id != aborted:
             alone = roomy.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
             assert _results([outputs[request_id]]) == _results(alone), request_id
+
+
+def _default_llm(budget: int, num_blocks: int = 256) -> LLM:
+    """The default model (SmolLM2's Q4_1 GGUF, its LM head in Q8_0), kept in its blocks. Its
+    products are row-invariant where the int8 GEMM takes every row count of every weight type:
+    each row's blocks pass one epilogue, in block order, whatever the tile."""
+    llm = LLM(smollm2_path(), max_model_len=min(512, num_blocks * BLOCK), block_size=BLOCK,
+              num_gpu_blocks_override=num_blocks, enable_chunked_prefill=True, max_num_batched_tokens=budget,
+              enable_prefix_caching=False)
+    runner = llm.llm_engine.runner
+    fused = runner.attn_backend.fused_layers
+    weights = [p for p in runner.model.parameters() if is_quantized(p)]
+    if (fused is None or not fused.takes_prefills or not weights
+            or any(cpu_gguf_gemv.product_path(w.quant_type, m, w.shape[0], w.in_features) != "gemm"
+                   for w in weights for m in (1, 2, 5, 17, 512))):
+        pytest.skip("the default model's layers are not all C layers on the int8 GEMM here")
+    return llm
+
+
+def test_the_default_model_gives_the_same_bits_whatever_the_load():
+    """SmolLM2 Q4_1: prompts of 17 and 33 tokens end with a one-token chunk at budget 16; in a
+    14-block cache a request is preempted. Each request has the tokens and logprob bits it has
+    alone at budget 512."""
+    requests = [{"prompt_token_ids": p} for p in random_prompts([17, 33, 150, 90, 5], seed=3)]
+    params = _params(40)
+    roomy = _default_llm(512)
+    alone = [roomy.generate([r], params, use_tqdm=False)[0] for r in requests]
+    small_steps = _default_llm(16).generate(requests, params, use_tqdm=False)
+    small_cache = _default_llm(64, num_blocks=14)
+    preempted = small_cache.generate(requests, params, use_tqdm=False)
+    assert small_cache.llm_engine.scheduler.num_preemptions > 0
+    assert _results(small_steps) == _results(alone)
+    assert _results(preempted) == _results(alone)
