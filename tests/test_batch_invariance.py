@@ -78,6 +78,37 @@ def test_prefill_attention_does_not_depend_on_the_chunk_split(prefill_copy):
         assert torch.equal(attend(context), whole[context:]), f"chunk from position {context}"
 
 
+def test_prefill_attention_does_not_depend_on_the_chunk_split_when_some_queries_raise_their_maximum(
+        prefill_copy):
+    """A task's step is taken back and summed again when any of its queries' weights outgrow
+    the running maximum; every 23rd query here has scores that grow along the keys, so whether
+    a query's steps are taken back depends on which queries share its task, that is on where
+    its chunk starts. Its weights, and their total, must come out the same either way."""
+    torch.manual_seed(0)
+    heads, length = 8, 400
+    blocks = (length + BLOCK - 1) // BLOCK
+    table = torch.randperm(blocks + 3)[:blocks].view(1, -1)                       # (1, blocks)
+    key_cache = torch.randn(blocks + 3, BLOCK, KV_HEADS, HEAD_DIM)                # (blocks, B, KVH, D)
+    positions = torch.arange(length)
+    key_cache.view(-1, KV_HEADS, HEAD_DIM)[table[0, positions // BLOCK] * BLOCK + positions % BLOCK, :, 0] = \
+        positions[:, None].float() / 4
+    key_cache, value_cache = key_cache.bfloat16(), torch.randn_like(key_cache).bfloat16()
+    query = torch.randn(length, heads, HEAD_DIM)                                  # (L, H, D)
+    query[::23, :, 0] = 8.0
+    query = query.bfloat16()
+
+    def attend(context: int) -> torch.Tensor:  # the rows of positions context .. length - 1
+        out = torch.zeros(length - context, heads, HEAD_DIM, dtype=torch.bfloat16)
+        cpu_paged_prefill.paged_prefill(query[context:].contiguous(), key_cache, value_cache, table,
+                                        torch.tensor([0]), torch.tensor([length - context]),
+                                        torch.tensor([context]), 0.125, None, out)
+        return out
+
+    whole = attend(0)
+    for context in range(1, length, 3):
+        assert torch.equal(attend(context), whole[context:]), f"chunk from position {context}"
+
+
 @pytest.fixture(params=["amx", "avx512"])
 def decode_copy(request):
     available = cpu_paged_decode.is_available(torch.device("cpu"), torch.bfloat16, HEADS, KV_HEADS, HEAD_DIM)

@@ -123,7 +123,13 @@ static inline void softmax_step(struct lazy_softmax *st, float s[KEYS][QUERIES],
     if (lazy_softmax_accept(st, sums)) return;
     __m512 alpha;
     if (lazy_softmax_raise(st, masked_max(scores, seen, KEYS), &alpha)) rescale_output(alpha);
-    st->total = _mm512_add_ps(st->total, lazy_softmax_pairs(st, scores, seen, KEYS, pt));
+    /* Summed in the same parts as above: a lane whose maximum stands gets the same total whether
+     * or not another lane of the task (another query, which depends on where the chunk starts)
+     * had the step taken back. */
+    sums = _mm512_setzero_ps();
+    for (int part = 0; part < 8; ++part)
+        sums = _mm512_add_ps(sums, lazy_softmax_pairs(st, scores + 4 * part, seen + 4 * part, 4, pt + 2 * part));
+    st->total = _mm512_add_ps(st->total, sums);
 }
 
 /* The cache rows of a sequence's 16 keys from `key` (a multiple of 16: one block) in KV head
