@@ -202,6 +202,20 @@ def test_latency(tiny_checkpoints, tmp_path):
     assert 0.96 * most < saved <= most
 
 
+def test_step_host(tiny_checkpoints, tmp_path):
+    out = tmp_path / "step_host.json"
+    proc = run_script("benchmark_step_host.py", "--model", tiny_checkpoints["llama"], "--num-seqs", "1,5",
+                      "--input-len", "20", "--repeats", "5", *ENGINE, "--output-json", str(out))
+    check_ok(proc)
+    result = json.loads(out.read_text())
+    assert [r["num_seqs"] for r in result["results"]] == [1, 5]
+    for r in result["results"]:
+        for name in ("schedule", "undo", "prepare"):
+            assert 0 < r[name]["best_us"] <= r[name]["median_us"]
+        assert r["per_seq_us"]["prepare"] == r["prepare"]["median_us"] / r["num_seqs"]
+    assert re.search(r"^   5 sequences: schedule +[0-9.]+ us", proc.stdout, re.M), proc.stdout
+
+
 # --------------------------------------------------------------------------- workloads A-E
 
 def test_workloads(tiny_checkpoints, tmp_path):
