@@ -51,6 +51,24 @@ def prefill_copy(request):
     yield from _on_attention_copy(cpu_paged_prefill, available, request.param)
 
 
+def _assert_chunks_match_the_whole_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                                           table: torch.Tensor, contexts) -> None:
+    """query: (L, H, D), one sequence's; the rows of a chunk from each of `contexts` to the end
+    must equal the same positions' rows of the whole prefill, bit for bit."""
+    length, heads = query.shape[:2]
+
+    def attend(context: int) -> torch.Tensor:  # the rows of positions context .. length - 1
+        out = torch.zeros(length - context, heads, HEAD_DIM, dtype=torch.bfloat16)
+        cpu_paged_prefill.paged_prefill(query[context:].contiguous(), key_cache, value_cache, table,
+                                        torch.tensor([0]), torch.tensor([length - context]),
+                                        torch.tensor([context]), 0.125, None, out)
+        return out
+
+    whole = attend(0)
+    for context in contexts:
+        assert torch.equal(attend(context), whole[context:]), f"chunk from position {context}"
+
+
 def test_prefill_attention_does_not_depend_on_the_chunk_split(prefill_copy):
     """The rows of a chunk equal the same positions' rows of one whole prefill, wherever the
     chunk starts. Scores spread over a wide range (a growing bias on one dimension) make the
@@ -64,18 +82,8 @@ def test_prefill_attention_does_not_depend_on_the_chunk_split(prefill_copy):
     table = torch.randperm(blocks + 3)[:blocks].view(1, -1)                      # (1, blocks)
     query = torch.randn(length, HEADS, HEAD_DIM) * 6                             # (L, H, D)
     query[..., 0] += torch.linspace(-3, 5, length)[:, None]
-    query = query.bfloat16()
-
-    def attend(context: int) -> torch.Tensor:  # the rows of positions context .. length - 1
-        out = torch.zeros(length - context, HEADS, HEAD_DIM, dtype=torch.bfloat16)
-        cpu_paged_prefill.paged_prefill(query[context:].contiguous(), key_cache, value_cache, table,
-                                        torch.tensor([0]), torch.tensor([length - context]),
-                                        torch.tensor([context]), 0.125, None, out)
-        return out
-
-    whole = attend(0)
-    for context in (1, 15, 31, 100, 137, 299):
-        assert torch.equal(attend(context), whole[context:]), f"chunk from position {context}"
+    _assert_chunks_match_the_whole_prefill(query.bfloat16(), key_cache, value_cache, table,
+                                           (1, 15, 31, 100, 137, 299))
 
 
 def test_prefill_attention_does_not_depend_on_the_chunk_split_when_some_queries_raise_their_maximum(
@@ -85,28 +93,17 @@ def test_prefill_attention_does_not_depend_on_the_chunk_split_when_some_queries_
     a query's steps are taken back depends on which queries share its task, that is on where
     its chunk starts. Its weights, and their total, must come out the same either way."""
     torch.manual_seed(0)
-    heads, length = 8, 400
+    length = 400
     blocks = (length + BLOCK - 1) // BLOCK
     table = torch.randperm(blocks + 3)[:blocks].view(1, -1)                       # (1, blocks)
     key_cache = torch.randn(blocks + 3, BLOCK, KV_HEADS, HEAD_DIM)                # (blocks, B, KVH, D)
     positions = torch.arange(length)
     key_cache.view(-1, KV_HEADS, HEAD_DIM)[table[0, positions // BLOCK] * BLOCK + positions % BLOCK, :, 0] = \
         positions[:, None].float() / 4
-    key_cache, value_cache = key_cache.bfloat16(), torch.randn_like(key_cache).bfloat16()
-    query = torch.randn(length, heads, HEAD_DIM)                                  # (L, H, D)
+    query = torch.randn(length, 8, HEAD_DIM)                                      # (L, H, D)
     query[::23, :, 0] = 8.0
-    query = query.bfloat16()
-
-    def attend(context: int) -> torch.Tensor:  # the rows of positions context .. length - 1
-        out = torch.zeros(length - context, heads, HEAD_DIM, dtype=torch.bfloat16)
-        cpu_paged_prefill.paged_prefill(query[context:].contiguous(), key_cache, value_cache, table,
-                                        torch.tensor([0]), torch.tensor([length - context]),
-                                        torch.tensor([context]), 0.125, None, out)
-        return out
-
-    whole = attend(0)
-    for context in range(1, length, 3):
-        assert torch.equal(attend(context), whole[context:]), f"chunk from position {context}"
+    _assert_chunks_match_the_whole_prefill(query.bfloat16(), key_cache.bfloat16(),
+                                           torch.randn_like(key_cache).bfloat16(), table, range(1, length, 3))
 
 
 @pytest.fixture(params=["amx", "avx512"])
