@@ -28,15 +28,15 @@ from engine_setup import add_engine_args, apply_threads, build_llm  # noqa: E402
 from result_files import args_dict, machine_info, save_results  # noqa: E402
 
 
-def _microseconds(run, repeats: int) -> dict:
-    """Median and best of `repeats` timed calls of run(), after one untimed call."""
-    run()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append((time.perf_counter() - start) * 1e6)
-    return {"median_us": statistics.median(times), "best_us": min(times)}
+def _summary(times_us: list[float]) -> dict:
+    return {"median_us": statistics.median(times_us), "best_us": min(times_us)}
+
+
+def _call_us(fn):
+    """(fn(), its microseconds)."""
+    start = time.perf_counter()
+    result = fn()
+    return result, (time.perf_counter() - start) * 1e6
 
 
 def measure(llm, num_seqs: int, input_len: int, repeats: int, rng: random.Random) -> dict:
@@ -55,26 +55,17 @@ def measure(llm, num_seqs: int, input_len: int, repeats: int, rng: random.Random
         if not engine.has_unfinished_requests():
             raise RuntimeError("the requests finished before they all decoded")
 
-    def schedule_then_undo(timed: dict) -> None:
-        start = time.perf_counter()
-        step = scheduler.schedule()
-        timed["schedule"].append((time.perf_counter() - start) * 1e6)
-        start = time.perf_counter()
-        scheduler.undo(step)
-        timed["undo"].append((time.perf_counter() - start) * 1e6)
-
-    timed = {"schedule": [], "undo": []}
-    schedule_then_undo({"schedule": [], "undo": []})  # untimed: the first call warms caches
-    for _ in range(repeats):
-        schedule_then_undo(timed)
-    step = scheduler.schedule()
-    assert step.num_decodes == num_seqs, f"{step.num_decodes} decodes scheduled of {num_seqs}"
-    prepare = _microseconds(lambda: runner.prepare_inputs(step, step.num_batched_tokens), repeats)
-    scheduler.undo(step)
+    times: dict[str, list[float]] = {"schedule": [], "undo": [], "prepare": []}
+    for i in range(repeats + 1):  # the first round untimed: it warms caches
+        step, schedule_us = _call_us(scheduler.schedule)
+        assert step.num_decodes == num_seqs, f"{step.num_decodes} decodes scheduled of {num_seqs}"
+        _, prepare_us = _call_us(lambda: runner.prepare_inputs(step, step.num_batched_tokens))
+        _, undo_us = _call_us(lambda: scheduler.undo(step))
+        if i:
+            for name, us in (("schedule", schedule_us), ("undo", undo_us), ("prepare", prepare_us)):
+                times[name].append(us)
     engine.abort_request(ids)
-    result = {name: {"median_us": statistics.median(values), "best_us": min(values)}
-              for name, values in timed.items()}
-    result["prepare"] = prepare
+    result: dict = {name: _summary(values) for name, values in times.items()}
     result["num_seqs"] = num_seqs
     result["per_seq_us"] = {name: result[name]["median_us"] / num_seqs for name in ("schedule", "prepare")}
     return result

@@ -37,11 +37,7 @@ def parse_prompt(prompt: PromptType | ProcessedPrompt, tokenizer) -> ProcessedPr
         text, ids = prompt.get("prompt"), prompt["prompt_token_ids"]
         if not isinstance(ids, (list, tuple)):
             raise ValueError(f"prompt_token_ids must be a list of ints, got {type(ids).__name__}")
-        token_ids = list(ids)
-        vocab = len(tokenizer)
-        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt_token_ids holds ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        token_ids = checked_token_ids(list(ids), tokenizer, "prompt_token_ids")
     elif isinstance(prompt, dict) and "prompt" in prompt:
         text = prompt["prompt"]
         token_ids = tokenizer(checked_text(text)).input_ids
@@ -63,3 +59,13 @@ def checked_text(text) -> str:
         raise ValueError(f"the prompt is not valid Unicode: {e.reason} at character {e.start} "
                          f"({text[e.start:e.end]!r})") from None
     return text
+
+
+def checked_token_ids(ids: list, tokenizer, name: str) -> list[int]:
+    """`ids`, checked to be ids of the tokenizer's vocabulary; raises ValueError naming `name` and
+    the first ids outside it otherwise."""
+    vocab = len(tokenizer)
+    bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"{name} holds ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+    return ids

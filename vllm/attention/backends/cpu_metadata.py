@@ -29,7 +29,7 @@ a decode), and a preempted request computes its generated positions again in pre
     decode     g0, g1, g2             rows of their own, each over the keys up to its position
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -196,10 +196,9 @@ def _by_role(spans: list[SeqSpan]) -> tuple[list[SeqSpan], list[SeqSpan]]:
             prefills.append(span)
             continue
         if prompt > 0:
-            prefills.append(SeqSpan(span.token_offset, prompt, span.context_len, span.block_table,
-                                    span.num_prompt_tokens))
-        decodes.extend(SeqSpan(span.token_offset + i, 1, span.context_len + i, span.block_table,
-                               span.num_prompt_tokens) for i in range(max(prompt, 0), span.query_len))
+            prefills.append(replace(span, query_len=prompt))
+        decodes.extend(replace(span, token_offset=span.token_offset + i, query_len=1, context_len=span.context_len + i)
+                       for i in range(max(prompt, 0), span.query_len))
     return decodes, prefills
 
 

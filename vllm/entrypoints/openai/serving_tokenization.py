@@ -4,7 +4,7 @@ prompts with the very tokens the engine will see. Neither runs the model."""
 from vllm.entrypoints.openai.protocol import (DetokenizeRequest, DetokenizeResponse, TokenizeRequest,
                                               TokenizeResponse)
 from vllm.entrypoints.openai.serving_engine import OpenAIServing, OpenAIServingError
-from vllm.inputs import checked_text
+from vllm.inputs import checked_text, checked_token_ids
 
 
 class OpenAIServingTokenization(OpenAIServing):
@@ -30,9 +30,8 @@ class OpenAIServingTokenization(OpenAIServing):
     def create_detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
         """The text of the token ids, special tokens included (as the prompt the engine reads)."""
         self.model_name(request.model)
-        vocab = len(self.tokenizer)
-        bad = [t for t in request.tokens if not 0 <= t < vocab]
-        if bad:
-            raise OpenAIServingError(f"tokens holds ids outside the vocabulary [0, {vocab}): {bad[:5]}",
-                                     param="tokens")
-        return DetokenizeResponse(prompt=self.tokenizer.decode(request.tokens))
+        try:
+            tokens = checked_token_ids(request.tokens, self.tokenizer, "tokens")
+        except ValueError as e:
+            raise OpenAIServingError(str(e), param="tokens") from None
+        return DetokenizeResponse(prompt=self.tokenizer.decode(tokens))
