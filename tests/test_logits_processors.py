@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from vllm import SamplingParams
-from vllm.model_executor.layers.logits_processors import (apply_min_p, apply_min_tokens,
+from vllm.model_executor.layers.logits_processors import (apply_allowed_token_ids, apply_bad_words,
+                                                          apply_logit_bias, apply_min_p, apply_min_tokens,
                                                           apply_penalties)
 from vllm.model_executor.layers.sampler import sample, sample_with_processors
 
@@ -98,6 +99,68 @@ def test_greedy_rows_see_min_tokens_and_penalties():
     assert sample_with_processors(logits, params, gens, [[1], [1]], [[9, 9], [9]], 4) == [4, 4]
 
 
+# ---------------------------------------------------------------- allowed ids, bad words, logit bias
+
+def _with_bad_words(words: list[list[int]], **kwargs) -> SamplingParams:
+    """SamplingParams whose bad words are already token ids, as the engine leaves them."""
+    return SamplingParams(bad_words=[f"w{i}" for i in range(len(words))], _bad_words_token_ids=words, **kwargs)
+
+
+def test_allowed_token_ids_leave_only_those_tokens():
+    params = [SamplingParams(allowed_token_ids=[3, 7, 7]), SamplingParams(),
+              SamplingParams(allowed_token_ids=[V - 1])]
+    logits = _logits(3, seed=4)
+    before = logits.clone()
+    got = apply_allowed_token_ids(logits, params)
+    for row, p in enumerate(params):
+        for tok in range(V):
+            kept = p.allowed_token_ids is None or tok in p.allowed_token_ids
+            assert got[row, tok] == (logits[row, tok] if kept else NEG_INF), (row, tok)
+    assert torch.equal(logits, before)
+
+
+def test_bad_words_forbid_the_token_that_completes_one():
+    # Row 0: a one-token word always; "4 5 6" when the output ends with 4 5; "9 1" not (ends 5).
+    # Row 1: "4 5 6" needs 4 5 at the end of the output, not inside it; the prompt never counts.
+    # Row 2: an output shorter than the word's head.
+    params = [_with_bad_words([[2], [4, 5, 6], [9, 1]]), _with_bad_words([[4, 5, 6]]),
+              _with_bad_words([[8, 8, 8, 3]]), SamplingParams()]
+    outputs = [[1, 4, 5], [4, 5, 0], [8, 8], [2]]
+    expected = {(0, 2), (0, 6)}
+    logits = _logits(4, seed=5)
+    before = logits.clone()
+    got = apply_bad_words(logits, params, outputs)
+    for row in range(4):
+        for tok in range(V):
+            assert got[row, tok] == (NEG_INF if (row, tok) in expected else logits[row, tok]), (row, tok)
+    assert torch.equal(logits, before)
+
+
+def test_logit_bias_adds_to_its_tokens_only():
+    params = [SamplingParams(logit_bias={1: 5.0, "3": -2.5}), SamplingParams(),
+              SamplingParams(logit_bias={1: -100, V - 1: 100})]
+    logits = _logits(3, seed=6)
+    got = apply_logit_bias(logits, params)
+    expected = logits.clone()
+    for row, p in enumerate(params):
+        for tok, bias in (p.logit_bias or {}).items():
+            expected[row, tok] += bias
+    assert torch.equal(got, expected) and not torch.equal(got, logits)
+
+
+def test_logit_bias_comes_before_the_penalties_and_masks_before_both():
+    """vLLM's order. Token 0 has logit 1 and was generated; a bias of 2 then a repetition
+    penalty of 2 make it (1 + 2) / 2 = 1.5, below token 1's 2 (the other order would give 2.5).
+    Token 1 is then a bad word, and token 3 the only allowed one of the last row."""
+    logits = torch.full((3, 4), -5.0)
+    logits[:, 0], logits[:, 1] = 1.0, 2.0
+    biased = dict(temperature=0, logit_bias={0: 2.0}, repetition_penalty=2.0)
+    params = [SamplingParams(**biased), _with_bad_words([[1]], **biased),
+              SamplingParams(allowed_token_ids=[3], **biased)]
+    generators = [torch.Generator() for _ in params]
+    assert sample_with_processors(logits, params, generators, [[]] * 3, [[0]] * 3, None) == [1, 0, 3]
+
+
 # ---------------------------------------------------------------- fast paths
 
 def test_processors_return_their_input_when_no_row_uses_them():
@@ -107,6 +170,11 @@ def test_processors_return_their_input_when_no_row_uses_them():
     assert apply_penalties(logits, params, ids, ids) is logits
     assert apply_min_tokens(logits, params, [0, 0, 0], eos_token_id=2) is logits
     assert apply_min_p(logits, params) is logits
+    assert apply_allowed_token_ids(logits, params) is logits
+    assert apply_bad_words(logits, params, ids) is logits
+    assert apply_logit_bias(logits, params) is logits
+    # A multi-token word whose head the output does not end with bans nothing.
+    assert apply_bad_words(logits, [_with_bad_words([[5, 6]])] * 3, ids) is logits
     done = [SamplingParams(min_tokens=2)] * 3
     assert apply_min_tokens(logits, done, [2, 5, 3], eos_token_id=2) is logits
 

@@ -119,6 +119,27 @@ def test_n_seed_logprobs_and_stop(client, llm):
     assert streamed == full[:full.index(stop)]
 
 
+def test_logit_bias_allowed_ids_and_bad_words_reach_the_sampler(client, llm):
+    """OpenAI's logit_bias (string keys) and vLLM's allowed_token_ids and bad_words, in completions
+    and chat, give what LLM.generate gives for the same SamplingParams."""
+    fields = [dict(logit_bias={"1000": 100}), dict(allowed_token_ids=[2000, 2001, 2002]),
+              dict(bad_words=["the", "in"], logit_bias={"264": 5.0})]
+    for extra in fields:
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, **extra)
+        ref = llm.generate(PROMPTS[1], params, use_tqdm=False)[0].outputs[0]
+        body = dict(extra, ignore_eos=True)
+        resp = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=8, temperature=0,
+                                         extra_body=body)
+        assert resp.choices[0].text == ref.text, extra
+        chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                              max_tokens=8, temperature=0, extra_body=body)
+        assert chat.usage.completion_tokens == 8
+        if "logit_bias" in extra and len(extra) == 1:
+            assert ref.token_ids == [1000] * 8 and chat.choices[0].message.content == ref.text
+        if "allowed_token_ids" in extra:
+            assert set(ref.token_ids) <= {2000, 2001, 2002}
+
+
 def test_models_health_version(server):
     models = httpx2.get(f"{server.url}/v1/models").json()
     assert [m["id"] for m in models["data"]] == [MODEL] and models["data"][0]["max_model_len"] == 256
@@ -141,6 +162,10 @@ def test_models_health_version(server):
     ({"model": MODEL, "prompt": "hi " * 300}, 400, ["256", "301"]),  # prompt over max_model_len
     ({"model": MODEL, "prompt": "hi", "max_tokens": 300}, 400, ["256", "300"]),
     ({"model": MODEL, "prompt": "hi", "logprobs": 50}, 400, ["logprobs=50", "max_logprobs"]),  # the engine's check
+    ({"model": MODEL, "prompt": "hi", "logit_bias": {"cat": 1}}, 400, ["logit_bias", "token ids"]),
+    ({"model": MODEL, "prompt": "hi", "logit_bias": {"49152": 1}}, 400, ["logit_bias", "vocabulary", "49152"]),
+    ({"model": MODEL, "prompt": "hi", "allowed_token_ids": []}, 400, ["allowed_token_ids", "non-empty"]),
+    ({"model": MODEL, "prompt": "hi", "bad_words": [""]}, 400, ["bad_words"]),
 ])
 def test_bad_completion_requests(server, engine, body, status, words):
     kwargs = {"content": body, "headers": {"Content-Type": "application/json"}} if isinstance(body, str) \

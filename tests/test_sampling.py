@@ -113,3 +113,87 @@ def test_repetition_penalty_and_min_tokens_end_to_end_match_transformers(tiny_ch
             expected = expected[:expected.index(eos) + 1]
         assert out.outputs[0].token_ids == expected
         assert out.outputs[0].token_ids != base.outputs[0].token_ids  # the penalty mattered
+
+
+def _hf_generate(model, prompt: list[int], max_new_tokens: int, **kwargs) -> list[int]:
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=max_new_tokens, **kwargs)[0, len(prompt):].tolist()
+    eos = model.generation_config.eos_token_id
+    return out[:out.index(eos) + 1] if eos in out else out
+
+
+def test_logit_bias_bad_words_and_allowed_ids_end_to_end_match_transformers(tiny_checkpoints):
+    """transformers' SequenceBiasLogitsProcessor (one-token sequences), NoBadWordsLogitsProcessor
+    and prefix_allowed_tokens_fn, given the ids the engine made of the same request, with
+    prompts chunked at a 16-token budget."""
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_checkpoints["llama"]
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    llm = LLM(path, dtype="float32", max_model_len=512, block_size=16, max_num_batched_tokens=16,
+              enforce_eager=True)
+    tokenizer = llm.get_tokenizer()
+    prompts = random_prompts([12, 70], seed=9)
+    greedy = SamplingParams(temperature=0, max_tokens=24)
+    plain = [o.outputs[0].token_ids for o in llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)]
+    # From each plain output, a word of one token however it is tokenized.
+    words = []
+    for out in plain:
+        for token in out:
+            word = SamplingParams(bad_words=[tokenizer.decode([token]).strip() or "x"])
+            word.update_from_tokenizer(tokenizer)
+            if all(len(ids) == 1 for ids in word.bad_words_token_ids):
+                words += word.bad_words
+                break
+    allowed = sorted({t for out in plain for t in out[::3]} | set(random_prompts([40], seed=2)[0]))
+    cases = [
+        (dict(logit_bias={plain[0][0]: -3.0, plain[1][2]: -2.0, 777: 4.0}),
+         lambda p: dict(sequence_bias=[[[t], b] for t, b in p.logit_bias.items()])),
+        (dict(bad_words=words), lambda p: dict(bad_words_ids=p.bad_words_token_ids)),
+        (dict(allowed_token_ids=allowed), lambda p: dict(prefix_allowed_tokens_fn=lambda b, ids: allowed)),
+    ]
+    for fields, hf_kwargs in cases:
+        params = SamplingParams(temperature=0, max_tokens=24, **fields)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        engine_params = params.clone()
+        engine_params.update_from_tokenizer(tokenizer)
+        for prompt, out, base in zip(prompts, outs, plain, strict=True):
+            assert out.outputs[0].token_ids == _hf_generate(model, prompt, 24, **hf_kwargs(engine_params)), fields
+            assert out.outputs[0].token_ids != base, fields  # the processor mattered
+
+
+def test_forked_seeded_samples_keep_the_token_constraints(tiny_checkpoints):
+    llm = LLM(tiny_checkpoints["llama"], dtype="float32", max_model_len=256, block_size=16,
+              max_num_batched_tokens=32, enforce_eager=True)
+    allowed = list(range(1000, 1040))
+    params = SamplingParams(n=3, seed=5, temperature=1.5, max_tokens=30, ignore_eos=True,
+                            allowed_token_ids=allowed, logit_bias={1000: -100, 1001: 8.0},
+                            bad_words=[llm.get_tokenizer().decode([1002])])
+    out = llm.generate({"prompt_token_ids": random_prompts([20], seed=1)[0]}, params, use_tqdm=False)[0]
+    tokens = [t for sample in out.outputs for t in sample.token_ids]
+    assert len(out.outputs) == 3 and set(tokens) <= set(allowed) - {1000, 1002}
+    assert 1001 in tokens and len(set(tokens)) > 5
+
+
+def test_token_constraints_outside_the_model_are_refused_before_anything_runs(tiny_checkpoints):
+    llm = LLM(tiny_checkpoints["llama"], dtype="float32", max_model_len=256, enforce_eager=True)
+    engine = llm.llm_engine
+    vocab = engine.config.model.vocab_size
+    bad = [(dict(logit_bias={vocab: 1.0}), r"logit_bias holds ids outside the model's vocabulary"),
+           (dict(allowed_token_ids=[5, vocab + 3]), r"allowed_token_ids holds ids outside"),
+           (dict(allowed_token_ids=[engine.eos_token_id], min_tokens=2), "allowed_token_ids leaves nothing"),
+           (dict(allowed_token_ids=[7], stop_token_ids=[7], min_tokens=1), "allowed_token_ids leaves nothing"),
+           (dict(allowed_token_ids=[engine.tokenizer.encode("hi", add_special_tokens=False)[0]],
+                 bad_words=["hi"]), "allowed_token_ids leaves nothing")]
+    for fields, message in bad:
+        with pytest.raises(ValueError, match=message):
+            engine.add_request("r", {"prompt_token_ids": [5, 6]}, SamplingParams(**fields))
+        assert not engine.has_unfinished_requests()
+    # The same ids are fine where they cannot empty a step.
+    engine.add_request("ok", {"prompt_token_ids": [5, 6]},
+                       SamplingParams(allowed_token_ids=[engine.eos_token_id, 9], min_tokens=2, max_tokens=3))
+    while engine.has_unfinished_requests():
+        engine.step()

@@ -29,6 +29,12 @@ _INVALID = [  # (field, bad value): wrong range, wrong type, bool where a number
     ("logprobs", -1), ("logprobs", 1.0), ("logprobs", True),
     ("prompt_logprobs", -1), ("prompt_logprobs", "5"), ("prompt_logprobs", False),
     ("skip_special_tokens", None), ("spaces_between_special_tokens", 0),
+    ("logit_bias", {-1: 1.0}), ("logit_bias", {"x": 1.0}), ("logit_bias", {"-3": 1.0}),
+    ("logit_bias", {1.0: 1.0}), ("logit_bias", {1: "2"}), ("logit_bias", {1: float("nan")}),
+    ("logit_bias", {True: 1.0}), ("logit_bias", [(1, 2.0)]),
+    ("allowed_token_ids", []), ("allowed_token_ids", [-1]), ("allowed_token_ids", [1.0]),
+    ("allowed_token_ids", 5), ("allowed_token_ids", [True]),
+    ("bad_words", "word"), ("bad_words", [""]), ("bad_words", [" "]), ("bad_words", [3]),
 ]
 
 
@@ -39,7 +45,7 @@ def test_invalid_values_raise_value_error_naming_the_field(name, value):
 
 
 def test_every_field_has_an_invalid_case():
-    names = {f.name for f in dataclasses.fields(SamplingParams)}
+    names = {f.name for f in dataclasses.fields(SamplingParams) if not f.name.startswith("_")}
     assert names == {name for name, _ in _INVALID}
 
 
@@ -88,3 +94,22 @@ def test_clone_is_independent():
     q.stop.append("b")
     q.stop_token_ids.append(2)
     assert p.stop == ["a"] and p.stop_token_ids == [1] and q.seed == 3
+
+
+def test_logit_bias_keys_become_ids_and_biases_are_clipped_as_in_vllm():
+    p = SamplingParams(logit_bias={"12": 150, 7: -0.5, "0": -101.5})
+    assert p.logit_bias == {12: 100.0, 7: -0.5, 0: -100.0}
+    assert SamplingParams(allowed_token_ids=(4, 2)).allowed_token_ids == [4, 2]
+
+
+def test_bad_words_are_tokenized_at_the_start_and_after_a_space(tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    p = SamplingParams(bad_words=["hello", " world peace"])
+    assert p.bad_words_token_ids == []  # until the engine tokenizes them
+    p.update_from_tokenizer(tokenizer)
+    ids = [tokenizer.encode(text, add_special_tokens=False)
+           for text in ("hello", " hello", "world peace", " world peace")]
+    assert p.bad_words_token_ids == ids and ids[0][0] != ids[1][0]
+    assert dataclasses.replace(p, n=1).bad_words_token_ids == p.bad_words_token_ids  # forks keep them

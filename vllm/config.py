@@ -69,6 +69,11 @@ class ModelConfig:
             raise ValueError(f"max_logprobs must be a non-negative integer, got {self.max_logprobs!r}")
 
     @property
+    def vocab_size(self) -> int:
+        """The width of the model's logits: the token ids it can produce."""
+        return self.hf_config.vocab_size
+
+    @property
     def eos_token_ids(self) -> list[int]:
         """The model's EOS ids from its generation config (Llama 3 Instruct has several)."""
         ids = self.generation_config_fields.get("eos_token_id")

@@ -18,6 +18,15 @@ def _is_number(value: object) -> bool:
     return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
 
 
+def _token_id(key: object) -> int | None:
+    """A logit_bias key as a token id, or None when it is not one."""
+    if _is_int(key):
+        return key if key >= 0 else None
+    if isinstance(key, str) and key.isascii() and key.isdigit():
+        return int(key)
+    return None
+
+
 def _check(name: str, value: object, ok: Callable[[object], bool], allowed: str) -> None:
     if not ok(value):
         raise ValueError(f"{name} must be {allowed}, got {value!r}")
@@ -31,7 +40,12 @@ class SamplingParams:
     those filters; penalties at their defaults (0, 0, 1) do nothing. A `seed` gives the request
     its own random stream, so its tokens do not depend on which other requests share a step,
     nor on how its prompt was chunked. After `__post_init__`: `stop` is a list of strings,
-    `stop_token_ids` a list of ints, `best_of == n`, and floats are Python floats.
+    `stop_token_ids` a list of ints, `best_of == n`, floats are Python floats, and `logit_bias`
+    maps int ids to biases clipped to [-100, 100] (JSON gives its keys as strings).
+
+    `allowed_token_ids`, `bad_words` and `logit_bias` change the logits before the penalties, in
+    vLLM's order; the engine checks their ids against the model's vocabulary and tokenizes
+    `bad_words` (`update_from_tokenizer`).
     """
 
     n: int = 1
@@ -54,6 +68,11 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    # Set by the engine from `bad_words` (update_from_tokenizer), not by users.
+    _bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self._check_counts()
@@ -70,6 +89,7 @@ class SamplingParams:
                      "spaces_between_special_tokens"):
             _check(name, getattr(self, name), lambda v: isinstance(v, bool), "True or False")
         self._normalise_stops()
+        self._normalise_token_constraints()
 
     def _check_counts(self) -> None:
         _check("n", self.n, lambda v: _is_int(v) and v >= 1, "an integer >= 1")
@@ -110,6 +130,43 @@ class SamplingParams:
             isinstance(v, (list, tuple)) and all(_is_int(t) and t >= 0 for t in v)),
             "None or a list of integers >= 0")
         self.stop_token_ids = list(self.stop_token_ids or [])
+
+    def _normalise_token_constraints(self) -> None:
+        if self.logit_bias is not None:
+            _check("logit_bias", self.logit_bias, lambda v: isinstance(v, dict) and all(
+                _token_id(t) is not None and _is_number(b) for t, b in v.items()),
+                "None or a dict of token ids (integers >= 0, or their decimal strings) to finite numbers")
+            self.logit_bias = {_token_id(t): min(100.0, max(-100.0, float(b))) for t, b in self.logit_bias.items()}
+        _check("allowed_token_ids", self.allowed_token_ids, lambda v: v is None or (
+            isinstance(v, (list, tuple)) and v and all(_is_int(t) and t >= 0 for t in v)),
+            "None or a non-empty list of integers >= 0")
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        _check("bad_words", self.bad_words, lambda v: v is None or (
+            isinstance(v, (list, tuple)) and all(isinstance(w, str) and w.strip() for w in v)),
+            "None or a list of strings that are not blank")
+        if self.bad_words is not None:
+            self.bad_words = list(self.bad_words)
+
+    def update_from_tokenizer(self, tokenizer) -> None:
+        """Tokenizes `bad_words`: each word as it would start the text and, where the tokenizer
+        gives a word after a space other ids of the same count, also as it would follow a space
+        (as vLLM does), so the word is banned in both places."""
+        if not self.bad_words:
+            return
+        sequences = []
+        for word in self.bad_words:
+            alone = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            sequences.append(alone)
+            if len(spaced) == len(alone) and spaced[0] != alone[0]:
+                sequences.append(spaced)
+        self._bad_words_token_ids = sequences
+
+    @property
+    def bad_words_token_ids(self) -> list[list[int]]:
+        """`bad_words` as token id sequences; empty until `update_from_tokenizer`."""
+        return self._bad_words_token_ids or []
 
     @property
     def greedy(self) -> bool:

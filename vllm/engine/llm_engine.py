@@ -144,10 +144,13 @@ class LLMEngine:
             raise ValueError(f"request_id must be a string, got {type(request_id).__name__}")
         self.validate_sampling_params(params)
         prompt = parse_prompt(prompt, self.tokenizer)
-        if set(self.config.model.eos_token_ids) - {self.eos_token_id}:  # they stop it too
+        if set(self.config.model.eos_token_ids) - {self.eos_token_id} or params.bad_words:
             params = params.clone()
+            # The generation config's other EOS ids stop it too.
             params.update_from_generation_config(self.config.model.generation_config_fields,
                                                  self.eos_token_id)
+            params.update_from_tokenizer(self.tokenizer)
+        _check_something_is_allowed(params, self.eos_token_id)
         ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
         if request_id in self.requests or any(i in self._seqs for i in ids):
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -188,6 +191,11 @@ class LLMEngine:
             if value is not None and value > max_logprobs:
                 raise ValueError(f"{name}={value} exceeds max_logprobs={max_logprobs} "
                                  "(an engine argument)")
+        vocab = self.config.model.vocab_size
+        for name, ids in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids)):
+            bad = sorted(t for t in set(ids or ()) if t >= vocab)
+            if bad:
+                raise ValueError(f"{name} holds ids outside the model's vocabulary [0, {vocab}): {bad[:5]}")
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Stops requests (unknown or finished ids are ignored); their KV blocks are free at once,
@@ -466,6 +474,20 @@ class LLMEngine:
         self._logged_stats = dataclasses.replace(self.stats)
         for stat_logger in self.stat_loggers.values():
             stat_logger.log(stats)
+
+
+def _check_something_is_allowed(params: SamplingParams, eos_token_id: int | None) -> None:
+    """Raises ValueError when `allowed_token_ids` could leave a step with no token to sample:
+    when every allowed id is the last token of a bad word or, with `min_tokens`, an id that
+    min_tokens holds back. Other processors never remove every token."""
+    if params.allowed_token_ids is None:
+        return
+    banned = {ids[-1] for ids in params.bad_words_token_ids}
+    if params.min_tokens > 0:
+        banned |= set(params.stop_token_ids) | ({eos_token_id} - {None})
+    if set(params.allowed_token_ids) <= banned:
+        raise ValueError("allowed_token_ids leaves nothing to sample: each of its ids ends a bad word or, "
+                         "with min_tokens, is an EOS or stop token id")
 
 
 def _sample_params(params: SamplingParams, index: int) -> SamplingParams:

@@ -80,6 +80,7 @@ class _SamplingRequest(OpenAIBaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     user: str | None = None
+    logit_bias: dict[str, float] | None = None  # token id (a decimal string) -> bias
     # vLLM's extra sampling parameters
     top_k: int | None = None
     min_p: float | None = None
@@ -89,6 +90,8 @@ class _SamplingRequest(OpenAIBaseModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
 
     @model_validator(mode="after")
     def _check_stream_options(self):
@@ -108,7 +111,8 @@ class _SamplingRequest(OpenAIBaseModel):
             max_tokens=max_tokens, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
             stop_token_ids=self.stop_token_ids, include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens, logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs)
+            prompt_logprobs=prompt_logprobs, logit_bias=self.logit_bias,
+            allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words)
 
     @property
     def include_usage(self) -> bool:
@@ -130,11 +134,10 @@ class CompletionRequest(_SamplingRequest):
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
-    logit_bias: dict[str, float] | None = None
 
     @model_validator(mode="after")
     def _check_completion_fields(self):
-        _refuse_unsupported(self, ("suffix", "logit_bias"))
+        _refuse_unsupported(self, ("suffix",))
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError(f"best_of must equal n ({self.n}): every sample is returned, "
                              f"got best_of={self.best_of}")
@@ -205,11 +208,10 @@ class ChatCompletionRequest(_SamplingRequest):
     continue_final_message: bool = False
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    logit_bias: dict[str, float] | None = None
 
     @model_validator(mode="after")
     def _check_chat_fields(self):
-        _refuse_unsupported(self, ("tools", "logit_bias"))
+        _refuse_unsupported(self, ("tools",))
         if self.tool_choice not in (None, "none"):
             raise ValueError("tool_choice is not supported by this server")
         if self.top_logprobs is not None and not self.logprobs:

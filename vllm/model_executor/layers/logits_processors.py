@@ -1,4 +1,5 @@
-"""Logits processors: min_tokens masking and penalties before sampling, min_p inside it.
+"""Logits processors: allowed token ids, bad words, min_tokens masking, logit bias and penalties
+before sampling, min_p inside it.
 
 Each takes the float32 logits of the rows that sample, (R, V), and returns new (R, V) logits,
 leaving its input alone. They run every decode step, so each returns its input untouched when
@@ -8,6 +9,47 @@ no row uses its feature.
 import torch
 
 from vllm.sampling_params import SamplingParams
+
+
+def apply_allowed_token_ids(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Leaves a row with `allowed_token_ids` only those tokens (the engine checked the ids)."""
+    assert logits.shape[0] == len(params)
+    rows = [i for i, p in enumerate(params) if p.allowed_token_ids is not None]
+    if not rows:
+        return logits
+    banned = torch.zeros(logits.shape, dtype=torch.bool)                       # (R, V)
+    banned[rows] = True
+    allowed = [(i, t) for i in rows for t in params[i].allowed_token_ids]
+    banned[tuple(torch.tensor(allowed).T)] = False
+    return logits.masked_fill(banned, float("-inf"))                           # (R, V)
+
+
+def apply_bad_words(logits: torch.Tensor, params: list[SamplingParams],
+                    output_token_ids: list[list[int]]) -> torch.Tensor:
+    """Forbids the token that would complete a bad word: a one-token word always, a longer one
+    when the row's output ends with the word's other tokens (the prompt does not count)."""
+    assert logits.shape[0] == len(params) == len(output_token_ids)
+    rows, cols = [], []
+    for i, (p, output) in enumerate(zip(params, output_token_ids)):
+        for *head, last in p.bad_words_token_ids:
+            if not head or (len(output) >= len(head) and output[-len(head):] == head):
+                rows.append(i)
+                cols.append(last)
+    if not rows:
+        return logits
+    index = (torch.tensor(rows), torch.tensor(cols))                           # 2 x (M,)
+    return logits.index_put(index, logits.new_tensor(float("-inf")))            # (R, V)
+
+
+def apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Adds each row's `logit_bias` to the logits of its token ids."""
+    assert logits.shape[0] == len(params)
+    entries = [(i, t, b) for i, p in enumerate(params) if p.logit_bias for t, b in p.logit_bias.items()]
+    if not entries:
+        return logits
+    rows, cols, biases = zip(*entries)
+    index = (torch.tensor(rows), torch.tensor(cols))                           # 2 x (M,)
+    return logits.index_put(index, torch.tensor(biases), accumulate=True)       # (R, V)
 
 
 def apply_min_tokens(logits: torch.Tensor, params: list[SamplingParams],

@@ -1,13 +1,14 @@
 """Turns the logits of the sampling rows into token ids.
 
-Order, as in vLLM: min_tokens masking and penalties, then greedy argmax or temperature, min_p,
-top-k and top-p, then one draw per row.
+Order, as in vLLM: allowed token ids, bad words, min_tokens masking, logit bias and penalties,
+then greedy argmax or temperature, min_p, top-k and top-p, then one draw per row.
 """
 
 import torch
 
-from vllm.model_executor.layers.logits_processors import (apply_min_p, apply_min_tokens,
-                                                             apply_penalties)
+from vllm.model_executor.layers.logits_processors import (apply_allowed_token_ids, apply_bad_words,
+                                                          apply_logit_bias, apply_min_p, apply_min_tokens,
+                                                          apply_penalties)
 from vllm.sampling_params import SamplingParams
 
 
@@ -18,10 +19,13 @@ def sample_with_processors(logits: torch.Tensor, params: list[SamplingParams],
     """The model runner's entry point: logits (S, vocab) float32, one row per sampling request.
 
     Row i belongs to the request with `params[i]`, `generators[i]`, and the tokens generated so
-    far `output_token_ids[i]`. Greedy rows see the penalties and min_tokens too.
+    far `output_token_ids[i]`. Greedy rows see every processor here too.
     """
+    logits = apply_allowed_token_ids(logits, params)                           # (S, V)
+    logits = apply_bad_words(logits, params, output_token_ids)                 # (S, V)
     logits = apply_min_tokens(logits, params, [len(ids) for ids in output_token_ids],
                               eos_token_id)                                     # (S, V)
+    logits = apply_logit_bias(logits, params)                                  # (S, V)
     logits = apply_penalties(logits, params, prompt_token_ids, output_token_ids)  # (S, V)
     return sample(logits, params, generators)
 
