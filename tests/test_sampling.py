@@ -170,8 +170,8 @@ def test_forked_seeded_samples_keep_the_token_constraints(tiny_checkpoints):
               max_num_batched_tokens=32, enforce_eager=True)
     allowed = list(range(1000, 1040))
     params = SamplingParams(n=3, seed=5, temperature=1.5, max_tokens=30, ignore_eos=True,
-                            allowed_token_ids=allowed, logit_bias={1000: -100, 1001: 8.0},
-                            bad_words=[llm.get_tokenizer().decode([1002])])
+                            allowed_token_ids=allowed, logit_bias={1000: -100, 1001: 3.0, 1002: 6.0},
+                            bad_words=[llm.get_tokenizer().decode([1002])])  # banned, whatever its bias
     out = llm.generate({"prompt_token_ids": random_prompts([20], seed=1)[0]}, params, use_tqdm=False)[0]
     tokens = [t for sample in out.outputs for t in sample.token_ids]
     assert len(out.outputs) == 3 and set(tokens) <= set(allowed) - {1000, 1002}
