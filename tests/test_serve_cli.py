@@ -113,13 +113,21 @@ def test_the_api_server_module_serves_with_the_same_flags(tiny_checkpoints):
     # guides start the server with.
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = start_server(f"--model={tiny_checkpoints['llama']}", port,
-                        entry=("vllm.entrypoints.openai.api_server",))
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    proc = start_server(f"--model={tiny_checkpoints['llama']}", port, "--chat-template", template,
+                        "--response-role", "bot", entry=("vllm.entrypoints.openai.api_server",))
     try:
         wait_healthy(proc, url)
         body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 5, "ignore_eos": True}
         completion = httpx2.post(f"{url}/v1/completions", json=body, timeout=60).json()
         assert completion["usage"]["completion_tokens"] == 5
+        # The chat prompt is the template's: the message alone, as a completion's prompt (this
+        # tokenizer adds no BOS; its own template would add role markers).
+        chat = httpx2.post(f"{url}/v1/chat/completions", json={
+            "model": "tiny", "messages": [{"role": "user", "content": "Once upon a time"}], "max_tokens": 1},
+            timeout=60).json()
+        assert chat["choices"][0]["message"]["role"] == "bot"
+        assert chat["usage"]["prompt_tokens"] == completion["usage"]["prompt_tokens"]
         stop_with_sigterm(proc)
     finally:
         if proc.poll() is None:
@@ -127,12 +135,13 @@ def test_the_api_server_module_serves_with_the_same_flags(tiny_checkpoints):
 
 
 @pytest.mark.parametrize("entry", [("vllm.entrypoints.cli.main", "serve"), ("vllm.entrypoints.openai.api_server",)])
-def test_serve_rejects_bad_flags(tiny_checkpoints, entry):
+@pytest.mark.parametrize("flags, words", [(["--max-num-seqs", "many"], ["--max-num-seqs"]),
+                                          (["--chat-template", "nowhere.jinja"], ["nowhere.jinja", "neither"])])
+def test_serve_rejects_bad_flags(tiny_checkpoints, entry, flags, words):
     result = subprocess.run(
-        [sys.executable, "-m", *entry, tiny_checkpoints["llama"],
-         "--max-num-seqs", "many"], cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
-        capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2 and "--max-num-seqs" in result.stderr
+        [sys.executable, "-m", *entry, tiny_checkpoints["llama"], *flags],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and all(word in result.stderr for word in words), result.stderr
 
 
 def test_serve_freezes_its_start_up_heap(tiny_checkpoints, monkeypatch):

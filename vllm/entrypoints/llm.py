@@ -77,18 +77,22 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
-             continue_final_message: bool = False) -> list[RequestOutput]:
+             continue_final_message: bool = False, chat_template: str | None = None,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """Generates replies to one conversation (a list of {"role", "content"} messages) or to a
-        list of conversations, formatted with the tokenizer's chat template; with
+        list of conversations, formatted with `chat_template` (a Jinja template; default: the
+        tokenizer's) and the template variables `chat_template_kwargs`; with
         `continue_final_message`, continues each conversation's last message instead."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.get_tokenizer()
-        if not has_chat_template(tokenizer):
-            raise ValueError("the tokenizer has no chat template; use generate() with plain prompts")
+        if not has_chat_template(tokenizer, chat_template):
+            raise ValueError("the tokenizer has no chat template: give one as chat_template, or use "
+                             "generate() with plain prompts")
         prompts = []
         for conversation in conversations:
             text, ids = apply_chat_template(tokenizer, conversation, add_generation_prompt=add_generation_prompt,
-                                            continue_final_message=continue_final_message)
+                                            continue_final_message=continue_final_message,
+                                            chat_template=chat_template, chat_template_kwargs=chat_template_kwargs)
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 

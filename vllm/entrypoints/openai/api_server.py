@@ -25,6 +25,7 @@ import vllm
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.engine.async_llm_engine import AsyncEngineDeadError, AsyncLLMEngine
 from vllm.engine.metrics import LoggingStatLogger, PrometheusStatLogger, log_interval_from_env
+from vllm.entrypoints.chat_utils import load_chat_template
 from vllm.entrypoints.openai.cli_args import engine_args_from, make_arg_parser
 from vllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                               TokenizeRequest)
@@ -37,9 +38,11 @@ logger = logging.getLogger(__name__)
 
 
 def build_app(engine: AsyncLLMEngine, served_model_names: list[str], api_key: str | None = None,
-              log_stats: bool = True) -> FastAPI:
+              log_stats: bool = True, chat_template: str | None = None, response_role: str = "assistant",
+              trust_request_chat_template: bool = False) -> FastAPI:
     """The app for `engine`. While it serves, the engine reports to the periodic log line and to
-    /metrics (unless not `log_stats`); when it stops, the engine is shut down."""
+    /metrics (unless not `log_stats`); when it stops, the engine is shut down. `chat_template`
+    replaces the tokenizer's (see OpenAIServing and OpenAIServingChat for the rest)."""
     registry = CollectorRegistry()
     config = engine.config
     loggers = {} if not log_stats else {
@@ -64,9 +67,10 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str], api_key: st
 
     app = FastAPI(lifespan=lifespan)
     app.state.engine = engine
+    templates = dict(chat_template=chat_template, trust_request_chat_template=trust_request_chat_template)
     completions = OpenAIServingCompletion(engine, served_model_names)
-    chat = OpenAIServingChat(engine, served_model_names)
-    tokenization = OpenAIServingTokenization(engine, served_model_names)
+    chat = OpenAIServingChat(engine, served_model_names, response_role=response_role, **templates)
+    tokenization = OpenAIServingTokenization(engine, served_model_names, **templates)
 
     if api_key:
         @app.middleware("http")
@@ -253,6 +257,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 async def run_server(args: Namespace, engine_args: AsyncEngineArgs) -> None:
     """`vllm serve`: binds the port, loads the engine, serves until a signal."""
+    chat_template = load_chat_template(args.chat_template)  # a bad one fails before the engine loads
     sock = bind_socket(args.host, args.port)
     if engine_args.data_parallel_size > 1:
         from vllm.engine.data_parallel import DataParallelEngine  # imports ray
@@ -268,7 +273,9 @@ async def run_server(args: Namespace, engine_args: AsyncEngineArgs) -> None:
     config = engine.config
     names = args.served_model_name or [engine_args.model or config.model.model]
     api_key = args.api_key or os.environ.get("VLLM_API_KEY")
-    app = build_app(engine, names, api_key=api_key, log_stats=not config.disable_log_stats)
+    app = build_app(engine, names, api_key=api_key, log_stats=not config.disable_log_stats,
+                    chat_template=chat_template, response_role=args.response_role,
+                    trust_request_chat_template=args.trust_request_chat_template)
     host, port = sock.getsockname()[:2]
     logger.info("Serving %s on http://%s:%d", ", ".join(names), host, port)
     await serve_http(app, sock, log_level=args.uvicorn_log_level, shutdown_timeout=args.shutdown_timeout)

@@ -23,6 +23,14 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     server.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"],
                         help="uvicorn's log level")
+    server.add_argument("--chat-template", default=None,
+                        help="the chat template to use instead of the tokenizer's: a file, or the "
+                        "Jinja template itself")
+    server.add_argument("--response-role", default="assistant",
+                        help="the role of chat replies after a generation prompt")
+    server.add_argument("--trust-request-chat-template", action="store_true",
+                        help="accept a chat_template in requests (refused by default: a template "
+                        "is code the server runs)")
     server.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
                         help="seconds in-flight requests get to finish after SIGINT/SIGTERM; "
                         "the rest are aborted")

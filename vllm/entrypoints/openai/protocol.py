@@ -197,15 +197,23 @@ class ChatMessage(OpenAIBaseModel):
         return "\n".join(texts)
 
 
-class ChatCompletionRequest(_SamplingRequest):
+class ChatTemplateFields(OpenAIBaseModel):
+    """How a conversation becomes a prompt: chat completions, and /tokenize with messages."""
+
+    add_generation_prompt: bool = True
+    # The prompt ends inside the last message, which the model then continues.
+    continue_final_message: bool = False
+    # A template of the request's own, refused unless the server trusts request templates.
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # more variables for the template
+
+
+class ChatCompletionRequest(_SamplingRequest, ChatTemplateFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None  # None: whatever max_model_len leaves
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    add_generation_prompt: bool = True
-    # The prompt ends inside the last message, which the model then continues.
-    continue_final_message: bool = False
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
 
@@ -242,7 +250,7 @@ class ChatCompletionLogProbs(OpenAIBaseModel):
 
 
 class AssistantMessage(OpenAIBaseModel):
-    role: Literal["assistant"] = "assistant"
+    role: str = "assistant"
     content: str | None = None
 
 
@@ -287,15 +295,13 @@ class ChatCompletionStreamResponse(OpenAIBaseModel):
 
 # ---------------------------------------------------------------- /tokenize, /detokenize
 
-class TokenizeRequest(OpenAIBaseModel):
+class TokenizeRequest(ChatTemplateFields):
     """A prompt, or a conversation for the chat template (vLLM's two tokenize requests, told
     apart by which of the two fields they give)."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
     add_special_tokens: bool | None = None  # None: a prompt's, yes; messages', no (the template writes them)
     return_token_strs: bool = False
 

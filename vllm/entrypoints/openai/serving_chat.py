@@ -17,6 +17,15 @@ from vllm.sampling_params import SamplingParams
 
 
 class OpenAIServingChat(OpenAIServing):
+    """Chat completions. The reply's role is `response_role` after a generation prompt, else
+    that of the message it continues (vLLM's rule)."""
+
+    def __init__(self, *args, response_role: str = "assistant", **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.response_role = response_role
+
+    def _role(self, request: ChatCompletionRequest) -> str:
+        return self.response_role if request.add_generation_prompt else request.messages[-1].role
 
     async def create_chat_completion(self, request: ChatCompletionRequest
                                      ) -> ChatCompletionResponse | AsyncIterator[str]:
@@ -37,14 +46,13 @@ class OpenAIServingChat(OpenAIServing):
         return self._response(request, request_id, model, final)
 
     def _apply_chat_template(self, request: ChatCompletionRequest) -> ProcessedPrompt:
-        text, ids = self.chat_prompt(request.messages, request.add_generation_prompt,
-                                     request.continue_final_message)
+        text, ids = self.chat_prompt(request.messages, request)
         return self.tokenize({"prompt": text, "prompt_token_ids": ids})
 
     def _response(self, request: ChatCompletionRequest, request_id: str, model: str,
                   final: RequestOutput) -> ChatCompletionResponse:
         choices = [ChatCompletionResponseChoice(
-            index=out.index, message=AssistantMessage(content=out.text),
+            index=out.index, message=AssistantMessage(role=self._role(request), content=out.text),
             logprobs=self._logprobs(out.token_ids, out.logprobs, request.top_logprobs or 0)
             if request.logprobs else None,
             finish_reason=out.finish_reason, stop_reason=out.stop_reason) for out in final.outputs]
@@ -62,7 +70,7 @@ class OpenAIServingChat(OpenAIServing):
                 ChatCompletionStreamChoice(index=index, delta=delta, **fields)]))
 
         for index in range(request.n):  # the role comes first, as OpenAI sends it
-            yield chunk(index, DeltaMessage(role="assistant", content=""))
+            yield chunk(index, DeltaMessage(role=self._role(request), content=""))
         hold = stop_hold(params)
         sent_text = [0] * request.n
         sent_tokens = [0] * request.n

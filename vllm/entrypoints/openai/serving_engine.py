@@ -9,7 +9,8 @@ from pydantic import BaseModel
 
 from vllm.engine.async_llm_engine import AsyncLLMEngine
 from vllm.entrypoints.chat_utils import apply_chat_template, has_chat_template
-from vllm.entrypoints.openai.protocol import ChatMessage, ErrorInfo, ErrorResponse, ModelCard, ModelList
+from vllm.entrypoints.openai.protocol import (ChatMessage, ChatTemplateFields, ErrorInfo, ErrorResponse, ModelCard,
+                                              ModelList)
 from vllm.inputs import ProcessedPrompt, parse_prompt
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
@@ -35,12 +36,17 @@ def error_response(message: str, status: HTTPStatus, param: str | None = None) -
 
 
 class OpenAIServing:
-    """The engine plus the names it is served under; checks that are the same for every endpoint."""
+    """The engine plus the names it is served under and its chat template (None: the
+    tokenizer's); checks that are the same for every endpoint. A request's own chat template is
+    refused unless `trust_request_chat_template`."""
 
-    def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str]) -> None:
+    def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str], chat_template: str | None = None,
+                 trust_request_chat_template: bool = False) -> None:
         assert served_model_names
         self.engine = engine
         self.served_model_names = served_model_names
+        self.chat_template = chat_template
+        self.trust_request_chat_template = trust_request_chat_template
         config = engine.config
         self.max_model_len = config.model.max_model_len
         self.max_num_seqs = config.scheduler.max_num_seqs
@@ -72,16 +78,22 @@ class OpenAIServing:
         except ValueError as e:
             raise OpenAIServingError(str(e), param="prompt") from None
 
-    def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool,
-                    continue_final_message: bool, add_special_tokens: bool = False) -> tuple[str, list[int]]:
+    def chat_prompt(self, messages: list[ChatMessage], request: ChatTemplateFields,
+                    add_special_tokens: bool = False) -> tuple[str, list[int]]:
         """The text and token ids of the conversation through the chat template."""
-        if not has_chat_template(self.tokenizer):
-            raise OpenAIServingError("this model's tokenizer has no chat template; use /v1/completions")
+        if request.chat_template is not None and not self.trust_request_chat_template:
+            raise OpenAIServingError("chat_template in a request is refused: this server does not trust "
+                                     "request templates (--trust-request-chat-template)", param="chat_template")
+        template = request.chat_template or self.chat_template
+        if not has_chat_template(self.tokenizer, template):
+            raise OpenAIServingError("this model's tokenizer has no chat template (give one with --chat-template); "
+                                     "use /v1/completions")
         try:
             conversation = [{"role": m.role, "content": m.text()} for m in messages]
-            return apply_chat_template(self.tokenizer, conversation, add_generation_prompt=add_generation_prompt,
-                                       continue_final_message=continue_final_message,
-                                       add_special_tokens=add_special_tokens)
+            return apply_chat_template(
+                self.tokenizer, conversation, add_generation_prompt=request.add_generation_prompt,
+                continue_final_message=request.continue_final_message, add_special_tokens=add_special_tokens,
+                chat_template=template, chat_template_kwargs=request.chat_template_kwargs)
         except ValueError as e:
             raise OpenAIServingError(str(e), param="messages") from None
 

@@ -14,8 +14,7 @@ class OpenAIServingTokenization(OpenAIServing):
         longer than max_model_len is not an error here: the response gives both lengths."""
         self.model_name(request.model)
         if request.messages is not None:
-            _, ids = self.chat_prompt(request.messages, request.add_generation_prompt,
-                                      request.continue_final_message, bool(request.add_special_tokens))
+            _, ids = self.chat_prompt(request.messages, request, bool(request.add_special_tokens))
         else:
             try:
                 text = checked_text(request.prompt)
