@@ -11,7 +11,7 @@ import pytest
 from tests.server_utils import ServerThread
 from tests.utils import random_prompts
 from vllm import LLM, AsyncLLMEngine, EngineArgs, SamplingParams
-from vllm.entrypoints.openai.api_server import build_app
+from vllm.entrypoints.openai.api_server import add_cors, build_app
 
 ENGINE_KWARGS = dict(dtype="float32", max_model_len=256, block_size=16, max_num_batched_tokens=64,
                      max_num_seqs=8, enforce_eager=True, kv_cache_memory_bytes=32 * 2**20)
@@ -208,6 +208,25 @@ def test_api_key(engine):
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="secret", max_retries=0)
         assert len(client.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices) == 1
         assert httpx2.get(f"{server.url}/health").status_code == 200  # no key needed outside /v1
+
+
+def test_cors_lets_the_allowed_origins_call_past_the_api_key(engine):
+    """A browser's preflight (OPTIONS, no key) is answered before the key is checked; the
+    allowed origin then gets the header on its calls, another origin does not."""
+    app = build_app(engine, [MODEL], api_key="secret", log_stats=False)
+    add_cors(app, ["https://ui.example"], ["GET", "POST"], ["Authorization", "Content-Type"])
+    with ServerThread(app) as server:
+        url = f"{server.url}/v1/completions"
+        preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"}
+        ok = httpx2.options(url, headers={"Origin": "https://ui.example", **preflight})
+        assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "https://ui.example"
+        assert httpx2.options(url, headers={"Origin": "https://evil.example", **preflight}).status_code == 400
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+        key = {"Authorization": "Bearer secret"}
+        call = httpx2.post(url, json=body, headers={"Origin": "https://ui.example", **key})
+        assert call.status_code == 200 and call.headers["access-control-allow-origin"] == "https://ui.example"
+        other = httpx2.post(url, json=body, headers={"Origin": "https://evil.example", **key})
+        assert "access-control-allow-origin" not in other.headers
 
 
 def test_disconnect_aborts_and_frees_blocks(server, engine):

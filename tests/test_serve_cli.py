@@ -119,7 +119,9 @@ def test_the_api_server_module_serves_with_the_same_flags(tiny_checkpoints):
     try:
         wait_healthy(proc, url)
         body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 5, "ignore_eos": True}
-        completion = httpx2.post(f"{url}/v1/completions", json=body, timeout=60).json()
+        resp = httpx2.post(f"{url}/v1/completions", json=body, timeout=60, headers={"Origin": "https://a.example"})
+        assert resp.headers["access-control-allow-origin"] == "*"  # CORS: any origin by default, as vLLM
+        completion = resp.json()
         assert completion["usage"]["completion_tokens"] == 5
         # The chat prompt is the template's: the message alone, as a completion's prompt (this
         # tokenizer adds no BOS; its own template would add role markers).
@@ -136,7 +138,8 @@ def test_the_api_server_module_serves_with_the_same_flags(tiny_checkpoints):
 
 @pytest.mark.parametrize("entry", [("vllm.entrypoints.cli.main", "serve"), ("vllm.entrypoints.openai.api_server",)])
 @pytest.mark.parametrize("flags, words", [(["--max-num-seqs", "many"], ["--max-num-seqs"]),
-                                          (["--chat-template", "nowhere.jinja"], ["nowhere.jinja", "neither"])])
+                                          (["--chat-template", "nowhere.jinja"], ["nowhere.jinja", "neither"]),
+                                          (["--allowed-origins", "*"], ["--allowed-origins", "JSON list"])])
 def test_serve_rejects_bad_flags(tiny_checkpoints, entry, flags, words):
     result = subprocess.run(
         [sys.executable, "-m", *entry, tiny_checkpoints["llama"], *flags],

@@ -19,6 +19,7 @@ import uvicorn
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 import vllm
@@ -126,6 +127,13 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str], api_key: st
         return tokenization.create_detokenize(request)
 
     return app
+
+
+def add_cors(app: FastAPI, origins: list[str], methods: list[str], headers: list[str],
+             credentials: bool = False) -> None:
+    """Lets browsers on `origins` call the API (vllm serve's --allowed-origins and the flags beside it)."""
+    app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=methods, allow_headers=headers,
+                       allow_credentials=credentials)
 
 
 async def _log_stats_periodically(engine: AsyncLLMEngine) -> None:
@@ -276,6 +284,7 @@ async def run_server(args: Namespace, engine_args: AsyncEngineArgs) -> None:
     app = build_app(engine, names, api_key=api_key, log_stats=not config.disable_log_stats,
                     chat_template=chat_template, response_role=args.response_role,
                     trust_request_chat_template=args.trust_request_chat_template)
+    add_cors(app, args.allowed_origins, args.allowed_methods, args.allowed_headers, args.allow_credentials)
     host, port = sock.getsockname()[:2]
     logger.info("Serving %s on http://%s:%d", ", ".join(names), host, port)
     await serve_http(app, sock, log_level=args.uvicorn_log_level, shutdown_timeout=args.shutdown_timeout)

@@ -2,6 +2,7 @@
 the one definition `LLM(...)` also takes)."""
 
 import argparse
+import json
 
 from vllm.engine.arg_utils import AsyncEngineArgs
 
@@ -31,6 +32,11 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     server.add_argument("--trust-request-chat-template", action="store_true",
                         help="accept a chat_template in requests (refused by default: a template "
                         "is code the server runs)")
+    for name, what in (("origins", "origins"), ("methods", "HTTP methods"), ("headers", "request headers")):
+        server.add_argument(f"--allowed-{name}", type=_json_strings, default=["*"],
+                            help=f"CORS: the {what} browsers may use, as a JSON list (default: [\"*\"], any)")
+    server.add_argument("--allow-credentials", action="store_true",
+                        help="CORS: let browsers send credentials (cookies, authorization headers)")
     server.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
                         help="seconds in-flight requests get to finish after SIGINT/SIGTERM; "
                         "the rest are aborted")
@@ -45,3 +51,14 @@ def engine_args_from(args: argparse.Namespace) -> AsyncEngineArgs:
             raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
         args.model = args.model_tag
     return AsyncEngineArgs.from_cli_args(args)
+
+
+def _json_strings(value: str) -> list[str]:
+    """A flag's JSON list of strings, e.g. '["https://example.com"]'."""
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError:
+        parsed = None
+    if not isinstance(parsed, list) or not all(isinstance(item, str) for item in parsed):
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {value!r}")
+    return parsed
