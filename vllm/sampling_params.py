@@ -5,6 +5,8 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from vllm.beam_search import BeamSearchParams as BeamSearchParams  # vLLM users import it from here
+
 # Below this temperature sampling is treated as greedy, as in vLLM.
 _SAMPLING_EPS = 1e-5
 

@@ -1,0 +1,99 @@
+"""`LLM.beam_search` on the tiny Llama (float32): the beams transformers' beam search finds, and
+those of a plain-loop reference of vLLM's rule when EOS ends some of them; bad parameters refused."""
+
+import pytest
+import torch
+
+from tests.utils import hf_model, random_prompts
+from vllm import LLM
+from vllm.sampling_params import BeamSearchParams
+
+PROMPT_LENGTHS = [7, 40]  # the second is chunked at the 32-token budget
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_checkpoints):
+    return LLM(tiny_checkpoints["llama"], dtype="float32", max_model_len=256, block_size=16,
+               max_num_batched_tokens=32, enforce_eager=True)
+
+
+def _search(llm: LLM, prompts: list[list[int]], **params):
+    outs = llm.beam_search([{"prompt_token_ids": p} for p in prompts], BeamSearchParams(**params))
+    engine = llm.llm_engine
+    assert not engine.has_unfinished_requests()
+    return outs
+
+
+@pytest.mark.parametrize("width", [1, 2, 4])
+def test_beams_match_transformers_beam_search(llm, tiny_checkpoints, width):
+    model = hf_model(tiny_checkpoints["llama"])
+    prompts = random_prompts(PROMPT_LENGTHS, seed=3)
+    outs = _search(llm, prompts, beam_width=width, max_tokens=10, ignore_eos=True)
+    for prompt, out in zip(prompts, outs, strict=True):
+        ids = torch.tensor([prompt])
+        with torch.inference_mode():
+            ref = model.generate(ids, attention_mask=torch.ones_like(ids), num_beams=width, num_return_sequences=width,
+                                 do_sample=False, max_new_tokens=10, eos_token_id=None, pad_token_id=0,
+                                 output_scores=True, return_dict_in_generate=True)
+        assert [s.tokens[len(prompt):] for s in out.sequences] == [s[len(prompt):].tolist() for s in ref.sequences]
+        assert all(s.finish_reason == "length" and len(s.logprobs) == 10 for s in out.sequences)
+        if width > 1:  # transformers scores by the generated length: all 10 here
+            torch.testing.assert_close(torch.tensor([s.cum_logprob / 10 for s in out.sequences]),
+                                       ref.sequences_scores.float(), rtol=0, atol=1e-4)
+
+
+def _reference(model, prompt: list[int], width: int, max_tokens: int, eos: int,
+               length_penalty: float) -> list[tuple[list[int], float]]:
+    """vLLM's rule by plain loops: every beam proposes its 2 x width most likely tokens; those that
+    are EOS finish, the width most likely others go on; the best `width` by score win."""
+    def score(beam):
+        tokens, cum = beam
+        return cum / ((len(tokens) - (tokens[-1] == eos)) ** length_penalty)
+
+    live, done = [(prompt, 0.0)], []
+    for _ in range(max_tokens):
+        candidates = []
+        for tokens, cum in live:
+            with torch.inference_mode():
+                logprobs = model(torch.tensor([tokens])).logits[0, -1].double().log_softmax(-1)
+            top = logprobs.topk(2 * width)
+            for lp, token in zip(top.values.tolist(), top.indices.tolist()):
+                (done if token == eos else candidates).append((tokens + [token], cum + lp))
+        live = sorted(candidates, key=score, reverse=True)[:width]
+    return sorted(done + live, key=score, reverse=True)[:width]
+
+
+@pytest.mark.parametrize("length_penalty", [1.0, 0.0])
+def test_eos_finishes_beams_and_the_length_penalty_ranks_them(llm, tiny_checkpoints, monkeypatch, length_penalty):
+    """With a likely token made EOS, some beams finish early: they come back with finish_reason
+    "stop", their text without the EOS, ranked among the others by the length-penalised score."""
+    model = hf_model(tiny_checkpoints["llama"])
+    prompt = random_prompts([9], seed=5)[0]
+    first = _search(llm, [prompt], beam_width=3, max_tokens=1)[0].sequences
+    eos = first[1].tokens[-1]  # the second most likely first token
+    monkeypatch.setattr(llm.llm_engine, "eos_token_id", eos)
+    out = _search(llm, [prompt], beam_width=3, max_tokens=6, length_penalty=length_penalty)[0].sequences
+    expected = _reference(model, prompt, 3, 6, eos, length_penalty)
+    assert [s.tokens for s in out] == [tokens for tokens, _ in expected]
+    assert [s.cum_logprob for s in out] == pytest.approx([cum for _, cum in expected], abs=1e-4)
+    stopped = [s for s in out if s.finish_reason == "stop"]
+    assert stopped and all(s.stop_reason == eos and s.tokens[-1] == eos for s in stopped)
+    tokenizer = llm.get_tokenizer()
+    for s in stopped:
+        assert s.text == tokenizer.decode(s.tokens[len(prompt):-1], skip_special_tokens=False)
+    kept = _search(llm, [prompt], beam_width=3, max_tokens=6, length_penalty=length_penalty,
+                   include_stop_str_in_output=True)[0].sequences
+    assert [s.text for s in kept if s.finish_reason == "stop"] == [
+        tokenizer.decode(s.tokens[len(prompt):], skip_special_tokens=False) for s in stopped]
+
+
+def test_bad_beam_search_parameters_are_refused(llm):
+    with pytest.raises(ValueError, match="beam_width must be an integer >= 1"):
+        BeamSearchParams(beam_width=0, max_tokens=4)
+    with pytest.raises(ValueError, match="max_tokens must be an integer >= 1"):
+        BeamSearchParams(beam_width=2, max_tokens=True)
+    with pytest.raises(ValueError, match="needs 22 logprobs a step, over max_logprobs=20"):
+        llm.beam_search("hi", BeamSearchParams(beam_width=11, max_tokens=4))
+    with pytest.raises(ValueError, match="do not fit max_model_len=256"):
+        llm.beam_search({"prompt_token_ids": [5] * 250}, BeamSearchParams(beam_width=2, max_tokens=7))
+    assert not llm.llm_engine.has_unfinished_requests()
