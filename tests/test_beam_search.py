@@ -6,6 +6,7 @@ import torch
 
 from tests.utils import hf_model, random_prompts
 from vllm import LLM
+from vllm.beam_search import BeamSearchSequence, beam_search_score
 from vllm.sampling_params import BeamSearchParams
 
 PROMPT_LENGTHS = [7, 40]  # the second is chunked at the 32-token budget
@@ -97,3 +98,12 @@ def test_bad_beam_search_parameters_are_refused(llm):
     with pytest.raises(ValueError, match="do not fit max_model_len=256"):
         llm.beam_search({"prompt_token_ids": [5] * 250}, BeamSearchParams(beam_width=2, max_tokens=7))
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_the_score_divides_by_the_length_without_the_eos():
+    def score(tokens: list[int], penalty: float) -> float:
+        return beam_search_score(BeamSearchSequence(tokens=tokens, cum_logprob=-3.0), 2, penalty)
+
+    assert score([5, 6, 2], 1.0) == -1.5  # EOS (id 2) at the end does not count
+    assert score([5, 6, 7], 1.0) == -1.0 and score([2, 6], 1.0) == -1.5
+    assert score([5, 6, 7, 8], 0.5) == -1.5 and score([5, 6, 2], 0.0) == -3.0
