@@ -64,7 +64,7 @@ def _reference(model, prompt: list[int], width: int, max_tokens: int, eos: int,
     return sorted(done + live, key=score, reverse=True)[:width]
 
 
-@pytest.mark.parametrize("length_penalty", [1.0, 0.0])
+@pytest.mark.parametrize("length_penalty", [0.0, 1.0, 4.0])
 def test_eos_finishes_beams_and_the_length_penalty_ranks_them(llm, tiny_checkpoints, monkeypatch, length_penalty):
     """With a likely token made EOS, some beams finish early: they come back with finish_reason
     "stop", their text without the EOS, ranked among the others by the length-penalised score."""
@@ -77,6 +77,12 @@ def test_eos_finishes_beams_and_the_length_penalty_ranks_them(llm, tiny_checkpoi
     expected = _reference(model, prompt, 3, 6, eos, length_penalty)
     assert [s.tokens for s in out] == [tokens for tokens, _ in expected]
     assert [s.cum_logprob for s in out] == pytest.approx([cum for _, cum in expected], abs=1e-4)
+    if length_penalty == 4.0:
+        # The long beams gain enough to push out a finished one with a better sum of logprobs.
+        best_sum = _search(llm, [prompt], beam_width=3, max_tokens=6, length_penalty=0.0)[0].sequences[0]
+        assert best_sum.finish_reason == "stop" and best_sum.cum_logprob > out[0].cum_logprob
+        assert all(s.finish_reason == "length" for s in out)
+        return
     stopped = [s for s in out if s.finish_reason == "stop"]
     assert stopped and all(s.stop_reason == eos and s.tokens[-1] == eos for s in stopped)
     tokenizer = llm.get_tokenizer()
