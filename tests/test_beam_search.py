@@ -1,21 +1,29 @@
 """`LLM.beam_search` on the tiny Llama (float32): the beams transformers' beam search finds, and
 those of a plain-loop reference of vLLM's rule when EOS ends some of them; bad parameters refused."""
 
+import json
+import time
+
+import httpx2
 import pytest
 import torch
 
+from tests.server_utils import ServerThread
 from tests.utils import hf_model, random_prompts
-from vllm import LLM
+from vllm import LLM, AsyncLLMEngine, EngineArgs
 from vllm.beam_search import BeamSearchSequence, beam_search_score
+from vllm.entrypoints.chat_utils import apply_chat_template
+from vllm.entrypoints.openai.api_server import build_app
 from vllm.sampling_params import BeamSearchParams
 
 PROMPT_LENGTHS = [7, 40]  # the second is chunked at the 32-token budget
+ENGINE_KWARGS = dict(dtype="float32", max_model_len=256, block_size=16, max_num_batched_tokens=32,
+                     enforce_eager=True, kv_cache_memory_bytes=32 * 2**20)
 
 
 @pytest.fixture(scope="module")
 def llm(tiny_checkpoints):
-    return LLM(tiny_checkpoints["llama"], dtype="float32", max_model_len=256, block_size=16,
-               max_num_batched_tokens=32, enforce_eager=True)
+    return LLM(tiny_checkpoints["llama"], **ENGINE_KWARGS)
 
 
 def _search(llm: LLM, prompts: list[list[int]], **params):
@@ -113,3 +121,61 @@ def test_the_score_divides_by_the_length_without_the_eos():
     assert score([5, 6, 2], 1.0) == -1.5  # EOS (id 2) at the end does not count
     assert score([5, 6, 7], 1.0) == -1.0 and score([2, 6], 1.0) == -1.5
     assert score([5, 6, 7, 8], 0.5) == -1.5 and score([5, 6, 2], 0.0) == -3.0
+
+
+# ---------------------------------------------------------------- the server's use_beam_search
+
+@pytest.fixture(scope="module")
+def server(tiny_checkpoints):
+    engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=tiny_checkpoints["llama"], **ENGINE_KWARGS))
+    with ServerThread(build_app(engine, ["tiny"], log_stats=False)) as server:
+        server.engine = engine
+        yield server
+
+
+def test_the_server_returns_the_beams_of_llm_beam_search(server, llm):
+    prompt = "The capital of France is"
+    beams = llm.beam_search(prompt, BeamSearchParams(beam_width=3, max_tokens=8, ignore_eos=True))[0].sequences
+    body = {"model": "tiny", "prompt": prompt, "n": 3, "max_tokens": 8, "use_beam_search": True,
+            "ignore_eos": True, "logprobs": 1}
+    resp = httpx2.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
+    assert [c["text"] for c in resp["choices"]] == [b.text for b in beams]
+    assert [c["index"] for c in resp["choices"]] == [0, 1, 2]
+    assert resp["choices"][0]["logprobs"]["token_logprobs"] == pytest.approx(
+        [beams[0].logprobs[i][t].logprob for i, t in enumerate(beams[0].tokens[-8:])])
+    assert resp["usage"]["completion_tokens"] == 24
+    streamed = httpx2.post(f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=60).text
+    events = [json.loads(line[6:]) for line in streamed.splitlines() if line.startswith("data: {")]
+    texts = {}
+    for event in events:
+        for choice in event["choices"]:
+            texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+    assert [texts[i] for i in range(3)] == [b.text for b in beams]
+    messages = [{"role": "user", "content": "Hi"}]
+    _, chat_ids = apply_chat_template(llm.get_tokenizer(), messages)
+    chat_beams = llm.beam_search({"prompt_token_ids": chat_ids}, BeamSearchParams(beam_width=2, max_tokens=5))
+    chat_beams = chat_beams[0].sequences
+    chat = httpx2.post(f"{server.url}/v1/chat/completions", json={
+        "model": "tiny", "messages": messages, "n": 2, "max_tokens": 5, "use_beam_search": True}, timeout=60).json()
+    assert [c["message"]["content"] for c in chat["choices"]] == [b.text for b in chat_beams]
+
+
+def test_a_beam_search_that_cannot_run_is_a_400_and_a_client_that_leaves_aborts_it(server):
+    body = {"model": "tiny", "prompt": "hi", "use_beam_search": True}
+    too_wide = httpx2.post(f"{server.url}/v1/completions", json={**body, "n": 11}, timeout=60)
+    assert too_wide.status_code == 400 and "max_logprobs=20" in too_wide.json()["error"]["message"]
+    bad = httpx2.post(f"{server.url}/v1/completions", json={**body, "length_penalty": "long"}, timeout=60)
+    assert bad.status_code == 400 and "length_penalty" in bad.json()["error"]["message"]
+    engine = server.engine
+    with httpx2.stream("POST", f"{server.url}/v1/completions", timeout=60,
+                       json={**body, "n": 4, "max_tokens": 200, "ignore_eos": True, "stream": True}):
+        deadline = time.monotonic() + 30
+        while not engine.num_unfinished_requests:  # the search has begun
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    deadline = time.monotonic() + 30
+    while engine.num_unfinished_requests or engine.engine.has_unfinished_requests():
+        assert time.monotonic() < deadline, "the search kept running after its client left"
+        time.sleep(0.05)
+    bm = engine.engine.scheduler.block_manager
+    assert bm.num_free_blocks == bm.num_blocks

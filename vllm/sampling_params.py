@@ -5,8 +5,6 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from vllm.beam_search import BeamSearchParams as BeamSearchParams  # vLLM users import it from here
-
 # Below this temperature sampling is treated as greedy, as in vLLM.
 _SAMPLING_EPS = 1e-5
 
@@ -188,3 +186,25 @@ class SamplingParams:
     def clone(self) -> "SamplingParams":
         """A deep copy, so editing the copy's lists leaves this request alone."""
         return copy.deepcopy(self)
+
+
+@dataclass
+class BeamSearchParams:
+    """vLLM's beam search parameters (LLM.beam_search, and `use_beam_search` on the server).
+    `length_penalty` divides a beam's log-probability by its length (prompt included) to that
+    power when beams are ranked; see vllm/beam_search.py."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("beam_width", "max_tokens"):
+            _check(name, getattr(self, name), lambda v: _is_int(v) and v >= 1, "an integer >= 1")
+        _check("temperature", self.temperature, lambda v: _is_number(v) and v >= 0, "a number >= 0")
+        _check("length_penalty", self.length_penalty, _is_number, "a number")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            _check(name, getattr(self, name), lambda v: isinstance(v, bool), "True or False")

@@ -5,13 +5,13 @@ from collections.abc import Sequence as SequenceABC
 
 from tqdm.auto import tqdm
 
-from vllm.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence, beam_search_score, extend
+from vllm.beam_search import BeamSearch, BeamSearchOutput
 from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.llm_engine import LLMEngine
 from vllm.entrypoints.chat_utils import apply_chat_template, has_chat_template
 from vllm.inputs import PromptType
 from vllm.outputs import RequestOutput
-from vllm.sampling_params import SamplingParams
+from vllm.sampling_params import BeamSearchParams, SamplingParams
 
 
 class LLM:
@@ -105,47 +105,16 @@ class LLM:
             prompts = [prompts]
         engine = self.llm_engine
         config = engine.config.model
-        num_logprobs = 2 * params.beam_width
-        if num_logprobs > config.max_logprobs:
-            raise ValueError(f"beam_width={params.beam_width} needs {num_logprobs} logprobs a step, over "
-                             f"max_logprobs={config.max_logprobs} (an engine argument)")
-        processed = [engine.process_prompt(prompt) for prompt in prompts]
-        for prompt in processed:
-            if len(prompt.token_ids) + params.max_tokens > config.max_model_len:
-                raise ValueError(f"a prompt of {len(prompt.token_ids)} tokens and max_tokens={params.max_tokens} "
-                                 f"do not fit max_model_len={config.max_model_len}")
-        step = SamplingParams(max_tokens=1, logprobs=num_logprobs, temperature=params.temperature)
-        eos = engine.eos_token_id
-
-        def score(beam: BeamSearchSequence) -> float:
-            return beam_search_score(beam, eos, params.length_penalty)
-
-        live = [[BeamSearchSequence(tokens=list(prompt.token_ids))] for prompt in processed]
-        done: list[list[BeamSearchSequence]] = [[] for _ in processed]
-        for _ in tqdm(range(params.max_tokens), desc="Beam search", disable=not use_tqdm):
-            beams = [(i, beam) for i, group in enumerate(live) for beam in group]
-            if not beams:
-                break
-            outs = self.generate([{"prompt_token_ids": beam.tokens} for _, beam in beams], step, use_tqdm=False)
-            candidates: list[list[BeamSearchSequence]] = [[] for _ in processed]
-            for (i, beam), out in zip(beams, outs, strict=True):
-                for candidate in extend(beam, out.outputs[0].logprobs[0], eos, params.ignore_eos):
-                    (done[i] if candidate.finish_reason else candidates[i]).append(candidate)
-            live = [sorted(group, key=score, reverse=True)[:params.beam_width] for group in candidates]
-
+        search = BeamSearch([engine.process_prompt(prompt).token_ids for prompt in prompts], params,
+                            engine.eos_token_id, config.max_logprobs, config.max_model_len)
+        with tqdm(total=params.max_tokens, desc="Beam search", disable=not use_tqdm) as bar:
+            while not search.done:
+                outs = self.generate([{"prompt_token_ids": tokens} for tokens in search.requests()],
+                                     search.step_params, use_tqdm=False)
+                search.advance([out.outputs[0].logprobs[0] for out in outs])
+                bar.update(1)
         tokenizer = self.get_tokenizer()
-        results = []
-        for prompt, group, finished in zip(processed, live, done, strict=True):
-            for beam in group:
-                beam.finish_reason = "length"
-            best = sorted(finished + group, key=score, reverse=True)[:params.beam_width]
-            for beam in best:
-                generated = beam.tokens[len(prompt.token_ids):]
-                if beam.finish_reason == "stop" and not params.include_stop_str_in_output:
-                    generated = generated[:-1]
-                beam.text = tokenizer.decode(generated, skip_special_tokens=False)
-            results.append(BeamSearchOutput(sequences=best))
-        return results
+        return search.results(lambda ids: tokenizer.decode(ids, skip_special_tokens=False))
 
     def _run_engine(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from vllm.sampling_params import SamplingParams
+from vllm.sampling_params import BeamSearchParams, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +92,10 @@ class _SamplingRequest(OpenAIBaseModel):
     skip_special_tokens: bool = True
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    # Beam search instead of sampling: n beams; of the fields above it uses max_tokens,
+    # ignore_eos, temperature and include_stop_str_in_output.
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
 
     @model_validator(mode="after")
     def _check_stream_options(self):
@@ -113,6 +117,13 @@ class _SamplingRequest(OpenAIBaseModel):
             skip_special_tokens=self.skip_special_tokens, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, logit_bias=self.logit_bias,
             allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words)
+
+    def beam_search_params(self, max_tokens: int) -> BeamSearchParams:
+        """Raises ValueError naming the field when a value is out of range."""
+        return BeamSearchParams(
+            beam_width=self.n, max_tokens=max_tokens, ignore_eos=self.ignore_eos,
+            temperature=0.0 if self.temperature is None else self.temperature,
+            length_penalty=self.length_penalty, include_stop_str_in_output=self.include_stop_str_in_output)
 
     @property
     def include_usage(self) -> bool:

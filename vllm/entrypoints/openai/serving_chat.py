@@ -37,7 +37,11 @@ class OpenAIServingChat(OpenAIServing):
         max_tokens = self.max_tokens_for(prompt, request.requested_max_tokens)
         params = self.sampling_params(lambda: request.sampling_params(max_tokens, request.num_logprobs))
         request_id = random_id("chatcmpl")
-        streams = await self.start([prompt], params, request_id)
+        if request.use_beam_search:
+            search = self.sampling_params(lambda: request.beam_search_params(max_tokens))
+            streams = self.start_beam_search([prompt], search, request_id)
+        else:
+            streams = await self.start([prompt], params, request_id)
         if request.stream:
             return self._stream(request, request_id, model, prompt, params, streams)
         final = None

@@ -27,7 +27,11 @@ class OpenAIServingCompletion(OpenAIServing):
         params = self.sampling_params(lambda: request.sampling_params(
             max(max_tokens), request.logprobs, prompt_logprobs))
         request_id = random_id("cmpl")
-        streams = await self.start(prompts, params, request_id)
+        if request.use_beam_search:
+            search = self.sampling_params(lambda: request.beam_search_params(max(max_tokens)))
+            streams = self.start_beam_search(prompts, search, request_id)
+        else:
+            streams = await self.start(prompts, params, request_id)
         if request.stream:
             return self._stream(request, request_id, model, prompts, params, streams)
         finals: list[RequestOutput | None] = [None] * len(prompts)

@@ -7,13 +7,14 @@ from http import HTTPStatus
 
 from pydantic import BaseModel
 
+from vllm.beam_search import BeamSearch, completion_outputs
 from vllm.engine.async_llm_engine import AsyncLLMEngine
 from vllm.entrypoints.chat_utils import apply_chat_template, has_chat_template
 from vllm.entrypoints.openai.protocol import (ChatMessage, ChatTemplateFields, ErrorInfo, ErrorResponse, ModelCard,
                                               ModelList)
 from vllm.inputs import ProcessedPrompt, parse_prompt
 from vllm.outputs import RequestOutput
-from vllm.sampling_params import SamplingParams
+from vllm.sampling_params import BeamSearchParams, SamplingParams
 
 
 class OpenAIServingError(Exception):
@@ -144,6 +145,50 @@ class OpenAIServing:
         if error is not None:
             raise error
         raise OpenAIServingError(refused.error)
+
+
+    def start_beam_search(self, prompts: list[ProcessedPrompt], params: BeamSearchParams,
+                          request_id: str) -> list[AsyncIterator[RequestOutput]]:
+        """One stream per prompt that yields, once the search ends, a finished output with the
+        best beams as its completions; a search that cannot run is a 400 at once."""
+        config = self.engine.config.model
+        try:
+            searches = [BeamSearch([p.token_ids], params, self.tokenizer.eos_token_id, config.max_logprobs,
+                                   config.max_model_len) for p in prompts]
+        except ValueError as e:
+            raise OpenAIServingError(str(e), param="n") from None
+        return [self._beam_search(search, prompt, f"{request_id}-{i}")
+                for i, (search, prompt) in enumerate(zip(searches, prompts, strict=True))]
+
+    async def _beam_search(self, search: BeamSearch, prompt: ProcessedPrompt,
+                           request_id: str) -> AsyncIterator[RequestOutput]:
+        step = 0
+        while not search.done:
+            # A step's beams run side by side; a client that leaves cancels this, which aborts them.
+            finals = await asyncio.gather(*(
+                _last(self.engine.generate({"prompt_token_ids": tokens}, search.step_params,
+                                           f"{request_id}-{step}-{j}"))
+                for j, tokens in enumerate(search.requests())))
+            search.advance([final.outputs[0].logprobs[0] for final in finals])
+            step += 1
+        (output,) = search.results(lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False))
+        yield RequestOutput(request_id=request_id, prompt=prompt.text, prompt_token_ids=prompt.token_ids,
+                            outputs=completion_outputs(output, len(prompt.token_ids)), finished=True)
+
+
+async def _last(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
+    """A request's final output; one the engine refused or gave up on raises OpenAIServingError."""
+    final = None
+    try:
+        async for out in stream:
+            final = out
+    finally:
+        await stream.aclose()
+    if final is None or not final.finished:
+        raise OpenAIServingError("the request was aborted", HTTPStatus.SERVICE_UNAVAILABLE)
+    if final.error is not None:
+        raise OpenAIServingError(final.error)
+    return final
 
 
 async def _close_all(streams: list[AsyncIterator]) -> None:
