@@ -179,11 +179,8 @@ class OpenAIServing:
 async def _last(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
     """A request's final output; one the engine refused or gave up on raises OpenAIServingError."""
     final = None
-    try:
-        async for out in stream:
-            final = out
-    finally:
-        await stream.aclose()
+    async for out in stream:  # a cancelled consumer aborts the request (AsyncLLMEngine.generate)
+        final = out
     if final is None or not final.finished:
         raise OpenAIServingError("the request was aborted", HTTPStatus.SERVICE_UNAVAILABLE)
     if final.error is not None:
