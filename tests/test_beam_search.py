@@ -167,6 +167,7 @@ def test_a_beam_search_that_cannot_run_is_a_400_and_a_client_that_leaves_aborts_
     bad = httpx2.post(f"{server.url}/v1/completions", json={**body, "length_penalty": "long"}, timeout=60)
     assert bad.status_code == 400 and "length_penalty" in bad.json()["error"]["message"]
     engine = server.engine
+    steps_before = engine.engine.stats.num_steps
     with httpx2.stream("POST", f"{server.url}/v1/completions", timeout=60,
                        json={**body, "n": 4, "max_tokens": 200, "ignore_eos": True, "stream": True}):
         deadline = time.monotonic() + 30
@@ -179,3 +180,5 @@ def test_a_beam_search_that_cannot_run_is_a_400_and_a_client_that_leaves_aborts_
         time.sleep(0.05)
     bm = engine.engine.scheduler.block_manager
     assert bm.num_free_blocks == bm.num_blocks
+    # The whole search would take at least one engine step per token.
+    assert engine.engine.stats.num_steps - steps_before < 100
