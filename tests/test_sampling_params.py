@@ -35,6 +35,7 @@ _INVALID = [  # (field, bad value): wrong range, wrong type, bool where a number
     ("allowed_token_ids", []), ("allowed_token_ids", [-1]), ("allowed_token_ids", [1.0]),
     ("allowed_token_ids", 5), ("allowed_token_ids", [True]),
     ("bad_words", "word"), ("bad_words", [""]), ("bad_words", [" "]), ("bad_words", [3]),
+    ("structured_outputs", {"json_object": True}), ("structured_outputs", "json"),
 ]
 
 

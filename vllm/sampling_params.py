@@ -33,6 +33,36 @@ def _check(name: str, value: object, ok: Callable[[object], bool], allowed: str)
 
 
 @dataclass
+class StructuredOutputsParams:
+    """vLLM's structured outputs: exactly one constraint the output must follow, a JSON schema
+    (`json`, a dict or its JSON text), any JSON object (`json_object=True`), a regular
+    expression, one of the strings in `choice`, or an EBNF `grammar` (root rule `root`)."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar", "json_object")
+                 if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs must give exactly one of json, regex, choice, grammar, "
+                             f"json_object, got {given or 'none'}")
+        _check("structured_outputs.json", self.json, lambda v: v is None or isinstance(v, (str, dict)),
+               "a JSON schema (a dict or its JSON text)")
+        for name in ("regex", "grammar"):
+            _check(f"structured_outputs.{name}", getattr(self, name), lambda v: v is None or isinstance(v, str),
+                   "a string")
+        _check("structured_outputs.choice", self.choice, lambda v: v is None or (
+            isinstance(v, (list, tuple)) and v and all(isinstance(c, str) and c for c in v)),
+            "a non-empty list of non-empty strings")
+        _check("structured_outputs.json_object", self.json_object, lambda v: v in (None, True, False),
+               "True, False or None")
+
+
+@dataclass
 class SamplingParams:
     """How to pick the tokens of one request.
 
@@ -71,6 +101,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     # Set by the engine from `bad_words` (update_from_tokenizer), not by users.
     _bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)
 
@@ -147,6 +178,8 @@ class SamplingParams:
             "None or a list of strings that are not blank")
         if self.bad_words is not None:
             self.bad_words = list(self.bad_words)
+        _check("structured_outputs", self.structured_outputs,
+               lambda v: v is None or isinstance(v, StructuredOutputsParams), "None or a StructuredOutputsParams")
 
     def update_from_tokenizer(self, tokenizer) -> None:
         """Tokenizes `bad_words`: each word as it would start the text and, where the tokenizer

@@ -268,7 +268,7 @@ class Scheduler:
 
     def update_from_output(
             self, step: SchedulerOutput, sampled_token_ids: Mapping[str, int],
-            check_stop_string: Callable[[Sequence, SequenceStatus | None], SequenceStatus | None],
+            check_stop: Callable[[Sequence, SequenceStatus | None], SequenceStatus | None],
     ) -> list[Sequence]:
         """Takes in the tokens sampled for `step`, the last one scheduled (the runner's
         `sampled_token_ids`, by sample id): forks the pending samples of each prompt that
@@ -276,11 +276,11 @@ class Scheduler:
         sequences that got a token, in step order (a prompt's forks right after it).
 
         The scheduler decides the stops that tokens and lengths make (EOS, `stop_token_ids`,
-        `max_tokens`, `max_model_len`). Stop strings need the text, and the scheduler holds no
-        tokenizer: after each token it calls `check_stop_string(seq, status)` with its own
-        decision (None while the request goes on), and the returned status is final. A stop
-        string may thus turn None or FINISHED_LENGTH into FINISHED_STOPPED (a stop completed by
-        the last allowed token wins, as in vLLM).
+        `max_tokens`, `max_model_len`). Stop strings need the text and grammars their matchers,
+        which the engine holds: after each token the scheduler calls `check_stop(seq, status)`
+        with its own decision (None while the request goes on), and the returned status is
+        final. A stop string may thus turn None or FINISHED_LENGTH into FINISHED_STOPPED (a stop
+        completed by the last allowed token wins, as in vLLM).
         """
         assert self._log.output is step, "update_from_output() of a step other than the last one"
         seqs = {seq.request_id: seq for seq, _, _ in self._log.taken}
@@ -295,7 +295,7 @@ class Scheduler:
             for sample in samples:
                 token = sampled_token_ids[sample.request_id]
                 sample.output_token_ids.append(token)
-                status = check_stop_string(sample, self._check_stop(sample, token))
+                status = check_stop(sample, self._check_stop(sample, token))
                 if status is not None:
                     self.finish(sample, status)
                 updated.append(sample)

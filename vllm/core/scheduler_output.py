@@ -1,6 +1,7 @@
 """The step object: the only thing the scheduler hands to the model runner."""
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from vllm.sampling_params import SamplingParams
 
@@ -54,6 +55,10 @@ class SchedulerOutput:
     # (source, destination) KV blocks to copy before the forward pass: the partial last prompt
     # block of each sample forked since the previous step.
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    # Per sample id with structured outputs, the packed bitmask of the tokens its grammar allows
+    # next (a (ceil(vocab / 32),) int32 tensor, bit j of word i for token 32 i + j); set by the
+    # engine after scheduling (vllm/engine/structured_output.py).
+    token_masks: dict[str, Any] = field(default_factory=dict)
     # With a latency target: the token budget chosen for this step and its predicted seconds.
     token_budget: int | None = None
     predicted_seconds: float | None = None

@@ -16,6 +16,7 @@ from vllm.engine.detokenizer import detokenize_incrementally
 from vllm.engine.exceptions import EngineDeadError
 from vllm.engine.interrupts import deferred_interrupts
 from vllm.engine.metrics_types import IterationStats, StatLoggerBase, Stats
+from vllm.engine.structured_output import StructuredOutputManager
 from vllm.executor import ExecutorBase, WorkerDiedError, get_executor_class
 from vllm.inputs import ProcessedPrompt, PromptType, parse_prompt
 from vllm.logger import init_logger
@@ -77,6 +78,8 @@ class LLMEngine:
         self._pending_outputs: list[RequestOutput] = []  # for the caller of the next step()
         self.stats = EngineStats()
         self.eos_token_id = tokenizer.eos_token_id
+        stop_ids = sorted({self.eos_token_id, *config.model.eos_token_ids} - {None})
+        self.structured_output = StructuredOutputManager(tokenizer, config.model.vocab_size, stop_ids)
         self._dead_error: BaseException | None = None
         # Stat loggers (the server's log line and Prometheus); none offline, where stats cost nothing.
         self.stat_loggers: dict[str, StatLoggerBase] = {}
@@ -151,6 +154,12 @@ class LLMEngine:
                                                  self.eos_token_id)
             params.update_from_tokenizer(self.tokenizer)
         _check_something_is_allowed(params, self.eos_token_id)
+        grammar = None
+        if params.structured_outputs is not None:
+            if params.min_tokens:
+                raise ValueError("min_tokens cannot be combined with structured_outputs: the grammar decides "
+                                 "where the output may end")
+            grammar = self.structured_output.compile(params.structured_outputs)
         ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
         if request_id in self.requests or any(i in self._seqs for i in ids):
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -175,6 +184,9 @@ class LLMEngine:
                 return
             self.requests[request_id] = group
             self._seqs.update((seq.request_id, (seq, group)) for seq in seqs)
+            if grammar is not None:
+                for seq in seqs:
+                    self.structured_output.add(seq.request_id, grammar)
 
     def process_prompt(self, prompt: PromptType | ProcessedPrompt) -> ProcessedPrompt:
         """Checks and tokenizes a prompt for `add_request`; raises ValueError on a malformed one."""
@@ -235,6 +247,7 @@ class LLMEngine:
         try:
             with self._guard():
                 step = self.scheduler.schedule()
+                step.token_masks = self.structured_output.masks(step)
             # From here the step counts as computed: until its outputs are in, an escape takes it back.
             if not step.is_empty or step.blocks_to_copy:
                 result = self.model_executor.execute_model(step)
@@ -277,8 +290,7 @@ class LLMEngine:
                 self._add_prompt_logprobs(group, seq, *result.prompt_logprobs[scheduled.request_id])
             if scheduled.request_id in result.sampled_token_ids:
                 changed[group.request_id] = group
-        for seq in self.scheduler.update_from_output(step, result.sampled_token_ids,
-                                                     self._check_stop_string):
+        for seq in self.scheduler.update_from_output(step, result.sampled_token_ids, self._check_stop):
             self._record_token(seq, result.logprobs.get(seq.request_id), now)
         for group in changed.values():
             self._pending_outputs.append(self._make_output(group))
@@ -363,6 +375,19 @@ class LLMEngine:
         if seq.is_finished:
             seq.metrics.finished_time = now
 
+    def _check_stop(self, seq: Sequence, status: SequenceStatus | None) -> SequenceStatus | None:
+        """The scheduler's hook after each token (see `Scheduler.update_from_output`): stop
+        strings, then the sample's grammar, which ends the request once complete."""
+        status = self._check_stop_string(seq, status)
+        if seq.request_id in self.structured_output:
+            try:
+                if self.structured_output.accept(seq.request_id, seq.output_token_ids[-1]) and status is None:
+                    return SequenceStatus.FINISHED_STOPPED
+            except ValueError as e:  # other constraints of the request left no token the grammar allows
+                seq.error = str(e)
+                return SequenceStatus.FINISHED_ERROR
+        return status
+
     def _check_stop_string(self, seq: Sequence, status: SequenceStatus | None) -> SequenceStatus | None:
         """The scheduler's stop check for stop strings (see `Scheduler.update_from_output`):
         extends the text with the new token's, and stops at a stop string it completes."""
@@ -431,6 +456,7 @@ class LLMEngine:
             self._iteration.record_finished(group)
         for seq in group.seqs:
             self._seqs.pop(seq.request_id, None)
+            self.structured_output.remove(seq.request_id)
 
     def _count(self, step: SchedulerOutput) -> None:
         s = self.stats

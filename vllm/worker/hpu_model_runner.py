@@ -308,7 +308,8 @@ class HPUModelRunner:
             logits = logits[torch.tensor(rows)]                                # (R, vocab)
         generators = [self._generator(rid, p.seed) for rid, p in zip(ids, params, strict=True)]
         # The processors never modify `logits`, which logprobs read afterwards.
-        tokens = sample_with_processors(logits, params, generators, prompts, outs, self.eos_token_id)
+        masks = [step.token_masks.get(rid) for rid in ids] if step.token_masks else None
+        tokens = sample_with_processors(logits, params, generators, prompts, outs, self.eos_token_id, masks)
         output.sampled_token_ids.update(zip(ids, tokens, strict=True))
         wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
         if wanted:

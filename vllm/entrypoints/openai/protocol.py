@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from vllm.sampling_params import BeamSearchParams, SamplingParams
+from vllm.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +66,20 @@ class ModelList(OpenAIBaseModel):
     data: list[ModelCard]
 
 
+class JsonSchemaFormat(OpenAIBaseModel):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIBaseModel):
+    """OpenAI's response_format: free text, any JSON object, or JSON following a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _SamplingRequest(OpenAIBaseModel):
     """The sampling fields shared by completions and chat (OpenAI's and vLLM's extras)."""
 
@@ -92,6 +106,14 @@ class _SamplingRequest(OpenAIBaseModel):
     skip_special_tokens: bool = True
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs (the fields of
+    # StructuredOutputsParams) or its older guided_* fields; at most one of them.
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # Beam search instead of sampling: n beams; of the fields above it uses max_tokens,
     # ignore_eos, temperature and include_stop_str_in_output.
     use_beam_search: bool = False
@@ -116,7 +138,32 @@ class _SamplingRequest(OpenAIBaseModel):
             stop_token_ids=self.stop_token_ids, include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, logit_bias=self.logit_bias,
-            allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words)
+            allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
+            structured_outputs=self._structured_outputs())
+
+    def _structured_outputs(self) -> StructuredOutputsParams | None:
+        """The one structured output the request asks for, if any; raises ValueError naming
+        the fields when it asks in more than one way."""
+        given: dict[str, StructuredOutputsParams] = {}
+        if self.structured_outputs is not None:
+            try:
+                given["structured_outputs"] = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as e:  # a field StructuredOutputsParams does not have
+                raise ValueError(f"structured_outputs: {e}") from None
+        guided = {kind: getattr(self, f"guided_{kind}") for kind in ("json", "regex", "choice", "grammar")}
+        for kind, value in guided.items():
+            if value is not None:
+                given[f"guided_{kind}"] = StructuredOutputsParams(**{kind: value})
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            given["response_format"] = StructuredOutputsParams(json_object=True)
+        elif fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                raise ValueError("response_format of type json_schema needs json_schema.schema")
+            given["response_format"] = StructuredOutputsParams(json=fmt.json_schema.schema_)
+        if len(given) > 1:
+            raise ValueError(f"give one structured output, got {', '.join(given)}")
+        return next(iter(given.values()), None)
 
     def beam_search_params(self, max_tokens: int) -> BeamSearchParams:
         """Raises ValueError naming the field when a value is out of range."""

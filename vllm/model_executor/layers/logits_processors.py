@@ -1,5 +1,5 @@
-"""Logits processors: allowed token ids, bad words, min_tokens masking, logit bias and penalties
-before sampling, min_p inside it.
+"""Logits processors: grammar masks, allowed token ids, bad words, min_tokens masking, logit bias
+and penalties before sampling, min_p inside it.
 
 Each takes the float32 logits of the rows that sample, (R, V), and returns new (R, V) logits,
 leaving its input alone. They run every decode step, so each returns its input untouched when
@@ -9,6 +9,22 @@ no row uses its feature.
 import torch
 
 from vllm.sampling_params import SamplingParams
+
+
+def apply_token_masks(logits: torch.Tensor, masks: list[torch.Tensor | None] | None) -> torch.Tensor:
+    """Leaves each row with a mask only the tokens its mask allows: masks[i] is row i's packed
+    bitmask, (ceil(V / 32),) int32 with bit j of word w for token 32 w + j (a structured output's
+    grammar, vllm/engine/structured_output.py), or None."""
+    if not masks or all(m is None for m in masks):
+        return logits
+    num_rows, vocab = logits.shape
+    assert len(masks) == num_rows
+    rows = [i for i, m in enumerate(masks) if m is not None]
+    words = torch.stack([masks[i] for i in rows])                              # (M, W) int32
+    bits = (words.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1    # (M, W, 32)
+    allowed = torch.ones(logits.shape, dtype=torch.bool)                       # (R, V)
+    allowed[rows] = bits.flatten(1)[:, :vocab].bool()
+    return logits.masked_fill(~allowed, float("-inf"))                         # (R, V)
 
 
 def apply_allowed_token_ids(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

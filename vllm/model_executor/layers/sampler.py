@@ -1,26 +1,29 @@
 """Turns the logits of the sampling rows into token ids.
 
-Order, as in vLLM: allowed token ids, bad words, min_tokens masking, logit bias and penalties,
-then greedy argmax or temperature, min_p, top-k and top-p, then one draw per row.
+Order, as in vLLM: grammar masks, allowed token ids, bad words, min_tokens masking, logit bias
+and penalties, then greedy argmax or temperature, min_p, top-k and top-p, then one draw per row.
 """
 
 import torch
 
 from vllm.model_executor.layers.logits_processors import (apply_allowed_token_ids, apply_bad_words,
                                                           apply_logit_bias, apply_min_p, apply_min_tokens,
-                                                          apply_penalties)
+                                                          apply_penalties, apply_token_masks)
 from vllm.sampling_params import SamplingParams
 
 
 def sample_with_processors(logits: torch.Tensor, params: list[SamplingParams],
                            generators: list[torch.Generator],
                            prompt_token_ids: list[list[int]], output_token_ids: list[list[int]],
-                           eos_token_id: int | None) -> list[int]:
+                           eos_token_id: int | None,
+                           token_masks: list[torch.Tensor | None] | None = None) -> list[int]:
     """The model runner's entry point: logits (S, vocab) float32, one row per sampling request.
 
-    Row i belongs to the request with `params[i]`, `generators[i]`, and the tokens generated so
-    far `output_token_ids[i]`. Greedy rows see every processor here too.
+    Row i belongs to the request with `params[i]`, `generators[i]`, the tokens generated so far
+    `output_token_ids[i]` and its grammar's mask `token_masks[i]` (see apply_token_masks).
+    Greedy rows see every processor here too.
     """
+    logits = apply_token_masks(logits, token_masks)                            # (S, V)
     logits = apply_allowed_token_ids(logits, params)                           # (S, V)
     logits = apply_bad_words(logits, params, output_token_ids)                 # (S, V)
     logits = apply_min_tokens(logits, params, [len(ids) for ids in output_token_ids],
