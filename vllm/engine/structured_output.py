@@ -61,6 +61,9 @@ class StructuredOutputManager:
     def __contains__(self, sample_id: str) -> bool:
         return sample_id in self._matchers
 
+    def __len__(self) -> int:
+        return len(self._matchers)
+
     def masks(self, step: SchedulerOutput) -> dict[str, torch.Tensor]:
         """Per sampling sample of `step` with a grammar: the packed bitmask of the tokens it
         allows next, (ceil(vocab / 32),) int32, bit j of word i for token 32 i + j."""
