@@ -71,12 +71,15 @@ def engine(tiny_checkpoints):
     return AsyncLLMEngine.from_engine_args(EngineArgs(model=tiny_checkpoints["llama"], **ENGINE_KWARGS))
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["default", "trusting"])
-def server(request, engine):
+def _serve(engine, trusting: bool):
     app = build_app(engine, [MODEL], log_stats=False, chat_template=TEMPLATE, response_role="bot",
-                    trust_request_chat_template=request.param)
-    with ServerThread(app) as server:
-        server.trusting = request.param
+                    trust_request_chat_template=trusting)
+    return ServerThread(app)
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    with _serve(engine, trusting=False) as server:
         yield server
 
 
@@ -104,12 +107,12 @@ def test_the_server_template_and_response_role(server, llm):
     assert '"role":"bot"' in first
 
 
-def test_a_request_template_only_where_the_server_trusts_them(server, llm):
+def test_a_request_template_only_where_the_server_trusts_them(server, engine, llm):
     own = "{% for m in messages %}{{ m['content'] }}|{% endfor %}"
-    resp = _chat(server, chat_template=own)
-    if not server.trusting:
-        assert resp.status_code == 400 and resp.json()["error"]["param"] == "chat_template"
-        return
+    refused = _chat(server, chat_template=own)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "chat_template"
+    with _serve(engine, trusting=True) as trusting:
+        resp = _chat(trusting, chat_template=own)
     assert resp.status_code == 200
     assert resp.json()["usage"]["prompt_tokens"] == len(
         llm.get_tokenizer()("Be brief.|Name a colour.|", add_special_tokens=False).input_ids)

@@ -30,13 +30,13 @@ def _greedy(**kwargs) -> SamplingParams:
 
 @pytest.fixture(scope="module")
 def smollm2():
-    return LLM(max_model_len=512, max_num_batched_tokens=64, max_num_seqs=8)
+    return LLM(max_model_len=512, max_num_batched_tokens=64, max_num_seqs=8, kv_cache_memory_bytes=64 * 2**20)
 
 
 @pytest.fixture(scope="module")
 def tiny(tiny_checkpoints):
     return LLM(tiny_checkpoints["llama"], dtype="float32", max_model_len=256, block_size=16,
-               max_num_batched_tokens=512, enforce_eager=True)
+               max_num_batched_tokens=512, enforce_eager=True, kv_cache_memory_bytes=64 * 2**20)
 
 
 def test_json_on_the_default_model(smollm2):

@@ -505,7 +505,8 @@ class LLMEngine:
 def _check_something_is_allowed(params: SamplingParams, eos_token_id: int | None) -> None:
     """Raises ValueError when `allowed_token_ids` could leave a step with no token to sample:
     when every allowed id is the last token of a bad word or, with `min_tokens`, an id that
-    min_tokens holds back. Other processors never remove every token."""
+    min_tokens holds back. The other processors never remove every token; a grammar may, beside
+    allowed ids or bad words, and the request then ends with an error (`_check_stop`)."""
     if params.allowed_token_ids is None:
         return
     banned = {ids[-1] for ids in params.bad_words_token_ids}
