@@ -73,9 +73,10 @@ class SamplingParams:
     `stop_token_ids` a list of ints, `best_of == n`, floats are Python floats, and `logit_bias`
     maps int ids to biases clipped to [-100, 100] (JSON gives its keys as strings).
 
-    `allowed_token_ids`, `bad_words` and `logit_bias` change the logits before the penalties, in
-    vLLM's order; the engine checks their ids against the model's vocabulary and tokenizes
-    `bad_words` (`update_from_tokenizer`).
+    `structured_outputs` (a grammar's mask), `allowed_token_ids`, `bad_words` and `logit_bias`
+    change the logits before the penalties, in vLLM's order; the engine compiles the grammar,
+    checks the ids against the model's vocabulary and tokenizes `bad_words`
+    (`update_from_tokenizer`).
     """
 
     n: int = 1
