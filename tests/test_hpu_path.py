@@ -4,7 +4,8 @@ the real HpuPlatform and HPU attention backend, in lazy and in compile mode.
 Same greedy tokens as transformers (float32) at every budget and block size; and the static-shape
 audit (tests/shape_audit.py): after warm-up, a workload with decodes, several chunks with long
 contexts, preemption, n > 1 forks, prompt logprobs and prompts found in the prefix cache makes Gaudi
-compile nothing more.
+compile nothing more; nor do seeded random loads (arrivals while others run, an abort, the smallest
+cache), whose greedy requests get the tokens the CPU path gives each alone.
 """
 
 import dataclasses
@@ -193,3 +194,70 @@ def test_warmup_compiles_what_the_bucket_grid_counts(hpu, tiny_checkpoints, monk
     assert by_module == {"PrefillAttention": want["prefill_attention"], "DecodeAttention": want["decode_attention"],
                          "LogitsHead": want["logits"]}
     assert len(audit.segments) == want["body"] + want["combine"] + want["block_copies"]
+
+
+def _random_load(rng: random.Random) -> list[tuple[list[int], SamplingParams]]:
+    """Prompts of 1 to 130 tokens, some sharing a prefix; mostly greedy (compared with the CPU
+    path), some n = 2 seeded samples and prompt logprobs."""
+    shared = [rng.randrange(100, 49000) for _ in range(rng.choice([16, 40, 130]))]
+    load = []
+    for _ in range(rng.randrange(5, 10)):
+        prompt = (shared[:rng.randrange(0, len(shared) + 1)] if rng.random() < 0.5 else []) + \
+                 [rng.randrange(100, 49000) for _ in range(rng.randrange(1, 120))]
+        greedy = rng.random() < 0.7
+        load.append((prompt, SamplingParams(
+            temperature=0 if greedy else 0.8, seed=None if greedy else rng.randrange(100), n=1 if greedy else 2,
+            max_tokens=rng.randrange(1, min(60, 256 - len(prompt))), ignore_eos=True, logprobs=1,
+            prompt_logprobs=rng.choice([None, None, 1]))))
+    return load
+
+
+@pytest.mark.parametrize("hpu", ["lazy"], indirect=True)
+@pytest.mark.parametrize("seed", [2, 6, 13, 17])  # loads with both preemptions and prefix hits
+def test_a_random_load_compiles_nothing_after_warmup_and_matches_the_cpu_path(hpu, tiny_checkpoints, seed):
+    """Random budgets, block sizes and cache sizes, arrivals while others run, an abort, prefix
+    hits and preemptions: nothing is compiled after warm-up, every block comes back, and each
+    greedy request has the tokens (and, within float32 rounding, the logprobs) that the CPU path
+    gives it alone. (Seeded samples are only run: a logit that differs in its last bits may move
+    an inverse-CDF draw to the next token.)"""
+    rng = random.Random(seed)
+    kind = ("llama", "qwen2", "mistral")[seed % 3]
+    block_size = (16, 128)[seed % 2]
+    # The smallest cache that holds max_model_len: the load outgrows it.
+    llm = LLM(tiny_checkpoints[kind], device="hpu", dtype="float32", max_model_len=256, block_size=block_size,
+              max_num_batched_tokens=rng.choice([16, 32, 64]), max_num_seqs=8,
+              num_gpu_blocks_override=256 // block_size, max_num_partial_prefills=rng.choice([1, 2]),
+              enforce_eager=False)
+    engine = llm.llm_engine
+    load = _random_load(rng)
+    pending, outs, aborted = list(range(len(load))), {}, None
+    while pending or engine.has_unfinished_requests():
+        while pending and (rng.random() < 0.4 or not engine.has_unfinished_requests()):
+            i = pending.pop(0)
+            engine.add_request(str(i), {"prompt_token_ids": load[i][0]}, load[i][1])
+        if aborted is None and engine.has_unfinished_requests() and rng.random() < 0.05:
+            aborted = next(iter(engine.requests))
+            engine.abort_request(aborted)
+        for out in engine.step():
+            if out.finished:
+                outs[out.request_id] = out
+    stats, bm = engine.graph_stats, engine.scheduler.block_manager
+    assert stats.compiles_after_warmup == 0 and stats.unwarmed_steps == 0 and not hpu.forbidden
+    assert bm.num_free_blocks == bm.num_blocks
+    assert engine.scheduler.num_preemptions > 0 and engine.scheduler.num_prefix_cache_hits > 0
+    cpu = LLM(tiny_checkpoints[kind], dtype="float32", max_model_len=256, block_size=16, enforce_eager=True,
+              kv_cache_memory_bytes=16 * 2**20)
+    compared = 0
+    for i, (prompt, params) in enumerate(load):
+        if str(i) == aborted or not params.greedy:
+            continue
+        got = outs[str(i)]
+        ref = cpu.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
+        assert got.outputs[0].token_ids == ref.outputs[0].token_ids, (i, len(prompt))
+        for a, b in zip(got.outputs[0].logprobs, ref.outputs[0].logprobs, strict=True):
+            assert a.keys() == b.keys() and all(abs(a[t].logprob - b[t].logprob) < 1e-3 for t in a)
+        if params.prompt_logprobs is not None:
+            for a, b in zip(got.prompt_logprobs[1:], ref.prompt_logprobs[1:], strict=True):
+                assert all(abs(a[t].logprob - b[t].logprob) < 1e-3 for t in b.keys() & a.keys())
+        compared += 1
+    assert compared >= 2
