@@ -1,8 +1,9 @@
 """Beam search over the engine (vLLM's rule and scoring), for LLM.beam_search and the server.
 
 Each step extends every live beam by one token: the engine runs each beam as a request for one
-token with the top 2 x beam_width logprobs, and the prefix cache holds the beams' shared KV
-blocks, so a step computes little more than each beam's last token. Of a prompt's candidates,
+token with the top 2 x beam_width logprobs. The prefix cache holds the beams' shared full KV
+blocks, so a step computes each beam's tokens since its last full block (up to a block each, not
+one token: keeping beams as forked running sequences would avoid that). Of a prompt's candidates,
 those that end with EOS are finished; of the rest, the beam_width best go on. At the end the
 finished and the live beams compete by score.
 """
@@ -86,7 +87,7 @@ class BeamSearch:
         tops = iter(logprobs)
         for live, finished in zip(self._live, self._finished, strict=True):
             candidates = []
-            for beam, top in zip(list(live), tops):
+            for beam, top in zip(live, tops):
                 for token, entry in top.items():
                     ends = token == self.eos_token_id and not self.params.ignore_eos
                     candidate = BeamSearchSequence(
