@@ -35,6 +35,21 @@ def test_stop_token_ids_and_max_tokens(llm):
     stop = llm.generate("Hello there", SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[ids[2]]),
                         use_tqdm=False)[0].outputs[0]
     assert stop.token_ids == ids[:3] and stop.finish_reason == "stop" and stop.stop_reason == ids[2]
+    # The stop token is not in the text (as vLLM), unless asked for, like a stop string.
+    tok = llm.get_tokenizer()
+    assert stop.text == tok.decode(ids[:2])
+    kept = llm.generate("Hello there", SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[ids[2]],
+                                                      include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
+    assert kept.text == tok.decode(ids[:3])
+
+
+def test_the_eos_token_is_not_in_the_text_even_with_special_tokens(llm):
+    tok = llm.get_tokenizer()
+    eos = llm.llm_engine.eos_token_id
+    params = SamplingParams(temperature=0, max_tokens=8, skip_special_tokens=False, logit_bias={eos: 100}, min_tokens=2)
+    out = llm.generate("Hello there", params, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids[-1] == eos and len(out.token_ids) == 3 and out.finish_reason == "stop"
+    assert out.text == tok.decode(out.token_ids[:-1], skip_special_tokens=False)
 
 
 def test_too_long_prompt_is_refused_without_blocking_others(llm):

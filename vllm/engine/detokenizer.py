@@ -9,9 +9,10 @@ an incomplete character, unless the request is finishing.
 from vllm.sequence import Sequence
 
 
-def detokenize_incrementally(tokenizer, seq: Sequence, final: bool = False) -> str:
-    """Extends `seq.output_text` with the text of its newest output tokens; returns the new text."""
-    ids = seq.output_token_ids
+def detokenize_incrementally(tokenizer, seq: Sequence, final: bool = False, skip_last: bool = False) -> str:
+    """Extends `seq.output_text` with the text of its newest output tokens (but the last one with
+    `skip_last`: a stop token, whose text is not output); returns the new text."""
+    ids = seq.output_token_ids[:-1] if skip_last else seq.output_token_ids
     skip = seq.sampling_params.skip_special_tokens
     prefix_text = tokenizer.decode(ids[seq.prefix_offset:seq.read_offset], skip_special_tokens=skip)
     full_text = tokenizer.decode(ids[seq.prefix_offset:], skip_special_tokens=skip)

@@ -390,8 +390,12 @@ class LLMEngine:
 
     def _check_stop_string(self, seq: Sequence, status: SequenceStatus | None) -> SequenceStatus | None:
         """The scheduler's stop check for stop strings (see `Scheduler.update_from_output`):
-        extends the text with the new token's, and stops at a stop string it completes."""
-        new_text = detokenize_incrementally(self.tokenizer, seq, final=status is not None)
+        extends the text with the new token's, and stops at a stop string it completes. The
+        scheduler stops a request only at EOS or a stop token: like a stop string, its text is
+        output only with `include_stop_str_in_output` (as in vLLM; special tokens aside, EOS
+        text shows only without `skip_special_tokens`)."""
+        stop_token = status is SequenceStatus.FINISHED_STOPPED and not seq.sampling_params.include_stop_str_in_output
+        new_text = detokenize_incrementally(self.tokenizer, seq, final=status is not None, skip_last=stop_token)
         # A stop string completed by the last allowed token wins over the length limit, as in vLLM.
         if status in (None, SequenceStatus.FINISHED_LENGTH) and self._hit_stop_string(seq, new_text):
             return SequenceStatus.FINISHED_STOPPED
