@@ -24,16 +24,18 @@ def has_chat_template(tokenizer, chat_template: str | None = None) -> bool:
     return bool(chat_template or getattr(tokenizer, "chat_template", None))
 
 
-def apply_chat_template(tokenizer, conversation: list[dict], *, add_generation_prompt: bool = True,
-                        continue_final_message: bool = False, add_special_tokens: bool = False,
+def apply_chat_template(tokenizer, conversation: list[dict], *, tools: list[dict] | None = None,
+                        add_generation_prompt: bool = True, continue_final_message: bool = False,
+                        add_special_tokens: bool = False,
                         chat_template: str | None = None,
                         chat_template_kwargs: dict[str, Any] | None = None) -> tuple[str, list[int]]:
     """The prompt's text and token ids, through `chat_template` (default: the tokenizer's).
 
-    With `continue_final_message` the prompt ends inside the last message (the model continues
-    it) instead of after it. `chat_template_kwargs` are more variables for the template (such as
-    `enable_thinking`); they cannot replace the arguments of the call itself. Raises ValueError
-    for a conversation or variables the template refuses.
+    `tools` are the functions the reply may call (OpenAI's tool definitions), for templates
+    that write them into the prompt. With `continue_final_message` the prompt ends inside the
+    last message (the model continues it) instead of after it. `chat_template_kwargs` are more
+    variables for the template (such as `enable_thinking`); they cannot replace the arguments of
+    the call itself. Raises ValueError for a conversation or variables the template refuses.
     """
     assert has_chat_template(tokenizer, chat_template)
     if add_generation_prompt and continue_final_message:
@@ -44,7 +46,7 @@ def apply_chat_template(tokenizer, conversation: list[dict], *, add_generation_p
         raise ValueError(f"chat_template_kwargs cannot set {', '.join(reserved)}: "
                          "they are arguments of the chat template call itself")
     try:
-        text = tokenizer.apply_chat_template(conversation, tokenize=False, chat_template=chat_template,
+        text = tokenizer.apply_chat_template(conversation, tools=tools, tokenize=False, chat_template=chat_template,
                                              add_generation_prompt=add_generation_prompt,
                                              continue_final_message=continue_final_message, **variables)
     except TemplateError as e:  # a syntax error, or the template's own raise_exception(...)

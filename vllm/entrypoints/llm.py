@@ -79,11 +79,12 @@ class LLM:
              sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
              continue_final_message: bool = False, chat_template: str | None = None,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None, tools: list[dict] | None = None) -> list[RequestOutput]:
         """Generates replies to one conversation (a list of {"role", "content"} messages) or to a
         list of conversations, formatted with `chat_template` (a Jinja template; default: the
         tokenizer's) and the template variables `chat_template_kwargs`; with
-        `continue_final_message`, continues each conversation's last message instead."""
+        `continue_final_message`, continues each conversation's last message instead. `tools`
+        (OpenAI's function definitions) go to templates that write them into the prompt."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.get_tokenizer()
         if not has_chat_template(tokenizer, chat_template):
@@ -91,7 +92,8 @@ class LLM:
                              "generate() with plain prompts")
         prompts = []
         for conversation in conversations:
-            text, ids = apply_chat_template(tokenizer, conversation, add_generation_prompt=add_generation_prompt,
+            text, ids = apply_chat_template(tokenizer, conversation, tools=tools,
+                                            add_generation_prompt=add_generation_prompt,
                                             continue_final_message=continue_final_message,
                                             chat_template=chat_template, chat_template_kwargs=chat_template_kwargs)
             prompts.append({"prompt": text, "prompt_token_ids": ids})

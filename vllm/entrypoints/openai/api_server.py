@@ -40,10 +40,12 @@ logger = logging.getLogger(__name__)
 
 def build_app(engine: AsyncLLMEngine, served_model_names: list[str], api_key: str | None = None,
               log_stats: bool = True, chat_template: str | None = None, response_role: str = "assistant",
-              trust_request_chat_template: bool = False) -> FastAPI:
+              trust_request_chat_template: bool = False, tool_parser: str | None = None,
+              exclude_tools_when_tool_choice_none: bool = False) -> FastAPI:
     """The app for `engine`. While it serves, the engine reports to the periodic log line and to
     /metrics (unless not `log_stats`); when it stops, the engine is shut down. `chat_template`
-    replaces the tokenizer's (see OpenAIServing and OpenAIServingChat for the rest)."""
+    replaces the tokenizer's; with a `tool_parser` the model may call tools when it decides to
+    (see OpenAIServing and OpenAIServingChat for the rest)."""
     registry = CollectorRegistry()
     config = engine.config
     loggers = {} if not log_stats else {
@@ -70,7 +72,8 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str], api_key: st
     app.state.engine = engine
     templates = dict(chat_template=chat_template, trust_request_chat_template=trust_request_chat_template)
     completions = OpenAIServingCompletion(engine, served_model_names)
-    chat = OpenAIServingChat(engine, served_model_names, response_role=response_role, **templates)
+    chat = OpenAIServingChat(engine, served_model_names, response_role=response_role, tool_parser=tool_parser,
+                             exclude_tools_when_tool_choice_none=exclude_tools_when_tool_choice_none, **templates)
     tokenization = OpenAIServingTokenization(engine, served_model_names, **templates)
 
     if api_key:
@@ -283,7 +286,9 @@ async def run_server(args: Namespace, engine_args: AsyncEngineArgs) -> None:
     api_key = args.api_key or os.environ.get("VLLM_API_KEY")
     app = build_app(engine, names, api_key=api_key, log_stats=not config.disable_log_stats,
                     chat_template=chat_template, response_role=args.response_role,
-                    trust_request_chat_template=args.trust_request_chat_template)
+                    trust_request_chat_template=args.trust_request_chat_template,
+                    tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+                    exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none)
     add_cors(app, args.allowed_origins, args.allowed_methods, args.allowed_headers, args.allow_credentials)
     host, port = sock.getsockname()[:2]
     logger.info("Serving %s on http://%s:%d", ", ".join(names), host, port)

@@ -5,6 +5,7 @@ import argparse
 import json
 
 from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 
@@ -32,6 +33,12 @@ def make_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     server.add_argument("--trust-request-chat-template", action="store_true",
                         help="accept a chat_template in requests (refused by default: a template "
                         "is code the server runs)")
+    server.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='let the model decide when to call tools (tool_choice "auto"); needs --tool-call-parser')
+    server.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
+                        help="how the model writes tool calls into its text")
+    server.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
+                        help='do not give the chat template the tools of a request whose tool_choice is "none"')
     for name, what in (("origins", "origins"), ("methods", "HTTP methods"), ("headers", "request headers")):
         server.add_argument(f"--allowed-{name}", type=_json_strings, default=["*"],
                             help=f"CORS: the {what} browsers may use, as a JSON list (default: [\"*\"], any)")
@@ -50,6 +57,8 @@ def engine_args_from(args: argparse.Namespace) -> AsyncEngineArgs:
         if args.model is not None and args.model != args.model_tag:
             raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
         args.model = args.model_tag
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
     return AsyncEngineArgs.from_cli_args(args)
 
 

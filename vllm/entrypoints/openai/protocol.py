@@ -4,6 +4,7 @@ Requests accept fields they do not know (as OpenAI's and vLLM's servers do) and 
 ignored; fields the API defines but this server does not implement are refused by name.
 """
 
+import json
 import logging
 import time
 import uuid
@@ -125,9 +126,17 @@ class _SamplingRequest(OpenAIBaseModel):
             raise ValueError("stream_options can only be set when stream=True")
         return self
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
-        """Raises ValueError naming the field when a value is out of range."""
+    def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None, *,
+                        forced_output: StructuredOutputsParams | None = None,
+                        keep_special_tokens: bool = False) -> SamplingParams:
+        """Raises ValueError naming the field when a value is out of range. A `forced_output`
+        (a tool call's schema) takes the place of the request's own structured output, which
+        it may not have; with `keep_special_tokens` the text keeps them (a tool parser's markers)."""
+        structured_outputs = self._structured_outputs()
+        if forced_output is not None:
+            if structured_outputs is not None:
+                raise ValueError("a tool_choice that forces a call cannot be combined with a structured output")
+            structured_outputs = forced_output
         return SamplingParams(
             n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0,
@@ -136,10 +145,10 @@ class _SamplingRequest(OpenAIBaseModel):
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             max_tokens=max_tokens, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
             stop_token_ids=self.stop_token_ids, include_stop_str_in_output=self.include_stop_str_in_output,
-            skip_special_tokens=self.skip_special_tokens, logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens and not keep_special_tokens, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, logit_bias=self.logit_bias,
             allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
-            structured_outputs=self._structured_outputs())
+            structured_outputs=structured_outputs)
 
     def _structured_outputs(self) -> StructuredOutputsParams | None:
         """The one structured output the request asks for, if any; raises ValueError naming
@@ -167,6 +176,8 @@ class _SamplingRequest(OpenAIBaseModel):
 
     def beam_search_params(self, max_tokens: int) -> BeamSearchParams:
         """Raises ValueError naming the field when a value is out of range."""
+        if self._structured_outputs() is not None:
+            raise ValueError("use_beam_search cannot follow a structured output")
         return BeamSearchParams(
             beam_width=self.n, max_tokens=max_tokens, ignore_eos=self.ignore_eos,
             temperature=0.0 if self.temperature is None else self.temperature,
@@ -239,9 +250,73 @@ class CompletionResponse(OpenAIBaseModel):
 
 # ---------------------------------------------------------------- /v1/chat/completions
 
+class FunctionCall(OpenAIBaseModel):
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+class ToolCall(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: random_id("chatcmpl-tool"))
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(OpenAIBaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(OpenAIBaseModel):
+    """A streamed tool call: its first delta has the id and the name, later ones more arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
+class FunctionDefinition(OpenAIBaseModel):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+
+
+class ChatCompletionTool(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIBaseModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIBaseModel):
+    """`tool_choice` naming the function the reply must call."""
+
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
 class ChatMessage(OpenAIBaseModel):
     role: str
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's result: the call it answers
+
+    def template_message(self) -> dict[str, Any]:
+        """The message as chat templates read it: the content as text, an earlier call's
+        arguments as an object where they are one (templates write them out as JSON)."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            message["tool_calls"] = [{"id": call.id, "type": call.type, "function": {
+                "name": call.function.name, "arguments": _json_or_text(call.function.arguments)}}
+                for call in self.tool_calls]
+        return message
 
     def text(self) -> str:
         """The content as one string; of the content parts only text parts are supported."""
@@ -253,6 +328,14 @@ class ChatMessage(OpenAIBaseModel):
                 raise ValueError(f"messages: only text content parts are supported, got {part.get('type')!r}")
             texts.append(part["text"])
         return "\n".join(texts)
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return text
+    return value if isinstance(value, dict) else text
 
 
 class ChatTemplateFields(OpenAIBaseModel):
@@ -272,17 +355,30 @@ class ChatCompletionRequest(_SamplingRequest, ChatTemplateFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[ChatCompletionTool] | None = None
+    # None: "auto" with tools, else "none" (OpenAI's defaults).
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
     def _check_chat_fields(self):
-        _refuse_unsupported(self, ("tools",))
-        if self.tool_choice not in (None, "none"):
-            raise ValueError("tool_choice is not supported by this server")
+        if self.tool_choice is None:
+            self.tool_choice = "auto" if self.tools else "none"
+        elif self.tool_choice != "none" and not self.tools:
+            raise ValueError("tool_choice needs tools")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.named_tool is None:
+            raise ValueError(f"tool_choice names {self.tool_choice.function.name!r}, which is not one of the tools")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs=true")
         return self
+
+    @property
+    def named_tool(self) -> FunctionDefinition | None:
+        """The function `tool_choice` names, if it names one of the tools."""
+        if not isinstance(self.tool_choice, NamedToolChoice):
+            return None
+        return next((t.function for t in self.tools or () if t.function.name == self.tool_choice.function.name),
+                    None)
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -310,6 +406,7 @@ class ChatCompletionLogProbs(OpenAIBaseModel):
 class AssistantMessage(OpenAIBaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionResponseChoice(OpenAIBaseModel):
@@ -332,6 +429,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
 class DeltaMessage(OpenAIBaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatCompletionStreamChoice(OpenAIBaseModel):

@@ -8,8 +8,10 @@ from vllm.entrypoints.openai.protocol import (AssistantMessage, ChatCompletionLo
                                               ChatCompletionStreamChoice,
                                               ChatCompletionStreamResponse, ChatCompletionTopLogprob,
                                               DeltaMessage, UsageInfo, random_id)
-from vllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing, merge_streams, sse, stop_hold,
-                                                    text_delta)
+from vllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing, OpenAIServingError, merge_streams, sse,
+                                                    stop_hold)
+from vllm.entrypoints.openai.tool_calls import AutoToolReply, Reply, forced_tool_output, reply_for
+from vllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from vllm.inputs import ProcessedPrompt
 from vllm.logprobs import Logprob
 from vllm.outputs import RequestOutput
@@ -18,11 +20,16 @@ from vllm.sampling_params import SamplingParams
 
 class OpenAIServingChat(OpenAIServing):
     """Chat completions. The reply's role is `response_role` after a generation prompt, else
-    that of the message it continues (vLLM's rule)."""
+    that of the message it continues (vLLM's rule). Tool calls: see tool_calls.py; "auto" needs
+    a `tool_parser` (a name in TOOL_PARSERS), and with `exclude_tools_when_tool_choice_none` the
+    template is not given the tools of a request whose tool_choice is "none"."""
 
-    def __init__(self, *args, response_role: str = "assistant", **kwargs) -> None:
+    def __init__(self, *args, response_role: str = "assistant", tool_parser: str | None = None,
+                 exclude_tools_when_tool_choice_none: bool = False, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.response_role = response_role
+        self.tool_parser = TOOL_PARSERS[tool_parser] if tool_parser is not None else None
+        self.exclude_tools_when_tool_choice_none = exclude_tools_when_tool_choice_none
 
     def _role(self, request: ChatCompletionRequest) -> str:
         return self.response_role if request.add_generation_prompt else request.messages[-1].role
@@ -33,10 +40,18 @@ class OpenAIServingChat(OpenAIServing):
         OpenAIServingError for a request that is refused."""
         model = self.model_name(request.model)
         self.check_n(request.n)
+        if request.tool_choice == "auto" and self.tool_parser is None:
+            raise OpenAIServingError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
+                                     "to be set", param="tool_choice")
         prompt = self._apply_chat_template(request)
         max_tokens = self.max_tokens_for(prompt, request.requested_max_tokens)
-        params = self.sampling_params(lambda: request.sampling_params(max_tokens, request.num_logprobs))
+        forced, reply = forced_tool_output(request), self._reply(request)
+        keep_special_tokens = isinstance(reply, AutoToolReply) and reply.parser.keeps_special_tokens
+        params = self.sampling_params(lambda: request.sampling_params(
+            max_tokens, request.num_logprobs, forced_output=forced, keep_special_tokens=keep_special_tokens))
         request_id = random_id("chatcmpl")
+        if request.use_beam_search and forced is not None:
+            raise OpenAIServingError("use_beam_search cannot force a tool call", param="tool_choice")
         if request.use_beam_search:
             search = self.sampling_params(lambda: request.beam_search_params(max_tokens))
             streams = self.start_beam_search([prompt], search, request_id)
@@ -49,17 +64,27 @@ class OpenAIServingChat(OpenAIServing):
             final = out
         return self._response(request, request_id, model, final)
 
+    def _reply(self, request: ChatCompletionRequest) -> Reply:
+        return reply_for(request, self.tool_parser() if self.tool_parser is not None else None)
+
     def _apply_chat_template(self, request: ChatCompletionRequest) -> ProcessedPrompt:
-        text, ids = self.chat_prompt(request.messages, request)
+        tools = None
+        if request.tools and not (request.tool_choice == "none" and self.exclude_tools_when_tool_choice_none):
+            tools = [tool.model_dump(exclude_none=True) for tool in request.tools]
+        text, ids = self.chat_prompt(request.messages, request, tools=tools)
         return self.tokenize({"prompt": text, "prompt_token_ids": ids})
 
     def _response(self, request: ChatCompletionRequest, request_id: str, model: str,
                   final: RequestOutput) -> ChatCompletionResponse:
-        choices = [ChatCompletionResponseChoice(
-            index=out.index, message=AssistantMessage(role=self._role(request), content=out.text),
-            logprobs=self._logprobs(out.token_ids, out.logprobs, request.top_logprobs or 0)
-            if request.logprobs else None,
-            finish_reason=out.finish_reason, stop_reason=out.stop_reason) for out in final.outputs]
+        choices = []
+        for out in final.outputs:
+            reply = self._reply(request)
+            content, calls = reply.whole(out.text)
+            choices.append(ChatCompletionResponseChoice(
+                index=out.index, message=AssistantMessage(role=self._role(request), content=content, tool_calls=calls),
+                logprobs=self._logprobs(out.token_ids, out.logprobs, request.top_logprobs or 0)
+                if request.logprobs else None,
+                finish_reason=reply.finish_reason(out.finish_reason), stop_reason=out.stop_reason))
         num_prompt = len(final.prompt_token_ids)
         num_completion = sum(len(out.token_ids) for out in final.outputs)
         return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=UsageInfo(
@@ -76,24 +101,26 @@ class OpenAIServingChat(OpenAIServing):
         for index in range(request.n):  # the role comes first, as OpenAI sends it
             yield chunk(index, DeltaMessage(role=self._role(request), content=""))
         hold = stop_hold(params)
-        sent_text = [0] * request.n
+        replies = [self._reply(request) for _ in range(request.n)]
         sent_tokens = [0] * request.n
         async for _, out in merge_streams(streams):
             for completion in out.outputs:
                 i = completion.index
                 finished = completion.finish_reason is not None
-                delta = text_delta(completion.text, sent_text[i], finished, hold)
+                text = completion.text
+                # While it runs, a stop string may be forming at the end of the text: held back.
+                delta = replies[i].delta(text if finished or not hold else text[:-hold], finished)
                 new_tokens = completion.token_ids[sent_tokens[i]:]
-                if not delta and not new_tokens and not finished:
+                if delta is None and not new_tokens and not finished:
                     continue
                 logprobs = None
                 if request.logprobs:
                     logprobs = self._logprobs(new_tokens, completion.logprobs[sent_tokens[i]:],
                                               request.top_logprobs or 0)
-                sent_text[i] += len(delta)
                 sent_tokens[i] = len(completion.token_ids)
-                yield chunk(i, DeltaMessage(content=delta), logprobs=logprobs,
-                            finish_reason=completion.finish_reason, stop_reason=completion.stop_reason)
+                yield chunk(i, delta or DeltaMessage(content=""), logprobs=logprobs,
+                            finish_reason=replies[i].finish_reason(completion.finish_reason),
+                            stop_reason=completion.stop_reason)
         if request.include_usage:
             num_prompt, num_completion = len(prompt.token_ids), sum(sent_tokens)
             yield sse(ChatCompletionStreamResponse(

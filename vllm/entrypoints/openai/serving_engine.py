@@ -80,8 +80,9 @@ class OpenAIServing:
             raise OpenAIServingError(str(e), param="prompt") from None
 
     def chat_prompt(self, messages: list[ChatMessage], request: ChatTemplateFields,
-                    add_special_tokens: bool = False) -> tuple[str, list[int]]:
-        """The text and token ids of the conversation through the chat template."""
+                    add_special_tokens: bool = False, tools: list[dict] | None = None) -> tuple[str, list[int]]:
+        """The text and token ids of the conversation through the chat template, which is
+        given the `tools` the reply may call."""
         if request.chat_template is not None and not self.trust_request_chat_template:
             raise OpenAIServingError("chat_template in a request is refused: this server does not trust "
                                      "request templates (--trust-request-chat-template)", param="chat_template")
@@ -90,9 +91,9 @@ class OpenAIServing:
             raise OpenAIServingError("this model's tokenizer has no chat template (give one with --chat-template); "
                                      "use /v1/completions")
         try:
-            conversation = [{"role": m.role, "content": m.text()} for m in messages]
+            conversation = [m.template_message() for m in messages]
             return apply_chat_template(
-                self.tokenizer, conversation, add_generation_prompt=request.add_generation_prompt,
+                self.tokenizer, conversation, tools=tools, add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message, add_special_tokens=add_special_tokens,
                 chat_template=template, chat_template_kwargs=request.chat_template_kwargs)
         except ValueError as e:
