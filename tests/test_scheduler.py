@@ -415,12 +415,14 @@ def workloads(draw):
                   max_num_partial_prefills=draw(st.integers(1, 3)),
                   long_prefill_token_threshold=draw(st.sampled_from([0, 0, 1, 5, 16])))
     config["enable_prefix_caching"] = draw(st.booleans())
+    config["policy"] = draw(st.sampled_from(["fcfs", "priority"]))
     requests = draw(st.lists(st.tuples(
         st.integers(1, max_model_len + 4),               # prompt length (some too long)
         st.integers(1, 20),                              # max_tokens
         st.one_of(st.none(), st.integers(0, 40)),        # abort before this step, or never
         st.integers(0, 10),                              # arrival step
         st.integers(0, 3),                               # prompts of one family begin alike
+        st.integers(0, 2),                               # priority (under the priority policy)
     ), min_size=1, max_size=10))
     return config, requests
 
@@ -431,17 +433,23 @@ def test_random_workloads_finish_and_keep_invariants(workload):
     """Random workloads, with and without prefix caching (prompts of a family share their
     beginnings, and equal prompts equal outputs, so blocks of outputs are found too; a small
     cache preempts and evicts): the caps, decodes first, the block partition and the names of
-    cached blocks hold after every step, and every chunk reads its own tokens' KV."""
+    cached blocks hold after every step, and every chunk reads its own tokens' KV. Under the
+    priority policy, the waiting queue and the running list stay in (priority, arrival) order."""
     config, requests = workload
     eng = FakeEngine(**config)
     sched, bm = eng.sched, eng.bm
     pending = sorted(enumerate(requests), key=lambda r: r[1][3])
     for step in range(2000):
         while pending and pending[0][1][3] <= step:
-            i, (n, m, _, _, family) = pending.pop(0)
+            i, (n, m, _, arrival, family, priority) = pending.pop(0)
             # Family 3 repeats 4 tokens: its blocks hold equal tokens at different positions.
-            eng.add(f"r{i}", n, m, prompt=[100 * family + (t % 4 if family == 3 else t) for t in range(n)])
-        for i, (_, _, abort_at, _, _) in enumerate(requests):
+            prompt = [100 * family + (t % 4 if family == 3 else t) for t in range(n)]
+            seq = make_seq(f"r{i}", n, m, prompt)
+            if config["policy"] == "priority":
+                seq.priority, seq.arrival_time = priority, float(arrival)
+            eng.seqs[seq.request_id] = seq
+            sched.add(seq)
+        for i, (_, _, abort_at, _, _, _) in enumerate(requests):
             seq = eng.seqs.get(f"r{i}")
             if seq is not None and abort_at == step and not seq.is_finished:
                 sched.finish(seq, SequenceStatus.FINISHED_ABORTED)
@@ -462,6 +470,10 @@ def test_random_workloads_finish_and_keep_invariants(workload):
         assert {r for r, t in bm._tables.items() if t} <= {s.request_id for s in sched.running}
         assert not {s.request_id for s in sched.running} & {s.request_id for s in sched.waiting}
         assert len(sched.running) <= sched.config.max_num_seqs
+        if config["policy"] == "priority":
+            for queue in (list(sched.waiting), sched.running):
+                keys = [sched.policy.key(s) for s in queue]
+                assert keys == sorted(keys)
     else:
         raise AssertionError("workload did not finish in 2000 steps (livelock)")
     assert all(s.is_finished for s in eng.seqs.values())

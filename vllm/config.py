@@ -149,6 +149,9 @@ class CacheConfig:
             _require_positive("num_gpu_blocks_override", self.num_gpu_blocks_override)
 
 
+SCHEDULING_POLICIES = ("fcfs", "priority")  # see vllm/core/scheduling_policy.py
+
+
 @dataclass
 class SchedulerConfig:
     """Token budget and admission policy of one engine step.
@@ -168,6 +171,15 @@ class SchedulerConfig:
     # Chunked prefill: the predicted step time to stay under (None: the budget is
     # max_num_batched_tokens every step). See vllm/core/step_time_model.py.
     max_step_latency_ms: float | None = None
+    policy: str = "fcfs"  # one of SCHEDULING_POLICIES
+
+    def check_priority(self, priority: int) -> None:
+        """Raises ValueError unless `priority` is an int this policy can serve."""
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if priority != 0 and self.policy != "priority":
+            raise ValueError(f"got priority {priority}, but the scheduling policy is {self.policy!r}: "
+                             "set scheduling_policy='priority'")
 
     @property
     def long_prompt_threshold(self) -> int:
@@ -198,6 +210,8 @@ class SchedulerConfig:
             if not self.enable_chunked_prefill:
                 raise ValueError("max_step_latency_ms sizes prefill chunks: it needs "
                                  "enable_chunked_prefill=True")
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {self.policy!r}")
         if not 1 <= self.max_long_partial_prefills <= self.max_num_partial_prefills:
             raise ValueError(f"max_long_partial_prefills={self.max_long_partial_prefills} must be "
                              f"in [1, max_num_partial_prefills={self.max_num_partial_prefills}]")

@@ -56,6 +56,7 @@ class Sequence:
     sampling_params: SamplingParams
     arrival_time: float
     eos_token_id: int | None = None  # the tokenizer's; ends the request unless ignore_eos
+    priority: int = 0  # under the priority scheduling policy, lower values are served first
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0

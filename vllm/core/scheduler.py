@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from vllm.config import SchedulerConfig
 from vllm.core.block_manager import BlockManager
 from vllm.core.scheduler_output import ScheduledSequence, SchedulerOutput
+from vllm.core.scheduling_policy import SchedulingPolicy
 from vllm.core.step_time_model import (StepBudget, StepShape, StepTimeModel, attended_pairs, latency_budget,
                                        padded_size)
 from vllm.logger import init_logger
@@ -97,6 +98,7 @@ class _StepLog:
     output: SchedulerOutput | None = None
     # (sequence, num_computed_tokens, num_prompt_logprob_positions) before the step took tokens.
     taken: list[tuple[Sequence, int, int]] = field(default_factory=list)
+    decodes: set[str] = field(default_factory=set)  # the requests the step decodes
     admitted: list[Sequence] = field(default_factory=list)  # in admission order
     # The waiting queue before the first admission: short prompts may start ahead of long ones.
     waiting: list[Sequence] | None = None
@@ -128,14 +130,16 @@ class _PrefillRound:
 class Scheduler:
     """Owns the waiting queue, the running list and the block manager.
 
-    Invariants: `running` is in admission order and its sequences, counting the samples each
-    has yet to fork, are at most `max_num_seqs`; only running requests own KV blocks; a request
-    is in at most one of `waiting` and `running`.
+    Invariants: `waiting` and `running` are in the order of the scheduling policy (see
+    scheduling_policy.py: by arrival, or by priority); the running sequences, counting the
+    samples each has yet to fork, are at most `max_num_seqs`; only running requests own KV
+    blocks; a request is in at most one of `waiting` and `running`.
     """
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
         self.config = config
         self.block_manager = block_manager
+        self.policy = SchedulingPolicy(config.policy)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._finished_since_last_step: list[str] = []
@@ -169,7 +173,7 @@ class Scheduler:
             seq.error = error
             seq.status = SequenceStatus.FINISHED_IGNORED
             return
-        self.waiting.append(seq)
+        self.policy.enqueue(self.waiting, seq)
         self._tokens_queued += seq.num_prompt_tokens
 
     def _why_unschedulable(self, seq: Sequence) -> str | None:
@@ -219,10 +223,10 @@ class Scheduler:
                     self._blocks_to_copy.append(copy)
                 child.num_computed_tokens = num_tokens
                 child.status = SequenceStatus.RUNNING
-                self.running.append(child)
+                self.policy.start(self.running, child)
             else:
                 child.status = SequenceStatus.WAITING
-                self.waiting.appendleft(child)
+                self.policy.enqueue(self.waiting, child, again=True)
         parent.pending_forks = []
 
     # ---------------------------------------------------------------- the step
@@ -323,7 +327,7 @@ class Scheduler:
         preempted: list[str] = []
         scheduled_ids: set[str] = set()
 
-        # 1. Running decodes, oldest first; blocks come from the newest running requests if needed.
+        # 1. Running decodes in the policy's order; blocks come from the last running requests if needed.
         for seq in [s for s in self.running if not s.is_prefill]:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
@@ -331,6 +335,7 @@ class Scheduler:
                 continue
             decodes.append(self._take(seq, 1))
             scheduled_ids.add(seq.request_id)
+            self._log.decodes.add(seq.request_id)
             budget -= 1
 
         # 2. Prefill chunks in the budget the decodes leave (or the latency target does).
@@ -339,6 +344,7 @@ class Scheduler:
         if chosen is not None:
             budget = min(budget, chosen.num_tokens - len(decodes))
         prefills = self._schedule_prefills(budget, demand, scheduled_ids, preempted)
+        decodes = [d for d in decodes if d.request_id in scheduled_ids]  # less any a prompt preempted
         out = SchedulerOutput(decodes + prefills, num_decodes=len(decodes), preempted_request_ids=preempted)
         if chosen is not None:  # the prediction of the step as scheduled, which its measured time answers
             out.token_budget = chosen.num_tokens
@@ -570,13 +576,17 @@ class Scheduler:
 
     def _reserve(self, seq: Sequence, num_tokens: int, scheduled_ids: set[str],
                  preempted: list[str]) -> bool:
-        """Makes room for `seq` to hold `num_tokens` KV entries, preempting by recompute the most
-        recently admitted running requests not yet scheduled this step. False if `seq` itself had
-        to be preempted or no victim was left."""
+        """Makes room for `seq` to hold `num_tokens` KV entries, preempting by recompute the last
+        running requests (the most recently admitted; by priority, the worst) not yet scheduled
+        this step; by priority also the decodes this step scheduled, which a better prompt's
+        chunk may take the blocks of. False if `seq` itself had to be preempted or no victim
+        was left."""
         while not self.block_manager.can_grow(seq.request_id, num_tokens):
             victim = self.running[-1]
             if victim.request_id in scheduled_ids:
-                return False
+                if not (self.policy.by_priority and victim.request_id in self._log.decodes):
+                    return False
+                self._unschedule_decode(victim, scheduled_ids)
             self._preempt(victim)
             preempted.append(victim.request_id)
             if victim is seq:
@@ -638,8 +648,16 @@ class Scheduler:
             self._log.waiting = list(self.waiting)
         self.waiting.remove(seq)
         seq.status = SequenceStatus.RUNNING
-        self.running.append(seq)
+        self.policy.start(self.running, seq)
         self._log.admitted.append(seq)
+
+    def _unschedule_decode(self, seq: Sequence, scheduled_ids: set[str]) -> None:
+        """Takes a decode out of the step being scheduled (its one token stays unused)."""
+        [entry] = [e for e in self._log.taken if e[0] is seq]
+        self._log.taken.remove(entry)
+        seq.num_computed_tokens = entry[1]
+        scheduled_ids.remove(seq.request_id)
+        self._log.decodes.remove(seq.request_id)
 
     def _restore_waiting_order(self, log: _StepLog) -> None:
         """Puts the requests a step admitted back where they waited (requests queued since
@@ -664,4 +682,4 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        self.policy.enqueue(self.waiting, seq, again=True)

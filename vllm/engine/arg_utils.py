@@ -12,8 +12,8 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
-from vllm.config import (EXECUTOR_BACKENDS, CacheConfig, EngineConfig, ModelConfig, ParallelConfig,
-                         SchedulerConfig, resolve_dtype)
+from vllm.config import (EXECUTOR_BACKENDS, SCHEDULING_POLICIES, CacheConfig, EngineConfig, ModelConfig,
+                         ParallelConfig, SchedulerConfig, resolve_dtype)
 from vllm.engine.cli_args import add_dataclass_args, arg, from_namespace
 from vllm.logger import init_logger
 from vllm.model_executor.model_loader import (ModelSource, load_generation_config, load_hf_config,
@@ -126,6 +126,9 @@ class EngineArgs:
         "measured steps) stays under it; a step without decodes, or over it whatever the chunk, "
         "takes max_num_batched_tokens, the upper bound (default: none, every step may use "
         "max_num_batched_tokens)")
+    scheduling_policy: str = arg(
+        "fcfs", "the order requests are served in: fcfs (by arrival) or priority (by each request's "
+        "priority, lower first, then arrival; see vllm/core/scheduling_policy.py)", choices=list(SCHEDULING_POLICIES))
     disable_chunked_mm_input: bool = arg(
         False, "keep multimodal items in one chunk (accepted; no multimodal model is supported)")
 
@@ -295,7 +298,7 @@ class EngineArgs:
             max_num_partial_prefills=self.max_num_partial_prefills,
             max_long_partial_prefills=self.max_long_partial_prefills,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
-            max_step_latency_ms=self.max_step_latency_ms)
+            max_step_latency_ms=self.max_step_latency_ms, policy=self.scheduling_policy)
         if self.enable_chunked_prefill and scheduler_config.max_num_partial_prefills > 1:
             logger.info("Concurrent partial prefills enabled with max_num_partial_prefills=%d, "
                         "max_long_partial_prefills=%d, long_prefill_token_threshold=%d",

@@ -92,13 +92,14 @@ class AsyncLLMEngine:
     # ---------------------------------------------------------------- requests
 
     async def generate(self, prompt: PromptType | ProcessedPrompt, sampling_params: SamplingParams,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
+                       request_id: str, priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Yields the request's cumulative output each time it changes; the last one is finished.
 
         Bad input raises ValueError here, at the first iteration. A consumer that stops iterating
-        or is cancelled aborts the request, which frees its KV blocks.
+        or is cancelled aborts the request, which frees its KV blocks. `priority`: see
+        `LLMEngine.add_request`.
         """
-        queue = await self._add_request(request_id, prompt, sampling_params)
+        queue = await self._add_request(request_id, prompt, sampling_params, priority)
         try:
             while True:
                 item = await queue.get()
@@ -129,14 +130,14 @@ class AsyncLLMEngine:
             queue.put_nowait(_END_OF_STREAM)
 
     async def _add_request(self, request_id: str, prompt: PromptType | ProcessedPrompt,
-                           params: SamplingParams) -> asyncio.Queue[StreamItem]:
+                           params: SamplingParams, priority: int) -> asyncio.Queue[StreamItem]:
         self._check_alive()
         self._start_loop()
         async with self._lock:
             self._check_alive()  # again: the loop may have died while we waited
             if request_id in self._streams:
                 raise ValueError(f"request_id {request_id!r} is already in use")
-            self.engine.add_request(request_id, prompt, params)  # raises ValueError on bad input
+            self.engine.add_request(request_id, prompt, params, priority=priority)  # ValueError on bad input
             if self.log_requests:
                 logger.info("Added request %s: %s", request_id, params)
             queue: asyncio.Queue[StreamItem] = asyncio.Queue()

@@ -69,8 +69,8 @@ class EngineReplica:
                 "num_threads": torch.get_num_threads()}
 
     async def generate(self, prompt: PromptType | ProcessedPrompt, params: SamplingParams,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
-        async for out in self.engine.generate(prompt, params, request_id):
+                       request_id: str, priority: int = 0) -> AsyncIterator[RequestOutput]:
+        async for out in self.engine.generate(prompt, params, request_id, priority):
             yield out
 
     async def abort(self, request_id: str) -> None:
@@ -183,7 +183,7 @@ class DataParallelEngine:
         return min(range(len(self._replicas)), key=lambda i: self.in_flight[i])  # ties: lowest index
 
     async def generate(self, prompt: PromptType | ProcessedPrompt, sampling_params: SamplingParams,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
+                       request_id: str, priority: int = 0) -> AsyncIterator[RequestOutput]:
         """As `AsyncLLMEngine.generate`, on the least loaded replica."""
         self._check_alive()
         if request_id in self._replica_of:
@@ -195,7 +195,7 @@ class DataParallelEngine:
         self.requests_per_replica[index] += 1
         finished = False
         try:
-            async for ref in replica.generate.remote(prompt, sampling_params, request_id):
+            async for ref in replica.generate.remote(prompt, sampling_params, request_id, priority):
                 out = await self._result(ref, index)
                 finished = out.finished
                 yield out

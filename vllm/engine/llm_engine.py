@@ -139,12 +139,14 @@ class LLMEngine:
     # ---------------------------------------------------------------- requests
 
     def add_request(self, request_id: str, prompt: PromptType | ProcessedPrompt, params: SamplingParams,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, priority: int = 0) -> None:
         """Queues a request. Raises ValueError, changing nothing, on bad input. A prompt
-        already checked by `process_prompt` is not tokenized again."""
+        already checked by `process_prompt` is not tokenized again. `priority` (lower first)
+        needs the priority scheduling policy."""
         self._check_alive()
         if not isinstance(request_id, str):
             raise ValueError(f"request_id must be a string, got {type(request_id).__name__}")
+        self.config.scheduler.check_priority(priority)
         self.validate_sampling_params(params)
         prompt = parse_prompt(prompt, self.tokenizer)
         if set(self.config.model.eos_token_ids) - {self.eos_token_id} or params.bad_words:
@@ -167,7 +169,7 @@ class LLMEngine:
         arrival = time.monotonic() if arrival_time is None else arrival_time
         seqs = [Sequence(request_id=sid, prompt=prompt.text, prompt_token_ids=prompt.token_ids,
                          sampling_params=_sample_params(params, i), arrival_time=arrival,
-                         eos_token_id=self.eos_token_id, index=i)
+                         eos_token_id=self.eos_token_id, priority=priority, index=i)
                 for i, sid in enumerate(ids)]
         seqs[0].pending_forks = seqs[1:]
         group = SequenceGroup(request_id, seqs,

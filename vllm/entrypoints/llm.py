@@ -42,8 +42,9 @@ class LLM:
 
     def generate(self, prompts: PromptType | SequenceABC[PromptType],
                  sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Runs every prompt to completion; outputs come back in the order of `prompts`."""
+                 use_tqdm: bool = True, priority: SequenceABC[int] | None = None) -> list[RequestOutput]:
+        """Runs every prompt to completion; outputs come back in the order of `prompts`. With
+        the priority scheduling policy, `priority` gives each prompt's (lower first)."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -57,16 +58,21 @@ class LLM:
                 raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
         # Validate every request before adding any, so a bad one leaves the engine untouched;
         # the prompts are tokenized here, once.
+        priorities = [0] * len(prompts) if priority is None else list(priority)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
         engine = self.llm_engine
         for p in params:
             engine.validate_sampling_params(p)
+        for value in priorities:
+            engine.config.scheduler.check_priority(value)
         prompts = [engine.process_prompt(prompt) for prompt in prompts]
 
         ids = [str(next(self._request_counter)) for _ in prompts]
         added: list[str] = []
         try:
-            for rid, prompt, p in zip(ids, prompts, params, strict=True):
-                engine.add_request(rid, prompt, p)
+            for rid, prompt, p, value in zip(ids, prompts, params, priorities, strict=True):
+                engine.add_request(rid, prompt, p, priority=value)
                 added.append(rid)
             return self._run_engine(ids, use_tqdm)
         except BaseException:

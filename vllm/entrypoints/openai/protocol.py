@@ -107,6 +107,7 @@ class _SamplingRequest(OpenAIBaseModel):
     skip_special_tokens: bool = True
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    priority: int = 0  # with --scheduling-policy priority: lower is served first
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs (the fields of
     # StructuredOutputsParams) or its older guided_* fields; at most one of them.
     response_format: ResponseFormat | None = None

@@ -40,6 +40,7 @@ class OpenAIServingChat(OpenAIServing):
         OpenAIServingError for a request that is refused."""
         model = self.model_name(request.model)
         self.check_n(request.n)
+        self.check_priority(request.priority)
         if request.tool_choice == "auto" and self.tool_parser is None:
             raise OpenAIServingError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
                                      "to be set", param="tool_choice")
@@ -54,9 +55,9 @@ class OpenAIServingChat(OpenAIServing):
             raise OpenAIServingError("use_beam_search cannot force a tool call", param="tool_choice")
         if request.use_beam_search:
             search = self.sampling_params(lambda: request.beam_search_params(max_tokens))
-            streams = self.start_beam_search([prompt], search, request_id)
+            streams = self.start_beam_search([prompt], search, request_id, request.priority)
         else:
-            streams = await self.start([prompt], params, request_id)
+            streams = await self.start([prompt], params, request_id, request.priority)
         if request.stream:
             return self._stream(request, request_id, model, prompt, params, streams)
         final = None

@@ -20,6 +20,7 @@ class OpenAIServingCompletion(OpenAIServing):
         OpenAIServingError for a request that is refused."""
         model = self.model_name(request.model)
         self.check_n(request.n)
+        self.check_priority(request.priority)
         prompts = [self.tokenize(p) for p in request.prompts()]
         max_tokens = [self.max_tokens_for(p, request.max_tokens) for p in prompts]
         # echo with logprobs reports the prompt's logprobs too, as OpenAI does.
@@ -29,9 +30,9 @@ class OpenAIServingCompletion(OpenAIServing):
         request_id = random_id("cmpl")
         if request.use_beam_search:
             search = self.sampling_params(lambda: request.beam_search_params(max(max_tokens)))
-            streams = self.start_beam_search(prompts, search, request_id)
+            streams = self.start_beam_search(prompts, search, request_id, request.priority)
         else:
-            streams = await self.start(prompts, params, request_id)
+            streams = await self.start(prompts, params, request_id, request.priority)
         if request.stream:
             return self._stream(request, request_id, model, prompts, params, streams)
         finals: list[RequestOutput | None] = [None] * len(prompts)

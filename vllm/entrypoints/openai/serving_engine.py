@@ -126,11 +126,17 @@ class OpenAIServing:
         except ValueError as e:
             raise OpenAIServingError(str(e)) from None
 
+    def check_priority(self, priority: int) -> None:
+        try:
+            self.engine.config.scheduler.check_priority(priority)
+        except ValueError as e:
+            raise OpenAIServingError(str(e), param="priority") from None
+
     async def start(self, prompts: list[ProcessedPrompt], params: SamplingParams,
-                    request_id: str) -> list[AsyncIterator[RequestOutput]]:
+                    request_id: str, priority: int = 0) -> list[AsyncIterator[RequestOutput]]:
         """Adds one engine request per prompt and waits for each one's first output, so that a
         request the engine refuses (it can never run) is a 400 before any response starts."""
-        streams = [self.engine.generate(p, params, f"{request_id}-{i}")
+        streams = [self.engine.generate(p, params, f"{request_id}-{i}", priority)
                    for i, p in enumerate(prompts)]
         firsts = await asyncio.gather(*(anext(s) for s in streams), return_exceptions=True)
         error = next((f for f in firsts if isinstance(f, BaseException)), None)
@@ -149,7 +155,7 @@ class OpenAIServing:
 
 
     def start_beam_search(self, prompts: list[ProcessedPrompt], params: BeamSearchParams,
-                          request_id: str) -> list[AsyncIterator[RequestOutput]]:
+                          request_id: str, priority: int = 0) -> list[AsyncIterator[RequestOutput]]:
         """One stream per prompt that yields, once the search ends, a finished output with the
         best beams as its completions; a search that cannot run is a 400 at once."""
         config = self.engine.config.model
@@ -158,17 +164,17 @@ class OpenAIServing:
                                    config.max_model_len) for p in prompts]
         except ValueError as e:
             raise OpenAIServingError(str(e), param="n") from None
-        return [self._beam_search(search, prompt, f"{request_id}-{i}")
+        return [self._beam_search(search, prompt, f"{request_id}-{i}", priority)
                 for i, (search, prompt) in enumerate(zip(searches, prompts, strict=True))]
 
     async def _beam_search(self, search: BeamSearch, prompt: ProcessedPrompt,
-                           request_id: str) -> AsyncIterator[RequestOutput]:
+                           request_id: str, priority: int) -> AsyncIterator[RequestOutput]:
         step = 0
         while not search.done:
             # A step's beams run side by side; a client that leaves cancels this, which aborts them.
             finals = await asyncio.gather(*(
                 _last(self.engine.generate({"prompt_token_ids": tokens}, search.step_params,
-                                           f"{request_id}-{step}-{j}"))
+                                           f"{request_id}-{step}-{j}", priority))
                 for j, tokens in enumerate(search.requests())))
             search.advance([final.outputs[0].logprobs[0] for final in finals])
             step += 1
