@@ -91,7 +91,8 @@ def test_a_better_prompt_mid_prefill_takes_the_blocks_of_worse_decodes(policy):
 def test_random_loads_by_priority_keep_the_order_and_the_kv_right(monkeypatch):
     """Seeded random loads in small caches (prefix caching on, aborts, arrivals over time): after
     every step the queues are in priority order, the blocks partition and every chunk reads its
-    own tokens' KV; all finish. The loads are tight enough that prompts take blocks from decodes
+    own tokens' KV (a block named with a token its step did not compute would be found by an
+    equal sequence); all finish. The loads are tight enough that prompts take blocks from decodes
     already scheduled in their step, which the test counts."""
     unscheduled = []
     monkeypatch.setattr(Scheduler, "_unschedule_decode", _counting(Scheduler._unschedule_decode, unscheduled))
@@ -99,12 +100,17 @@ def test_random_loads_by_priority_keep_the_order_and_the_kv_right(monkeypatch):
     for _ in range(300):
         block_size = rng.choice([2, 4])
         max_model_len = rng.randint(12, 40)
-        eng = FakeEngine(budget=rng.randint(3, 12), max_num_seqs=3, max_model_len=max_model_len,
+        eng = FakeEngine(budget=rng.randint(3, 8), max_num_seqs=3, max_model_len=max_model_len,
                          num_blocks=-(-max_model_len // block_size) + rng.randint(0, 3), block_size=block_size,
                          policy="priority", enable_prefix_caching=True, max_num_partial_prefills=rng.randint(1, 2))
         sched = eng.sched
-        requests = [(rng.randint(0, 12), rng.randint(1, max_model_len - 4), rng.randint(1, 12), rng.randint(0, 3),
-                     rng.choice([None, rng.randint(0, 60)])) for _ in range(rng.randint(2, 7))]
+        # Few prompt lengths and two families: equal prompts are common, and since the fake
+        # model samples the same tokens for each, so are equal sequences that meet in the cache.
+        # Later arrivals tend to be better: they come while worse requests decode.
+        arrivals = sorted(rng.randint(0, 12) for _ in range(rng.randint(2, 7)))
+        requests = [(arrival, min(rng.choice([5, 9, 14]), max_model_len - 4), rng.randint(1, 16),
+                     3 - arrival // 4 + rng.randint(0, 1), rng.choice([None, rng.randint(0, 60)]))
+                    for arrival in arrivals]
         for step in range(3000):
             for i, (arrival, prompt_len, max_tokens, priority, abort_at) in enumerate(requests):
                 rid = f"r{i}"
@@ -122,10 +128,22 @@ def test_random_loads_by_priority_keep_the_order_and_the_kv_right(monkeypatch):
                 keys = [sched.policy.key(s) for s in queue]
                 assert keys == sorted(keys)
             assert_block_partition(eng.bm)
+            _assert_named_blocks_hold_kv(eng)
         else:
             raise AssertionError("livelock")
         assert all(s.is_finished for s in eng.seqs.values()) and eng.bm.num_free_blocks == eng.bm.num_blocks
     assert len(unscheduled) >= 10
+
+
+def _assert_named_blocks_hold_kv(eng: FakeEngine) -> None:
+    """Every slot of a named block holds the KV of a position, the block's positions in order."""
+    bs, cache = eng.bm.block_size, eng.bm.prefix_cache
+    for block in range(eng.bm.num_blocks):
+        if cache.hash_of(block) is not None:
+            held = [eng.kv.get(block * bs + i) for i in range(bs)]
+            assert None not in held, f"block {block} is named, but a slot was never written"
+            first = held[0][0]
+            assert [position for position, _ in held] == list(range(first, first + bs)), held
 
 
 def _counting(method, calls):
