@@ -151,7 +151,8 @@ def test_serve_rejects_bad_flags(tiny_checkpoints, entry):
 @pytest.mark.parametrize("flags, words", [(["--chat-template", "nowhere.jinja"], ["nowhere.jinja", "neither"]),
                                           (["--allowed-origins", "*"], ["--allowed-origins", "JSON list"]),
                                           (["--enable-auto-tool-choice"], ["--tool-call-parser"]),
-                                          (["--tool-call-parser", "nope"], ["--tool-call-parser", "hermes"])])
+                                          (["--tool-call-parser", "nope"], ["--tool-call-parser", "hermes"]),
+                                          (["--scheduling-policy", "sjf"], ["--scheduling-policy", "priority"])])
 def test_bad_server_flags_exit_2_before_the_engine_loads(tiny_checkpoints, capsys, flags, words):
     parser = make_arg_parser(argparse.ArgumentParser(prog="vllm serve"))
     with pytest.raises(SystemExit) as exited:
