@@ -49,7 +49,7 @@ class FakeEngine:
         self.num_steps = 0
         self.aborted: list[str] = []
 
-    def add_request(self, request_id, prompt, params, arrival_time=None) -> None:
+    def add_request(self, request_id, prompt, params, arrival_time=None, priority=0) -> None:
         self.overlaps += self.busy
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")

@@ -81,6 +81,10 @@ class BeamSearch:
         """The token ids of every live beam, prompt by prompt: this step's requests."""
         return [beam.tokens for group in self._live for beam in group]
 
+    def request_prompts(self) -> list[int]:
+        """For each of `requests()`, the index of the prompt its beam continues."""
+        return [i for i, group in enumerate(self._live) for _ in group]
+
     def advance(self, logprobs: list[dict[int, Logprob]]) -> None:
         """Takes the logprobs each of `requests()` got for its next token, in that order."""
         assert not self.done and len(logprobs) == len(self.requests())

@@ -2,15 +2,17 @@
 tokenized form the engine queues."""
 
 from dataclasses import dataclass
-from typing import TypedDict
+from typing import NotRequired, TypedDict
 
 
 class TextPrompt(TypedDict):
     prompt: str
+    cache_salt: NotRequired[str]  # prefix-cache blocks are shared only with the same salt
 
 
 class TokensPrompt(TypedDict):
     prompt_token_ids: list[int]
+    cache_salt: NotRequired[str]
 
 
 PromptType = str | TextPrompt | TokensPrompt
@@ -24,6 +26,14 @@ class ProcessedPrompt:
 
     text: str | None
     token_ids: list[int]
+    cache_salt: str | None = None
+
+
+def tokens_prompt(token_ids: list[int], cache_salt: str | None = None) -> TokensPrompt:
+    prompt = TokensPrompt(prompt_token_ids=token_ids)
+    if cache_salt is not None:
+        prompt["cache_salt"] = cache_salt
+    return prompt
 
 
 def parse_prompt(prompt: PromptType | ProcessedPrompt, tokenizer) -> ProcessedPrompt:
@@ -46,7 +56,10 @@ def parse_prompt(prompt: PromptType | ProcessedPrompt, tokenizer) -> ProcessedPr
                          f"got {type(prompt).__name__}")
     if not token_ids:
         raise ValueError("the prompt is empty (it has no tokens)")
-    return ProcessedPrompt(text, token_ids)
+    salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ValueError(f"cache_salt must be a non-empty string, got {salt!r}")
+    return ProcessedPrompt(text, token_ids, salt)
 
 
 def checked_text(text) -> str:

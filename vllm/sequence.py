@@ -57,6 +57,7 @@ class Sequence:
     arrival_time: float
     eos_token_id: int | None = None  # the tokenizer's; ends the request unless ignore_eos
     priority: int = 0  # under the priority scheduling policy, lower values are served first
+    cache_salt: str | None = None  # prefix-cache blocks are shared only with the same salt
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0

@@ -23,7 +23,7 @@ first, then by evicting the least recently freed named one.
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 
-from vllm.core.prefix_cache import BlockHash, PrefixCache, hash_block
+from vllm.core.prefix_cache import BlockHash, PrefixCache, hash_block, salt_key
 
 # tokens(start, end): the request's token ids at positions [start, end).
 TokenSlice = Callable[[int, int], Sequence[int]]
@@ -99,14 +99,16 @@ class BlockManager:
 
     # ---------------------------------------------------------------- prefix caching
 
-    def cached_prefix(self, request_id: str, num_tokens: int, tokens: TokenSlice) -> list[int]:
+    def cached_prefix(self, request_id: str, num_tokens: int, tokens: TokenSlice,
+                      salt: str | None = None) -> list[int]:
         """The cached blocks that hold the request's first full blocks, as far as they are cached,
-        within its first `num_tokens` tokens (empty without caching). Changes no block."""
+        within its first `num_tokens` tokens (empty without caching). Changes no block. A
+        request with a cache `salt` finds only blocks named by requests with the same salt."""
         if self.prefix_cache is None:
             return []
         blocks = []
         for i in range(num_tokens // self.block_size):
-            block = self.prefix_cache.lookup(self._block_hash(request_id, i, tokens))
+            block = self.prefix_cache.lookup(self._block_hash(request_id, i, tokens, salt))
             if block is None:
                 break
             blocks.append(block)
@@ -132,15 +134,17 @@ class BlockManager:
         self._num_named[request_id] = len(cached_blocks)
         self.grow(request_id, num_tokens)
 
-    def cache_blocks(self, request_id: str, num_computed_tokens: int, tokens: TokenSlice) -> None:
+    def cache_blocks(self, request_id: str, num_computed_tokens: int, tokens: TokenSlice,
+                     salt: str | None = None) -> None:
         """Names the request's blocks that its first `num_computed_tokens` tokens fill, whose KV
-        must be in the cache already (computed by an earlier step), so later requests find them."""
+        must be in the cache already (computed by an earlier step), so later requests (with the
+        same cache `salt`) find them."""
         if self.prefix_cache is None:
             return
         table = self._tables.get(request_id, [])
         num_full = min(num_computed_tokens // self.block_size, len(table))
         for i in range(self._num_named.get(request_id, 0), num_full):
-            block_hash = self._block_hash(request_id, i, tokens)
+            block_hash = self._block_hash(request_id, i, tokens, salt)
             named = self.prefix_cache.hash_of(table[i])
             if named is None:
                 self.prefix_cache.insert(table[i], block_hash)
@@ -156,13 +160,14 @@ class BlockManager:
         self._free.extend(self.prefix_cache.reset())
         return True
 
-    def _block_hash(self, request_id: str, index: int, tokens: TokenSlice) -> BlockHash:
+    def _block_hash(self, request_id: str, index: int, tokens: TokenSlice, salt: str | None) -> BlockHash:
         hashes = self._hashes.setdefault(request_id, [])
         bs = self.block_size
         while len(hashes) <= index:
             i = len(hashes)
-            hashes.append(hash_block(hashes[-1] if hashes else None, tokens(i * bs, (i + 1) * bs),
-                                     self._cache_key))
+            # The salt goes into the first block's name, and through the chain into every other.
+            key = self._cache_key + salt_key(salt) if i == 0 else self._cache_key
+            hashes.append(hash_block(hashes[-1] if hashes else None, tokens(i * bs, (i + 1) * bs), key))
         return hashes[index]
 
     # ---------------------------------------------------------------- forks and freeing

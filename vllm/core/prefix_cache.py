@@ -11,6 +11,10 @@ A cached block whose last holder lets it go keeps its contents and its hash: it 
 free blocks, least recently freed first, until a request finds it (and takes it back) or the
 block manager needs a block and evicts the oldest.
 
+A request's cache salt (vLLM's `cache_salt`) goes into its first block's name: only requests
+with the same salt share blocks, so a tenant cannot learn from timing what another one's prompts
+began with.
+
 SHA-256 rather than Python's `hash`: a collision would silently hand one request another's KV.
 """
 
@@ -28,6 +32,14 @@ def hash_block(parent: BlockHash | None, token_ids: Sequence[int], extra_key: by
     h.update(extra_key)
     h.update(array("q", token_ids).tobytes())
     return h.digest()
+
+
+def salt_key(salt: str | None) -> bytes:
+    """What a cache salt adds to the first block's key: a digest, so that no salt's bytes can
+    pass for token ids of an unsalted block."""
+    if salt is None:
+        return b""
+    return hashlib.sha256(b"cache_salt:" + salt.encode()).digest()
 
 
 class PrefixCache:

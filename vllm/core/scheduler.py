@@ -203,7 +203,7 @@ class Scheduler:
         if status in (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH):
             # It just sampled, so the step that computed its tokens ran; an abort may come
             # after a step that failed, whose blocks must not be found.
-            self.block_manager.cache_blocks(seq.request_id, seq.num_computed_tokens, seq.token_slice)
+            self.block_manager.cache_blocks(seq.request_id, seq.num_computed_tokens, seq.token_slice, seq.cache_salt)
         self.block_manager.free(seq.request_id)
         self._finished_since_last_step.append(seq.request_id)
 
@@ -599,7 +599,7 @@ class Scheduler:
         max_tokens = seq.num_tokens - 1  # the last token is computed for its logits
         if seq.sampling_params.prompt_logprobs is not None:
             max_tokens = min(max_tokens, seq.num_prompt_logprob_positions)
-        return self.block_manager.cached_prefix(seq.request_id, max_tokens, seq.token_slice)
+        return self.block_manager.cached_prefix(seq.request_id, max_tokens, seq.token_slice, seq.cache_salt)
 
     def _allocate(self, seq: Sequence, cached: list[int], num_tokens: int) -> None:
         """Gives an admitted request its cached blocks, counted as computed, and blocks up to
@@ -618,7 +618,7 @@ class Scheduler:
         start = seq.num_computed_tokens
         self._log.taken.append((seq, start, seq.num_prompt_logprob_positions))
         # Earlier steps computed the tokens before `start`: the blocks they fill can be shared.
-        self.block_manager.cache_blocks(seq.request_id, start, seq.token_slice)
+        self.block_manager.cache_blocks(seq.request_id, start, seq.token_slice, seq.cache_salt)
         seq.num_computed_tokens += num_tokens
         sample = seq.num_computed_tokens == seq.num_tokens
         # Positions of this chunk that predict a prompt token (p predicts token p + 1), skipping
@@ -676,7 +676,7 @@ class Scheduler:
                            "far: %d", seq.request_id, self.num_preemptions + 1)
         self.running.remove(seq)
         # Named blocks stay cached: the request finds them again if they are not evicted.
-        self.block_manager.cache_blocks(seq.request_id, seq.num_computed_tokens, seq.token_slice)
+        self.block_manager.cache_blocks(seq.request_id, seq.num_computed_tokens, seq.token_slice, seq.cache_salt)
         self.block_manager.free(seq.request_id)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0

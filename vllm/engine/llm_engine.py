@@ -169,7 +169,7 @@ class LLMEngine:
         arrival = time.monotonic() if arrival_time is None else arrival_time
         seqs = [Sequence(request_id=sid, prompt=prompt.text, prompt_token_ids=prompt.token_ids,
                          sampling_params=_sample_params(params, i), arrival_time=arrival,
-                         eos_token_id=self.eos_token_id, priority=priority, index=i)
+                         eos_token_id=self.eos_token_id, priority=priority, cache_salt=prompt.cache_salt, index=i)
                 for i, sid in enumerate(ids)]
         seqs[0].pending_forks = seqs[1:]
         group = SequenceGroup(request_id, seqs,

@@ -9,7 +9,7 @@ from vllm.beam_search import BeamSearch, BeamSearchOutput
 from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.llm_engine import LLMEngine
 from vllm.entrypoints.chat_utils import apply_chat_template, has_chat_template
-from vllm.inputs import PromptType
+from vllm.inputs import PromptType, tokens_prompt
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import BeamSearchParams, SamplingParams
 
@@ -113,12 +113,14 @@ class LLM:
             prompts = [prompts]
         engine = self.llm_engine
         config = engine.config.model
-        search = BeamSearch([engine.process_prompt(prompt).token_ids for prompt in prompts], params,
+        processed = [engine.process_prompt(prompt) for prompt in prompts]
+        search = BeamSearch([p.token_ids for p in processed], params,
                             engine.eos_token_id, config.max_logprobs, config.max_model_len)
         with tqdm(total=params.max_tokens, desc="Beam search", disable=not use_tqdm) as bar:
             while not search.done:
-                outs = self.generate([{"prompt_token_ids": tokens} for tokens in search.requests()],
-                                     search.step_params, use_tqdm=False)
+                beams = [tokens_prompt(tokens, processed[i].cache_salt)
+                         for tokens, i in zip(search.requests(), search.request_prompts(), strict=True)]
+                outs = self.generate(beams, search.step_params, use_tqdm=False)
                 search.advance([out.outputs[0].logprobs[0] for out in outs])
                 bar.update(1)
         tokenizer = self.get_tokenizer()

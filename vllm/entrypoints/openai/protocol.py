@@ -108,6 +108,7 @@ class _SamplingRequest(OpenAIBaseModel):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     priority: int = 0  # with --scheduling-policy priority: lower is served first
+    cache_salt: str | None = Field(default=None, min_length=1)  # prefix-cache blocks shared with this salt only
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs (the fields of
     # StructuredOutputsParams) or its older guided_* fields; at most one of them.
     response_format: ResponseFormat | None = None
@@ -219,10 +220,15 @@ class CompletionRequest(_SamplingRequest):
         """The request's prompts as engine prompts (one request may carry several)."""
         p = self.prompt
         if isinstance(p, str):
-            return [{"prompt": p}]
-        if all(isinstance(x, int) for x in p):
-            return [{"prompt_token_ids": p}]
-        return [{"prompt": x} if isinstance(x, str) else {"prompt_token_ids": x} for x in p]
+            prompts = [{"prompt": p}]
+        elif all(isinstance(x, int) for x in p):
+            prompts = [{"prompt_token_ids": p}]
+        else:
+            prompts = [{"prompt": x} if isinstance(x, str) else {"prompt_token_ids": x} for x in p]
+        if self.cache_salt is not None:
+            for prompt in prompts:
+                prompt["cache_salt"] = self.cache_salt
+        return prompts
 
 
 class CompletionLogProbs(OpenAIBaseModel):

@@ -73,7 +73,8 @@ class OpenAIServingChat(OpenAIServing):
         if request.tools and not (request.tool_choice == "none" and self.exclude_tools_when_tool_choice_none):
             tools = [tool.model_dump(exclude_none=True) for tool in request.tools]
         text, ids = self.chat_prompt(request.messages, request, tools=tools)
-        return self.tokenize({"prompt": text, "prompt_token_ids": ids})
+        salt = {"cache_salt": request.cache_salt} if request.cache_salt is not None else {}
+        return self.tokenize({"prompt": text, "prompt_token_ids": ids, **salt})
 
     def _response(self, request: ChatCompletionRequest, request_id: str, model: str,
                   final: RequestOutput) -> ChatCompletionResponse:

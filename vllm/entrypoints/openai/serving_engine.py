@@ -12,7 +12,7 @@ from vllm.engine.async_llm_engine import AsyncLLMEngine
 from vllm.entrypoints.chat_utils import apply_chat_template, has_chat_template
 from vllm.entrypoints.openai.protocol import (ChatMessage, ChatTemplateFields, ErrorInfo, ErrorResponse, ModelCard,
                                               ModelList)
-from vllm.inputs import ProcessedPrompt, parse_prompt
+from vllm.inputs import ProcessedPrompt, parse_prompt, tokens_prompt
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import BeamSearchParams, SamplingParams
 
@@ -173,7 +173,7 @@ class OpenAIServing:
         while not search.done:
             # A step's beams run side by side; a client that leaves cancels this, which aborts them.
             finals = await asyncio.gather(*(
-                _last(self.engine.generate({"prompt_token_ids": tokens}, search.step_params,
+                _last(self.engine.generate(tokens_prompt(tokens, prompt.cache_salt), search.step_params,
                                            f"{request_id}-{step}-{j}", priority))
                 for j, tokens in enumerate(search.requests())))
             search.advance([final.outputs[0].logprobs[0] for final in finals])
