@@ -5,8 +5,9 @@ decode attention skip in every test, and so do the choices that follow them (on 
 1-4 rows, which the tile GEMM's AVX512 copy takes elsewhere). Here a subprocess builds the kernels
 with VLLM_C_EMULATE=amx and runs the tests of those kernels and of the C layers (the GGUF ones on
 one model): the AMX copies (the main suite runs the AVX512 ones), with the engine choosing as on
-an AMX CPU. The emulation itself is checked first: its tile product against a matrix product,
-and its faults where the hardware raises #UD.
+an AMX CPU. Where the compiler can sanitize, test_sanitized_kernels.py runs the kernels' own
+tests on emulated tiles, and this run keeps the rest. The emulation itself is checked first: its
+tile product against a matrix product, and its faults where the hardware raises #UD.
 """
 
 import ctypes
@@ -20,16 +21,18 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.utils import AMX_COPIES, asan_runtime, build_kernels, passed_amx_tests
 from vllm.model_executor.layers import cpu_tile_gemm
 from vllm.platforms import c_build
 from vllm.platforms.c_build import KERNEL_SOURCES
 from vllm.platforms.cpu import cpu_flags
 
 ROOT = Path(__file__).resolve().parent.parent
-TESTS = ["tests/test_c_kernels.py", "tests/test_attention.py", "tests/test_batch_invariance.py",
-         "tests/test_fused_layers.py", "tests/test_gguf_kernels.py", "tests/test_gguf_fused_layers.py",
-         # the GGUF C layers of one model; the AVX512 copies build as in the main suite, which runs them
-         "-k", "(not test_gguf_fused_layers or llama) and not avx512"]
+KERNEL_TESTS = ["tests/test_c_kernels.py", "tests/test_attention.py", "tests/test_fused_layers.py",
+                "tests/test_gguf_kernels.py"]
+LAYER_TESTS = ["tests/test_batch_invariance.py", "tests/test_gguf_fused_layers.py",
+               # the GGUF C layers of one model; the AVX512 copies build as in the main suite, which runs them
+               "-k", "(not test_gguf_fused_layers or llama) and not avx512"]
 
 pytestmark = [
     pytest.mark.skipif(shutil.which("cc") is None, reason="the C kernels need a C compiler"),
@@ -114,14 +117,14 @@ def test_the_emulation_faults_where_the_hardware_does(emulated, case, message):
 
 
 @pytest.mark.skipif("amx_bf16" in cpu_flags(), reason="this CPU runs the AMX copies themselves")
-def test_the_amx_copies_and_the_choices_they_make_pass_on_emulated_tiles():
+def test_the_amx_copies_and_the_choices_they_make_pass_on_emulated_tiles(tmp_path):
+    sanitized = asan_runtime(tmp_path) is not None  # then the sanitized run takes the kernels' tests
+    tests = LAYER_TESTS if sanitized else KERNEL_TESTS + LAYER_TESTS
     env = {**os.environ, "VLLM_C_EMULATE": "amx"}
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rfEp", "-p", "no:cacheprovider", *TESTS],
+    build_kernels(env)
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rfEp", "-p", "no:cacheprovider", *tests],
                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     failed = [line for line in result.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))]
     assert result.returncode == 0, "\n".join(failed) + result.stdout[-3000:] + result.stderr[-2000:]
-    passed = {line.split("[")[0].split("::")[-1] for line in result.stdout.splitlines()
-              if line.startswith("PASSED") and "amx" in line}
-    # Each AMX copy ran rather than skipped: the tile GEMM, both attention kernels, the C layers.
-    assert {"test_tile_gemm_matches_exact_product", "test_paged_decode_kernel_on_model_shapes",
-            "test_paged_prefill_kernel_matches_reference", "test_fused_mixed_steps_match_op_by_op"} <= passed
+    if not sanitized:
+        assert passed_amx_tests(result.stdout) >= AMX_COPIES

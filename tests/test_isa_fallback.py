@@ -18,7 +18,7 @@ import textwrap
 
 import pytest
 
-from tests.utils import avx2_only_env, hf_greedy, random_prompts
+from tests.utils import avx2_only_env, build_kernels, hf_greedy, random_prompts
 from vllm.platforms import c_build
 from vllm.platforms.cpu import cpu_flags, cpu_isa
 
@@ -119,8 +119,10 @@ def test_the_engine_passes_its_tests_as_an_avx2_only_cpu(tmp_path):
     for them skip in every test; here a subprocess runs those tests with VLLM_CPU_ISA=avx2 and
     torch held to AVX2, so that main stays green on such a CPU too."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = avx2_only_env(tmp_path)
+    build_kernels(env)
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *AVX2_ONLY_TESTS],
-                            cwd=root, env=avx2_only_env(tmp_path), capture_output=True, text=True, timeout=900)
+                            cwd=root, env=env, capture_output=True, text=True, timeout=900)
     failed = [line for line in result.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))]
     assert result.returncode == 0, "\n".join(failed) + result.stdout[-3000:] + result.stderr[-2000:]
     assert " passed" in result.stdout

@@ -5,6 +5,7 @@ import os
 import random
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -159,6 +160,25 @@ def assert_greedy_close(ours: list[list[int]], ref: list[list[int]], our_logprob
         if i < len(a):
             assert a[i] in lb[i] and b[i] in la[i], (i, a[i], b[i])
     assert agreed >= min_agreed
+
+
+def build_kernels(env: dict[str, str]) -> None:
+    """Builds the kernels of the variant `env` asks for (sanitized, emulated, AVX2-only) one per
+    core, before a test subprocess would build them one by one on first use."""
+    root = Path(__file__).resolve().parent.parent
+    subprocess.run([sys.executable, "-m", "vllm.platforms.c_build"], cwd=root, env=env, check=True, timeout=600)
+
+
+# The tests whose AMX copy must run rather than skip where the tiles are emulated: the tile GEMM,
+# both attention kernels, the C layers.
+AMX_COPIES = {"test_tile_gemm_matches_exact_product", "test_paged_decode_kernel_on_model_shapes",
+              "test_paged_prefill_kernel_matches_reference", "test_fused_mixed_steps_match_op_by_op"}
+
+
+def passed_amx_tests(report: str) -> set[str]:
+    """The tests whose AMX copy passed, in a pytest report with -rp."""
+    return {line.split("[")[0].split("::")[-1] for line in report.splitlines()
+            if line.startswith("PASSED") and "amx" in line}
 
 
 def asan_runtime(tmp_path: Path) -> str | None:

@@ -23,6 +23,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from vllm.envs import cache_root
@@ -103,6 +104,36 @@ def included_headers(source: Path) -> list[Path]:
     return sorted(found)
 
 
+def build_flags() -> list[str]:
+    return BUILD_FLAGS + isa_flags() + sanitizer_flags() + emulation_flags()  # the later -O wins
+
+
+def library_path(compiler: str, source: Path, flags: list[str]) -> Path:
+    """Where the library of `source` built with `flags` is kept: keyed by the source, the headers
+    it includes, the compiler and flags, and the CPU."""
+    text = source.read_bytes() + b"".join(h.read_bytes() for h in included_headers(source))
+    build = " ".join([compiler, *flags, *sorted(cpu_flags())])
+    key = hashlib.sha256(text + build.encode()).hexdigest()[:16]
+    variant = ("kernels" + ("-" + cpu_isa() if cpu_isa() else "") + ("-sanitized" if sanitizer_flags() else "")
+               + ("-amx-emulated" if emulation_flags() else ""))
+    return cache_root() / variant / f"{source.stem}_{key}.so"
+
+
+def build_kernels() -> None:
+    """Builds every kernel in KERNEL_SOURCES not built yet, one compiler per core, so that their
+    first uses find them built (a first start waits for the longest build rather than the sum).
+    A build that fails here fails again, logged, on first use."""
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if not c_kernels_enabled() or compiler is None:
+        return
+    flags = build_flags()
+    missing = [(source, library) for source in sorted(KERNEL_SOURCES.glob("*.c"))
+               if not (library := library_path(compiler, source, flags)).exists()]
+    if missing:
+        with ThreadPoolExecutor(max_workers=min(len(missing), os.cpu_count() or 1)) as pool:
+            list(pool.map(lambda job: _compile(compiler, *job, flags), missing))
+
+
 def load_c_library(source: Path, fallback: str) -> ctypes.CDLL | None:
     """The built library of `source`, or None (logged, naming `fallback`, the path used instead)."""
     if not c_kernels_enabled():
@@ -111,15 +142,8 @@ def load_c_library(source: Path, fallback: str) -> ctypes.CDLL | None:
     if compiler is None:
         logger.warning("No C compiler found for %s: %s", source.name, fallback)
         return None
-    # The headers it includes key the build with the source.
-    text = source.read_bytes() + b"".join(h.read_bytes() for h in included_headers(source))
-    sanitize, emulate = sanitizer_flags(), emulation_flags()
-    flags = BUILD_FLAGS + isa_flags() + sanitize + emulate  # the later -O wins
-    build = " ".join([compiler, *flags, *sorted(cpu_flags())])
-    key = hashlib.sha256(text + build.encode()).hexdigest()[:16]
-    variant = ("kernels" + ("-" + cpu_isa() if cpu_isa() else "") + ("-sanitized" if sanitize else "")
-               + ("-amx-emulated" if emulate else ""))
-    library = cache_root() / variant / f"{source.stem}_{key}.so"
+    flags = build_flags()
+    library = library_path(compiler, source, flags)
     try:
         error = None if library.exists() else _compile(compiler, source, library, flags)
         lib = None if error else ctypes.CDLL(str(library))
@@ -129,3 +153,7 @@ def load_c_library(source: Path, fallback: str) -> ctypes.CDLL | None:
         logger.warning("Building %s failed; %s:\n%s", source.name, fallback, error)
         return None
     return lib
+
+
+if __name__ == "__main__":
+    build_kernels()  # `python -m vllm.platforms.c_build`: this CPU's kernels (and variant), now

@@ -122,6 +122,11 @@ class CpuPlatform(Platform):
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         torch.set_num_threads(max(1, cores // world_size))
 
+    def build_kernels(self):
+        from vllm.platforms import c_build
+
+        c_build.build_kernels()
+
     def thread_governor(self):
         # Read after configure_worker: the governor never runs more threads than the rank's share.
         threads = torch.get_num_threads()

@@ -65,6 +65,10 @@ class Platform:
         """Settings of a worker process that runs one of `world_size` ranks on this host. The
         default: none."""
 
+    def build_kernels(self) -> None:
+        """Builds the platform's own kernels not built yet, before the model loads; the default:
+        nothing to build."""
+
     def thread_governor(self) -> ThreadGovernor | None:
         """What adapts the host threads of this worker's kernels to the load of the machine,
         called before each step; the default: nothing (the device does the work)."""

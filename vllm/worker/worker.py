@@ -32,6 +32,7 @@ class Worker:
             self.platform.configure_worker(world_size)
             init_distributed_environment(world_size, self.rank, distributed_init_method,
                                          self.platform.dist_backend)
+        self.platform.build_kernels()
         start = time.perf_counter()
         model = load_model(source, config.model.hf_config, config.model.dtype,
                            config.model.max_model_len, self.platform.device, config.model.quantization)
