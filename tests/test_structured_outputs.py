@@ -75,6 +75,27 @@ def test_choices_regexes_and_grammars_are_followed_to_their_end(tiny, constraint
     assert len(tiny.llm_engine.structured_output) == 0  # finished requests leave no matcher behind
 
 
+def test_json_without_any_whitespace_is_compact_and_ends(tiny):
+    """The random model writes whitespace wherever JSON allows it, up to max_tokens; with
+    disable_any_whitespace its JSON is compact and complete."""
+    schema = {"type": "object", "properties": {"colour": {"enum": COLOURS}, "n": {"type": "boolean"}},
+              "required": ["colour", "n"], "additionalProperties": False}
+    prompt = {"prompt_token_ids": random_prompts([20], seed=5)[0]}
+    loose = tiny.generate(prompt, _greedy(structured_outputs=StructuredOutputsParams(json=schema)), use_tqdm=False)
+    assert loose[0].outputs[0].finish_reason == "length"  # still in whitespace
+    compact = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+    out = tiny.generate(prompt, _greedy(structured_outputs=compact), use_tqdm=False)[0].outputs[0]
+    value = json.loads(out.text)
+    assert out.finish_reason == "stop" and value["colour"] in COLOURS and isinstance(value["n"], bool)
+    assert "\n" not in out.text and "  " not in out.text
+    # Any object: its keys are free (this model's never end), its first one starts at once.
+    any_object = StructuredOutputsParams(json_object=True, disable_any_whitespace=True)
+    out = tiny.generate(prompt, _greedy(structured_outputs=any_object, max_tokens=4), use_tqdm=False)[0].outputs[0]
+    assert out.text.startswith(('{"', "{}")), out.text
+    with pytest.raises(ValueError, match="disable_any_whitespace must be True or False"):
+        StructuredOutputsParams(json=schema, disable_any_whitespace="yes")
+
+
 def test_the_mask_keeps_the_models_best_allowed_token(tiny, tiny_checkpoints):
     """The first token of a choice is transformers' argmax over the tokens that start one of the
     choices (a grammar takes any tokenization of its strings: "gre" + "en" too)."""

@@ -36,13 +36,16 @@ def _check(name: str, value: object, ok: Callable[[object], bool], allowed: str)
 class StructuredOutputsParams:
     """vLLM's structured outputs: exactly one constraint the output must follow, a JSON schema
     (`json`, a dict or its JSON text), any JSON object (`json_object=True`), a regular
-    expression, one of the strings in `choice`, or an EBNF `grammar` (root rule `root`)."""
+    expression, one of the strings in `choice`, or an EBNF `grammar` (root rule `root`). JSON
+    may hold any whitespace between its tokens unless `disable_any_whitespace`, which writes it
+    compact (a small model may otherwise write whitespace until max_tokens)."""
 
     json: str | dict | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
         given = [name for name in ("json", "regex", "choice", "grammar", "json_object")
@@ -60,6 +63,8 @@ class StructuredOutputsParams:
             "a non-empty list of non-empty strings")
         _check("structured_outputs.json_object", self.json_object, lambda v: v in (None, True, False),
                "True, False or None")
+        _check("structured_outputs.disable_any_whitespace", self.disable_any_whitespace,
+               lambda v: isinstance(v, bool), "True or False")
 
 
 @dataclass

@@ -34,11 +34,14 @@ class StructuredOutputManager:
         """The compiled grammar of `params`; raises ValueError naming what the compiler refused."""
         compiler = self._get_compiler()
         try:
+            any_whitespace = not params.disable_any_whitespace
             if params.json is not None:
                 schema = params.json if isinstance(params.json, str) else json.dumps(params.json)
-                return compiler.compile_json_schema(schema)
+                return compiler.compile_json_schema(schema, any_whitespace=any_whitespace)
             if params.json_object:
-                return compiler.compile_builtin_json_grammar()
+                if any_whitespace:
+                    return compiler.compile_builtin_json_grammar()
+                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
             if params.regex is not None:
                 return compiler.compile_regex(params.regex)
             if params.choice is not None:
