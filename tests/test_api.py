@@ -52,6 +52,24 @@ def test_the_eos_token_is_not_in_the_text_even_with_special_tokens(llm):
     assert out.text == tok.decode(out.token_ids[:-1], skip_special_tokens=False)
 
 
+def test_truncate_prompt_tokens_keeps_the_last_tokens(llm):
+    prompt = random_prompts([300])[0]  # longer than max_model_len
+    greedy = dict(temperature=0, max_tokens=4)
+    ref = llm.generate({"prompt_token_ids": prompt[-50:]}, SamplingParams(**greedy), use_tqdm=False)[0]
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(**greedy, truncate_prompt_tokens=50),
+                       use_tqdm=False)[0]
+    assert out.prompt_token_ids == prompt[-50:] and out.outputs[0].token_ids == ref.outputs[0].token_ids
+    fit = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=4, truncate_prompt_tokens=-1),
+                       use_tqdm=False)[0]
+    assert fit.prompt_token_ids == prompt[-255:] and fit.error is None and len(fit.outputs[0].token_ids) == 1
+    short = llm.generate({"prompt_token_ids": prompt[:10]}, SamplingParams(max_tokens=1, truncate_prompt_tokens=50),
+                         use_tqdm=False)[0]
+    assert short.prompt_token_ids == prompt[:10]
+    for bad in (0, -2, 1.5):
+        with pytest.raises(ValueError, match="truncate_prompt_tokens must be None, -1 or an integer >= 1"):
+            SamplingParams(truncate_prompt_tokens=bad)
+
+
 def test_too_long_prompt_is_refused_without_blocking_others(llm):
     prompts = [{"prompt_token_ids": p} for p in random_prompts([300, 10])]
     long, short = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)

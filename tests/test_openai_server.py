@@ -189,6 +189,14 @@ def test_bad_chat_requests(server):
                             "tools": [{"type": "function"}]}).json()["error"]["message"]
     too_long = post({"model": MODEL, "messages": [{"role": "user", "content": "hi " * 300}]})
     assert too_long.status_code == 400 and "256" in too_long.json()["error"]["message"]
+    # Cut to its last 64 tokens, it fits (as a completion too).
+    for path, body in [("chat/completions", {"messages": [{"role": "user", "content": "hi " * 300}]}),
+                       ("completions", {"prompt": "hi " * 300})]:
+        cut = httpx2.post(f"{server.url}/v1/{path}", json={"model": MODEL, "max_tokens": 2, **body,
+                                                            "truncate_prompt_tokens": 64})
+        assert cut.status_code == 200 and cut.json()["usage"]["prompt_tokens"] == 64, cut.text
+    bad = post({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "truncate_prompt_tokens": 0})
+    assert bad.status_code == 400 and "truncate_prompt_tokens" in bad.json()["error"]["message"]
 
 
 def test_a_bad_request_does_not_disturb_others(client, server, llm):

@@ -36,6 +36,17 @@ def tokens_prompt(token_ids: list[int], cache_salt: str | None = None) -> Tokens
     return prompt
 
 
+def truncated(prompt: ProcessedPrompt, num_tokens: int | None, max_model_len: int) -> ProcessedPrompt:
+    """`prompt` with only its last `num_tokens` tokens (`truncate_prompt_tokens`: -1 keeps as many
+    as leave room for one output token; None keeps all). The text, if any, stays as given."""
+    if num_tokens is None:
+        return prompt
+    keep = max_model_len - 1 if num_tokens == -1 else num_tokens
+    if len(prompt.token_ids) <= keep:
+        return prompt
+    return ProcessedPrompt(prompt.text, prompt.token_ids[-keep:], prompt.cache_salt)
+
+
 def parse_prompt(prompt: PromptType | ProcessedPrompt, tokenizer) -> ProcessedPrompt:
     """Checks and tokenizes `prompt` (a ProcessedPrompt is returned as is); raises ValueError on
     malformed prompts."""

@@ -108,6 +108,8 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    # Keep only the prompt's last k tokens (-1: the last max_model_len - 1); None: the whole prompt.
+    truncate_prompt_tokens: int | None = None
     # Set by the engine from `bad_words` (update_from_tokenizer), not by users.
     _bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)
 
@@ -119,6 +121,8 @@ class SamplingParams:
         _check("top_k", self.top_k, lambda v: _is_int(v) and v >= 0,
                "0 or -1 (disabled) or an integer >= 1")
         _check("seed", self.seed, lambda v: v is None or _is_int(v), "None or an integer")
+        _check("truncate_prompt_tokens", self.truncate_prompt_tokens,
+               lambda v: v is None or (_is_int(v) and (v == -1 or v >= 1)), "None, -1 or an integer >= 1")
         for name in ("logprobs", "prompt_logprobs"):
             _check(name, getattr(self, name), lambda v: v is None or (_is_int(v) and v >= 0),
                    "None or an integer >= 0")

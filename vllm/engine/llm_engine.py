@@ -18,7 +18,7 @@ from vllm.engine.interrupts import deferred_interrupts
 from vllm.engine.metrics_types import IterationStats, StatLoggerBase, Stats
 from vllm.engine.structured_output import StructuredOutputManager
 from vllm.executor import ExecutorBase, WorkerDiedError, get_executor_class
-from vllm.inputs import ProcessedPrompt, PromptType, parse_prompt
+from vllm.inputs import ProcessedPrompt, PromptType, parse_prompt, truncated
 from vllm.logger import init_logger
 from vllm.logprobs import Logprob
 from vllm.model_executor.layers.logprobs import TokenLogprobs
@@ -148,7 +148,8 @@ class LLMEngine:
             raise ValueError(f"request_id must be a string, got {type(request_id).__name__}")
         self.config.scheduler.check_priority(priority)
         self.validate_sampling_params(params)
-        prompt = parse_prompt(prompt, self.tokenizer)
+        prompt = truncated(parse_prompt(prompt, self.tokenizer), params.truncate_prompt_tokens,
+                           self.config.model.max_model_len)
         if set(self.config.model.eos_token_ids) - {self.eos_token_id} or params.bad_words:
             params = params.clone()
             # The generation config's other EOS ids stop it too.

@@ -109,6 +109,7 @@ class _SamplingRequest(OpenAIBaseModel):
     bad_words: list[str] | None = None
     priority: int = 0  # with --scheduling-policy priority: lower is served first
     cache_salt: str | None = Field(default=None, min_length=1)  # prefix-cache blocks shared with this salt only
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: as many as fit)
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs (the fields of
     # StructuredOutputsParams) or its older guided_* fields; at most one of them.
     response_format: ResponseFormat | None = None
@@ -126,6 +127,9 @@ class _SamplingRequest(OpenAIBaseModel):
     def _check_stream_options(self):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options can only be set when stream=True")
+        k = self.truncate_prompt_tokens
+        if k is not None and k != -1 and k < 1:
+            raise ValueError(f"truncate_prompt_tokens must be None, -1 or an integer >= 1, got {k}")
         return self
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None, *,
@@ -150,7 +154,7 @@ class _SamplingRequest(OpenAIBaseModel):
             skip_special_tokens=self.skip_special_tokens and not keep_special_tokens, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, logit_bias=self.logit_bias,
             allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
-            structured_outputs=structured_outputs)
+            structured_outputs=structured_outputs, truncate_prompt_tokens=self.truncate_prompt_tokens)
 
     def _structured_outputs(self) -> StructuredOutputsParams | None:
         """The one structured output the request asks for, if any; raises ValueError naming

@@ -44,7 +44,7 @@ class OpenAIServingChat(OpenAIServing):
         if request.tool_choice == "auto" and self.tool_parser is None:
             raise OpenAIServingError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
                                      "to be set", param="tool_choice")
-        prompt = self._apply_chat_template(request)
+        prompt = self.truncate(self._apply_chat_template(request), request.truncate_prompt_tokens)
         max_tokens = self.max_tokens_for(prompt, request.requested_max_tokens)
         forced, reply = forced_tool_output(request), self._reply(request)
         keep_special_tokens = isinstance(reply, AutoToolReply) and reply.parser.keeps_special_tokens

@@ -21,7 +21,7 @@ class OpenAIServingCompletion(OpenAIServing):
         model = self.model_name(request.model)
         self.check_n(request.n)
         self.check_priority(request.priority)
-        prompts = [self.tokenize(p) for p in request.prompts()]
+        prompts = [self.truncate(self.tokenize(p), request.truncate_prompt_tokens) for p in request.prompts()]
         max_tokens = [self.max_tokens_for(p, request.max_tokens) for p in prompts]
         # echo with logprobs reports the prompt's logprobs too, as OpenAI does.
         prompt_logprobs = request.logprobs if request.echo and request.logprobs is not None else None

@@ -12,7 +12,7 @@ from vllm.engine.async_llm_engine import AsyncLLMEngine
 from vllm.entrypoints.chat_utils import apply_chat_template, has_chat_template
 from vllm.entrypoints.openai.protocol import (ChatMessage, ChatTemplateFields, ErrorInfo, ErrorResponse, ModelCard,
                                               ModelList)
-from vllm.inputs import ProcessedPrompt, parse_prompt, tokens_prompt
+from vllm.inputs import ProcessedPrompt, parse_prompt, tokens_prompt, truncated
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import BeamSearchParams, SamplingParams
 
@@ -72,6 +72,11 @@ class OpenAIServing:
         if isinstance(n, int) and n > self.max_num_seqs:
             raise OpenAIServingError(f"n={n} exceeds this server's max_num_seqs={self.max_num_seqs}",
                                      param="n")
+
+    def truncate(self, prompt: ProcessedPrompt, num_tokens: int | None) -> ProcessedPrompt:
+        """The prompt as the engine will run it under `truncate_prompt_tokens=num_tokens`, for
+        the length checks."""
+        return truncated(prompt, num_tokens, self.max_model_len)
 
     def tokenize(self, prompt: dict) -> ProcessedPrompt:
         try:
