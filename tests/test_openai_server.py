@@ -199,6 +199,35 @@ def test_bad_chat_requests(server):
     assert bad.status_code == 400 and "truncate_prompt_tokens" in bad.json()["error"]["message"]
 
 
+def test_prompt_logprobs_are_llm_generates(server, llm):
+    """vLLM's prompt_logprobs field: per prompt position (the first has none) the top k and the
+    prompt's own token, by token id, as LLM.generate gives them."""
+    ref = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2), use_tqdm=False)[0]
+    completion = httpx2.post(f"{server.url}/v1/completions", json={
+        "model": MODEL, "prompt": PROMPTS[1], "max_tokens": 2, "temperature": 0, "prompt_logprobs": 2}).json()
+    [choice] = completion["choices"]
+    ids = ref.prompt_token_ids
+    assert len(choice["prompt_logprobs"]) == len(ids) and choice["prompt_logprobs"][0] is None
+    for token, got, want in zip(ids[1:], choice["prompt_logprobs"][1:], ref.prompt_logprobs[1:]):
+        assert str(token) in got and len(got) <= 3 and {int(t) for t in got} <= set(want)
+        for t, entry in got.items():
+            assert entry["logprob"] == pytest.approx(want[int(t)].logprob, abs=1e-5)
+            assert entry["rank"] == want[int(t)].rank and entry["decoded_token"] == want[int(t)].decoded_token
+    chat = httpx2.post(f"{server.url}/v1/chat/completions", json={
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "prompt_logprobs": 0}).json()
+    assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+    assert all(len(entry) == 1 for entry in chat["prompt_logprobs"][1:])  # only the prompt's token
+    # echo with logprobs=3 asks the engine for 3 per prompt position; the field still holds 1.
+    echoed = httpx2.post(f"{server.url}/v1/completions", json={
+        "model": MODEL, "prompt": PROMPTS[1], "max_tokens": 1, "echo": True, "logprobs": 3, "prompt_logprobs": 1})
+    [choice] = echoed.json()["choices"]
+    assert max(len(entry) for entry in choice["prompt_logprobs"][1:]) == 2
+    assert max(len(top) for top in choice["logprobs"]["top_logprobs"][1:]) >= 3
+    streamed = httpx2.post(f"{server.url}/v1/completions", json={
+        "model": MODEL, "prompt": "x", "stream": True, "prompt_logprobs": 1})
+    assert streamed.status_code == 400 and "prompt_logprobs" in streamed.json()["error"]["message"]
+
+
 def test_a_bad_request_does_not_disturb_others(client, server, llm):
     ref = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=30), use_tqdm=False)[0]
     stream = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=30, temperature=0, stream=True)

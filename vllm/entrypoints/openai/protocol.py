@@ -110,6 +110,7 @@ class _SamplingRequest(OpenAIBaseModel):
     priority: int = 0  # with --scheduling-policy priority: lower is served first
     cache_salt: str | None = Field(default=None, min_length=1)  # prefix-cache blocks shared with this salt only
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: as many as fit)
+    prompt_logprobs: int | None = None  # per prompt position, the top k and the prompt's token
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs (the fields of
     # StructuredOutputsParams) or its older guided_* fields; at most one of them.
     response_format: ResponseFormat | None = None
@@ -130,6 +131,8 @@ class _SamplingRequest(OpenAIBaseModel):
         k = self.truncate_prompt_tokens
         if k is not None and k != -1 and k < 1:
             raise ValueError(f"truncate_prompt_tokens must be None, -1 or an integer >= 1, got {k}")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs are not available when stream=True")
         return self
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None, *,
@@ -242,12 +245,35 @@ class CompletionLogProbs(OpenAIBaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(OpenAIBaseModel):
+    """vLLM's Logprob, as its server writes it."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per prompt position (the first has none): token id -> its logprob.
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
+def prompt_logprobs_of(entries: list | None, token_ids: list[int], num_top: int) -> PromptLogprobs | None:
+    """The prompt logprobs of an output, each position's top `num_top` and its prompt token."""
+    if entries is None:
+        return None
+    return [None if entry is None else {
+        t: PromptLogprob(logprob=lp.logprob, rank=lp.rank, decoded_token=lp.decoded_token)
+        for t, lp in entry.items() if t == token or (lp.rank is not None and lp.rank <= num_top)}
+        for token, entry in zip(token_ids, entries, strict=True)]
+
+
 class CompletionResponseChoice(OpenAIBaseModel):
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(OpenAIBaseModel):
@@ -435,6 +461,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaMessage(OpenAIBaseModel):

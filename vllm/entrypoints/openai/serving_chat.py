@@ -7,6 +7,7 @@ from vllm.entrypoints.openai.protocol import (AssistantMessage, ChatCompletionLo
                                               ChatCompletionResponse, ChatCompletionResponseChoice,
                                               ChatCompletionStreamChoice,
                                               ChatCompletionStreamResponse, ChatCompletionTopLogprob,
+                                              prompt_logprobs_of,
                                               DeltaMessage, UsageInfo, random_id)
 from vllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing, OpenAIServingError, merge_streams, sse,
                                                     stop_hold)
@@ -49,7 +50,8 @@ class OpenAIServingChat(OpenAIServing):
         forced, reply = forced_tool_output(request), self._reply(request)
         keep_special_tokens = isinstance(reply, AutoToolReply) and reply.parser.keeps_special_tokens
         params = self.sampling_params(lambda: request.sampling_params(
-            max_tokens, request.num_logprobs, forced_output=forced, keep_special_tokens=keep_special_tokens))
+            max_tokens, request.num_logprobs, request.prompt_logprobs, forced_output=forced,
+            keep_special_tokens=keep_special_tokens))
         request_id = random_id("chatcmpl")
         if request.use_beam_search and forced is not None:
             raise OpenAIServingError("use_beam_search cannot force a tool call", param="tool_choice")
@@ -91,7 +93,8 @@ class OpenAIServingChat(OpenAIServing):
         num_completion = sum(len(out.token_ids) for out in final.outputs)
         return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=UsageInfo(
             prompt_tokens=num_prompt, completion_tokens=num_completion,
-            total_tokens=num_prompt + num_completion))
+            total_tokens=num_prompt + num_completion), prompt_logprobs=None if request.prompt_logprobs is None
+            else prompt_logprobs_of(final.prompt_logprobs, final.prompt_token_ids, request.prompt_logprobs))
 
     async def _stream(self, request: ChatCompletionRequest, request_id: str, model: str,
                       prompt: ProcessedPrompt, params: SamplingParams,

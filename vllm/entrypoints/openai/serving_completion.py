@@ -4,7 +4,7 @@ from collections.abc import AsyncIterator
 
 from vllm.entrypoints.openai.protocol import (CompletionLogProbs, CompletionRequest,
                                               CompletionResponse, CompletionResponseChoice, UsageInfo,
-                                              random_id)
+                                              prompt_logprobs_of, random_id)
 from vllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing,
                                                     merge_streams, sse, stop_hold, text_delta)
 from vllm.inputs import ProcessedPrompt
@@ -24,7 +24,8 @@ class OpenAIServingCompletion(OpenAIServing):
         prompts = [self.truncate(self.tokenize(p), request.truncate_prompt_tokens) for p in request.prompts()]
         max_tokens = [self.max_tokens_for(p, request.max_tokens) for p in prompts]
         # echo with logprobs reports the prompt's logprobs too, as OpenAI does.
-        prompt_logprobs = request.logprobs if request.echo and request.logprobs is not None else None
+        echoed = request.logprobs if request.echo else None
+        prompt_logprobs = max((k for k in (echoed, request.prompt_logprobs) if k is not None), default=None)
         params = self.sampling_params(lambda: request.sampling_params(
             max(max_tokens), request.logprobs, prompt_logprobs))
         request_id = random_id("cmpl")
@@ -57,7 +58,9 @@ class OpenAIServingCompletion(OpenAIServing):
                                               final.prompt_token_ids)
                 choices.append(CompletionResponseChoice(
                     index=i * request.n + out.index, text=text, logprobs=logprobs,
-                    finish_reason=out.finish_reason, stop_reason=out.stop_reason))
+                    finish_reason=out.finish_reason, stop_reason=out.stop_reason,
+                    prompt_logprobs=None if request.prompt_logprobs is None else prompt_logprobs_of(
+                        final.prompt_logprobs, final.prompt_token_ids, request.prompt_logprobs)))
         usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
                           total_tokens=num_prompt + num_completion)
         return CompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
