@@ -36,6 +36,8 @@ _INVALID = [  # (field, bad value): wrong range, wrong type, bool where a number
     ("allowed_token_ids", 5), ("allowed_token_ids", [True]),
     ("bad_words", "word"), ("bad_words", [""]), ("bad_words", [" "]), ("bad_words", [3]),
     ("structured_outputs", {"json_object": True}), ("structured_outputs", "json"),
+    ("truncate_prompt_tokens", 0), ("truncate_prompt_tokens", -2), ("truncate_prompt_tokens", 2.0),
+    ("truncate_prompt_tokens", True),
 ]
 
 
