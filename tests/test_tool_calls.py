@@ -181,11 +181,10 @@ def test_required_makes_the_reply_one_call_or_more(client):
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     content, streamed, finish = _create(client, stream=True, tool_choice="required", parallel_tool_calls=False)
     assert content == "" and finish == "tool_calls" and _streamed_calls(streamed) == _calls(choice)
-    # This model calls the same function again and again: the list is cut at max_tokens, no call
-    # is complete, and the text comes back as it is.
-    cut = _create(client, tool_choice="required")
+    # A list cut at max_tokens holds no complete call: the text comes back as it is.
+    cut = _create(client, tool_choice="required", max_tokens=12)
     assert cut.finish_reason == "length" and cut.message.tool_calls == []
-    assert cut.message.content.startswith("[") and '"name": "get_weather"' in cut.message.content
+    assert cut.message.content.startswith("[") and '"name": "get_' in cut.message.content
 
 
 def test_auto_finds_the_calls_the_model_wrote(client):
@@ -199,7 +198,7 @@ def test_auto_finds_the_calls_the_model_wrote(client):
     content, calls, finish = _create(client, stream=True, extra_body=extra)
     assert (content, _streamed_calls(calls), finish) == ("Checking. ", _calls(choice), "tool_calls")
     free = _create(client)  # no call written: the text is the content
-    assert free.message.tool_calls == [] and free.message.content and free.finish_reason == "length"
+    assert free.message.tool_calls == [] and free.message.content
 
 
 def test_earlier_calls_and_tool_results_reach_the_template(engine):
