@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.utils import smollm2_path
+from tests.utils import smollm2_path, smollm2_tokenizer
 from vllm.model_executor.model_loader import gguf_metadata, load_hf_config, load_tokenizer, resolve_model_source
 from vllm.model_executor.model_loader.gguf_weights import iter_gguf_weights, quantized_type_names
 
@@ -36,11 +36,11 @@ def _kept_dirs(cache_root) -> list[str]:
 @functools.cache
 def _direct(path: str):
     """The config and tokenizer as transformers reads them from the GGUF file."""
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
 
-    kwargs = {"gguf_file": os.path.basename(path), "local_files_only": True}
-    return (AutoConfig.from_pretrained(os.path.dirname(path), **kwargs),
-            AutoTokenizer.from_pretrained(os.path.dirname(path), **kwargs))
+    assert path == smollm2_path()
+    return (AutoConfig.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path), local_files_only=True),
+            smollm2_tokenizer())
 
 
 def _assert_same_model_metadata(path: str, config, tokenizer) -> None:

@@ -108,18 +108,20 @@ AVX2_ONLY_TESTS = ["tests/test_attention.py", "tests/test_c_kernels.py", "tests/
                    "tests/test_fused_layers.py", "tests/test_step_checks.py", "tests/test_batch_invariance.py",
                    "tests/test_prefill_kernel_engine.py", "tests/test_tiny_models_vs_hf.py",
                    "tests/test_chunked_prefill_demo.py", "tests/test_engine_args.py",
-                   "-k", "not avx2_only and not graph_mode"]  # the first run as AVX2-only inside; graphs compile long
+                   # The first run as AVX2-only inside; graphs compile long; the async demo's engine
+                   # steps as the demo's does.
+                   "-k", "not avx2_only and not graph_mode and not async_demo"]
 
 
 @pytest.mark.skipif(not {"avx2", "fma"} <= cpu_flags(), reason="an AVX2-only run needs AVX2 and FMA")
 @pytest.mark.skipif(not [f for f in cpu_flags() if f.startswith(PAST_AVX2)],
                     reason="this CPU has nothing past AVX2: the whole suite runs as on an AVX2-only one")
-def test_the_engine_passes_its_tests_as_an_avx2_only_cpu(tmp_path):
+def test_the_engine_passes_its_tests_as_an_avx2_only_cpu(tmp_path, tiny_files_env):
     """On a CPU with AVX-512 (or AMX), the AVX2-only paths of the kernels and the engine's choices
     for them skip in every test; here a subprocess runs those tests with VLLM_CPU_ISA=avx2 and
     torch held to AVX2, so that main stays green on such a CPU too."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = avx2_only_env(tmp_path)
+    env = {**avx2_only_env(tmp_path), **tiny_files_env}
     build_kernels(env)
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *AVX2_ONLY_TESTS],
                             cwd=root, env=env, capture_output=True, text=True, timeout=900)

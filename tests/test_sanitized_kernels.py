@@ -27,13 +27,13 @@ TESTS = ["tests/test_c_kernels.py", "tests/test_attention.py", "tests/test_step_
          "-k", "(not test_fused_layers or llama) and not (test_tile_gemm and True)"]
 
 
-def test_kernel_tests_pass_with_sanitized_kernels(tmp_path):
+def test_kernel_tests_pass_with_sanitized_kernels(tmp_path, tiny_files_env):
     runtime = asan_runtime(tmp_path)
     if runtime is None:
         pytest.skip("the C compiler cannot build with -fsanitize=address,undefined")
     logs = tmp_path / "logs"
     logs.mkdir()
-    env = {**os.environ, "VLLM_C_SANITIZE": "address", "LD_PRELOAD": runtime,
+    env = {**os.environ, **tiny_files_env, "VLLM_C_SANITIZE": "address", "LD_PRELOAD": runtime,
            # Python and torch keep memory until exit on purpose: leaks are not what is checked.
            # No stack is recorded per allocation (a third of the run's time, with Python's every
            # malloc under ASan): a report shows the faulting access's stack, and a rerun without

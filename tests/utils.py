@@ -62,6 +62,17 @@ def random_prompts(lengths: list[int], seed: int = 0, vocab: int = TINY_VOCAB) -
     return [[rng.randrange(100, vocab) for _ in range(n)] for n in lengths]
 
 
+@functools.cache
+def smollm2_tokenizer():
+    """Transformers' tokenizer of the SmolLM2 GGUF, converted from the file's header (which takes
+    seconds) once per session; callers must not modify it."""
+    from transformers import AutoTokenizer
+
+    path = smollm2_path()
+    return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                         local_files_only=True)
+
+
 def hf_model(model_path: str, dtype: torch.dtype = torch.float32):
     """Transformers' model of a checkpoint directory or .gguf file, loaded once per session (a
     GGUF file is dequantized when loaded, which takes seconds); callers must not modify it."""
