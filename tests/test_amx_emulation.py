@@ -31,9 +31,10 @@ ROOT = Path(__file__).resolve().parent.parent
 KERNEL_TESTS = ["tests/test_c_kernels.py", "tests/test_attention.py", "tests/test_fused_layers.py",
                 "tests/test_gguf_kernels.py"]
 LAYER_TESTS = ["tests/test_batch_invariance.py", "tests/test_gguf_fused_layers.py",
-               # The GGUF C layers of one model, on a type of each product (int8 Q8_0, Q4_1) and on
-               # the mixed K-quant model: the tiles see the same bf16 panels whatever type they came
-               # from. The AVX512 copies build as in the main suite, which runs them.
+               # The GGUF C layers of one model, on Q8_0, Q4_1 and the mixed K-quant model (Q4_K,
+               # Q6_K, bf16): the tiled product dequantizes each type into the same bf16 panels for
+               # the tile GEMM, and the main suite runs every type on the AVX512 copies, which build
+               # here as there.
                "-k", "(not test_gguf_fused_layers or (llama and not Q4_0 and not Q4_K and not Q6_K)) "
                      "and not avx512"]
 

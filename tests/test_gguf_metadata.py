@@ -34,17 +34,17 @@ def _kept_dirs(cache_root) -> list[str]:
 
 
 @functools.cache
-def _direct(path: str):
-    """The config and tokenizer as transformers reads them from the GGUF file."""
+def _direct():
+    """SmolLM2's config and tokenizer as transformers reads them from the GGUF file."""
     from transformers import AutoConfig
 
-    assert path == smollm2_path()
+    path = smollm2_path()
     return (AutoConfig.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path), local_files_only=True),
             smollm2_tokenizer())
 
 
-def _assert_same_model_metadata(path: str, config, tokenizer) -> None:
-    ref_config, ref_tokenizer = _direct(path)
+def _assert_same_model_metadata(config, tokenizer) -> None:
+    ref_config, ref_tokenizer = _direct()
     ours, ref = config.to_dict(), ref_config.to_dict()
     ours.pop("_name_or_path"), ref.pop("_name_or_path")
     assert ours == ref
@@ -70,7 +70,7 @@ def test_kept_metadata_is_what_the_file_holds_and_a_later_start_parses_no_header
     config, tokenizer = load_hf_config(source), load_tokenizer(source)
     [kept] = _kept_dirs(cache_root)
     assert {"config.json", "tokenizer.json", "tensors.json"} <= set(os.listdir(cache_root / "gguf-metadata" / kept))
-    _assert_same_model_metadata(smollm2_path(), config, tokenizer)
+    _assert_same_model_metadata(config, tokenizer)
 
     # A later start: neither the gguf reader nor transformers' GGUF conversion runs.
     def refuse(*args, **kwargs):
@@ -152,6 +152,6 @@ def test_without_a_writable_cache_the_file_is_read_each_time(tmp_path, monkeypat
     monkeypatch.setenv("VLLM_CACHE_ROOT", str(blocker))
     gguf_metadata._read_index_of_version.cache_clear()
     source = resolve_model_source(smollm2_path())
-    _assert_same_model_metadata(smollm2_path(), load_hf_config(source), load_tokenizer(source))
+    _assert_same_model_metadata(load_hf_config(source), load_tokenizer(source))
     assert quantized_type_names(smollm2_path()) == {"Q4_1", "Q8_0"}
     assert blocker.is_file()

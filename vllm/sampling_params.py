@@ -32,6 +32,13 @@ def _check(name: str, value: object, ok: Callable[[object], bool], allowed: str)
         raise ValueError(f"{name} must be {allowed}, got {value!r}")
 
 
+def check_truncate_prompt_tokens(value: object) -> None:
+    """Raises ValueError unless `value` is a truncate_prompt_tokens (the server checks it before
+    it cuts a prompt for its length check, ahead of the rest of the sampling parameters)."""
+    _check("truncate_prompt_tokens", value, lambda v: v is None or (_is_int(v) and (v == -1 or v >= 1)),
+           "None, -1 or an integer >= 1")
+
+
 @dataclass
 class StructuredOutputsParams:
     """vLLM's structured outputs: exactly one constraint the output must follow, a JSON schema
@@ -121,8 +128,7 @@ class SamplingParams:
         _check("top_k", self.top_k, lambda v: _is_int(v) and v >= 0,
                "0 or -1 (disabled) or an integer >= 1")
         _check("seed", self.seed, lambda v: v is None or _is_int(v), "None or an integer")
-        _check("truncate_prompt_tokens", self.truncate_prompt_tokens,
-               lambda v: v is None or (_is_int(v) and (v == -1 or v >= 1)), "None, -1 or an integer >= 1")
+        check_truncate_prompt_tokens(self.truncate_prompt_tokens)
         for name in ("logprobs", "prompt_logprobs"):
             _check(name, getattr(self, name), lambda v: v is None or (_is_int(v) and v >= 0),
                    "None or an integer >= 0")

@@ -7,8 +7,7 @@ from vllm.entrypoints.openai.protocol import (AssistantMessage, ChatCompletionLo
                                               ChatCompletionResponse, ChatCompletionResponseChoice,
                                               ChatCompletionStreamChoice,
                                               ChatCompletionStreamResponse, ChatCompletionTopLogprob,
-                                              prompt_logprobs_of,
-                                              DeltaMessage, UsageInfo, random_id)
+                                              DeltaMessage, UsageInfo, prompt_logprobs_of, random_id)
 from vllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing, OpenAIServingError, merge_streams, sse,
                                                     stop_hold)
 from vllm.entrypoints.openai.tool_calls import AutoToolReply, Reply, forced_tool_output, reply_for

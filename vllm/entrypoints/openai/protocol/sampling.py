@@ -6,7 +6,8 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from vllm.entrypoints.openai.protocol.base import OpenAIBaseModel, StreamOptions
-from vllm.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
+from vllm.sampling_params import (BeamSearchParams, SamplingParams, StructuredOutputsParams,
+                                  check_truncate_prompt_tokens)
 
 
 class JsonSchemaFormat(OpenAIBaseModel):
@@ -67,12 +68,10 @@ class SamplingRequest(OpenAIBaseModel):
     length_penalty: float = 1.0
 
     @model_validator(mode="after")
-    def _check_stream_options(self):
+    def _check_fields(self):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options can only be set when stream=True")
-        k = self.truncate_prompt_tokens
-        if k is not None and k != -1 and k < 1:
-            raise ValueError(f"truncate_prompt_tokens must be None, -1 or an integer >= 1, got {k}")
+        check_truncate_prompt_tokens(self.truncate_prompt_tokens)
         if self.prompt_logprobs is not None and self.stream:
             raise ValueError("prompt_logprobs are not available when stream=True")
         return self
