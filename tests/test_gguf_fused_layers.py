@@ -3,12 +3,8 @@ layers on the same blocks, for each GGUF type; and the layers' product entry poi
 cpu_gguf_gemv.matmul."""
 
 import ctypes
-import os
-import platform
+import functools
 import random
-import shutil
-import subprocess
-import sys
 from collections.abc import Callable
 
 import numpy as np
@@ -17,7 +13,7 @@ import torch
 
 from tests.k_quant_blocks import Q4_K, Q6_K, quantize_q4_k, quantize_q6_k
 from tests.test_fused_layers import _assert_fused_matches_op_by_op
-from tests.utils import avx2_only_env, build_tiny_checkpoint, random_prompts, tokens_op_by_op_then_fused
+from tests.utils import build_tiny_checkpoint, random_prompts, tokens_op_by_op_then_fused
 from vllm import LLM, SamplingParams
 from vllm.model_executor.layers.linear import PACKED_MAX_ROWS, Linear, pack_linear_weights
 from vllm.model_executor.layers.quantization import cpu_gguf_gemv, gguf_linear
@@ -80,6 +76,18 @@ def test_layer_product_is_the_op_by_op_product(name, m, n, k, with_bias):
         assert not torch.equal(got, cpu_gguf_gemv.product(x, blocks, TYPES[name], None))
 
 
+@pytest.mark.skipif(not cpu_gguf_gemv.available(), reason="the GGUF kernels need a C compiler")
+def test_layer_products_are_those_the_isa_has():
+    """int8 activations where the CPU has int8 dot products, the tiled product where it has the
+    tile GEMM; on an AVX2-only CPU (test_isa_fallback.py runs this and the layer product test as
+    one) neither, so the layers' entry points are the float32 product at every row count."""
+    flags = cpu_flags()
+    assert cpu_gguf_gemv.int8_available() == ({"avx512_vnni", "avx512vl"} <= flags or "avx_vnni" in flags)
+    assert cpu_gguf_gemv.tiled_fits(64) == ({"avx512_bf16", "avx512bw"} <= flags or "amx_bf16" in flags)
+    if not cpu_gguf_gemv.int8_available() and not cpu_gguf_gemv.tiled_fits(64):
+        assert {cpu_gguf_gemv.product_path(TYPES["Q4_1"], m, 64, 64) for m in (1, 16, 300)} == {"float"}
+
+
 @pytest.mark.skipif(not cpu_gguf_gemv.tiled_fits(64), reason="no tile GEMM here")
 @pytest.mark.parametrize("name,m,n,k", _cases([(1, 16, 64), (9, 48, 160), (40, 1040, 576)]))
 def test_tiled_product_is_bf16_dequantize_then_matmul(name, m, n, k):
@@ -129,23 +137,29 @@ def _quantize_in_place(model: torch.nn.Module, type_of: Callable[[str], int | No
 
 
 @pytest.fixture(scope="module")
-def quantizable_llm(request, tokenizer_dir, tmp_path_factory):
-    """A bf16 tiny model (head_dim 64, so prefill chunks take the C prefill kernel; Qwen2 with
-    q/k/v biases and a tied lm_head) and its weights as loaded, to quantize per test."""
+def quantizable_llms(tokenizer_dir, tmp_path_factory) -> Callable[[str], tuple]:
+    """kind -> a bf16 tiny model of that kind (head_dim 64, so prefill chunks take the C prefill
+    kernel; Qwen2 with q/k/v biases and a tied lm_head) and its weights as loaded, to quantize per
+    test; each kind built once for the module (an indirect parametrization would rebuild it for
+    each of its parameter sets)."""
     if "avx512_bf16" not in cpu_flags():
         pytest.skip("the C layers' attention kernels need AVX512-BF16")
-    path = build_tiny_checkpoint(request.param, str(tmp_path_factory.mktemp(request.param)), tokenizer_dir,
-                                 hidden_size=256)
-    llm = LLM(path, dtype="bfloat16", max_model_len=512, block_size=BLOCK, num_gpu_blocks_override=512,
-              enforce_eager=True, enable_chunked_prefill=True, max_num_batched_tokens=64)
-    model = llm.llm_engine.runner.model
-    dense = {name: p.detach().clone() for name, p in model.named_parameters()
-             if p.dim() == 2 and (name.endswith("proj.weight") or "embed" in name or "lm_head" in name)}
-    return llm, dense, {}
+
+    @functools.cache
+    def build(kind: str) -> tuple:
+        path = build_tiny_checkpoint(kind, str(tmp_path_factory.mktemp(kind)), tokenizer_dir, hidden_size=256)
+        llm = LLM(path, dtype="bfloat16", max_model_len=512, block_size=BLOCK, num_gpu_blocks_override=512,
+                  enforce_eager=True, enable_chunked_prefill=True, max_num_batched_tokens=64)
+        model = llm.llm_engine.runner.model
+        dense = {name: p.detach().clone() for name, p in model.named_parameters()
+                 if p.dim() == 2 and (name.endswith("proj.weight") or "embed" in name or "lm_head" in name)}
+        return llm, dense, {}
+
+    return build
 
 
-def _quantized(quantizable_llm, name: str, type_of: Callable[[str], int | None] | None = None) -> LLM:
-    """The fixture's engine with its weights in blocks of GGUF type `name` (or of `type_of(weight
+def _quantized(quantizable_llm: tuple, name: str, type_of: Callable[[str], int | None] | None = None) -> LLM:
+    """A `quantizable_llms` engine with its weights in blocks of GGUF type `name` (or of `type_of(weight
     name)`, None: bf16), C layers rebuilt."""
     llm, dense, cache = quantizable_llm
     runner = llm.llm_engine.runner
@@ -161,17 +175,16 @@ def _quantized(quantizable_llm, name: str, type_of: Callable[[str], int | None] 
 @pytest.mark.skipif(not cpu_gguf_gemv.available(), reason="the GGUF kernels need a C compiler")
 @pytest.mark.parametrize("contexts,chunks", [([37], []), ([5, 200, 16], []), ([11 * i % 170 for i in range(16)], []),
                                              ([130, 3], [(1, 0), (2, 200)]), ([7], [(100, 30)])])
-@pytest.mark.parametrize("quantizable_llm,name", [("llama", "Q8_0"), ("llama", "Q4_0"), ("llama", "Q4_1"),
-                                                  ("llama", "Q4_K"), ("llama", "Q6_K"), ("qwen2", "Q4_1")],
-                         indirect=["quantizable_llm"])
-def test_quantized_steps_match_op_by_op(quantizable_llm, name, contexts, chunks):
+@pytest.mark.parametrize("kind,name", [("llama", "Q8_0"), ("llama", "Q4_0"), ("llama", "Q4_1"), ("llama", "Q4_K"),
+                                       ("llama", "Q6_K"), ("qwen2", "Q4_1")])
+def test_quantized_steps_match_op_by_op(quantizable_llms, kind, name, contexts, chunks):
     """Same hidden states and cache writes from the C layers and the op-by-op layers on the
     same blocks (each type on Llama, hidden size 256 for the super-blocks; Qwen2's q/k/v
     biases on Q4_1), for 1-16 decodes and prefill chunks with and without decodes: products of 1
     to 101 rows, on the int8 GEMM where it runs and decodes the type (else 1-3 rows on the int8
     or float32 product, 16 and 101 on the tiled one); the GEMM's types in its panels, but Q4_K,
     which it reads from rows."""
-    runner = _quantized(quantizable_llm, name).llm_engine.runner
+    runner = _quantized(quantizable_llms(kind), name).llm_engine.runner
     weights = [m.weight for m in runner.model.modules() if isinstance(m, Linear)]  # the products'
     assert all(p.dtype == torch.uint8 for p in weights)
     panels = cpu_gguf_gemv.gemm_takes(TYPES[name]) and name != "Q4_K"  # the GEMM reads Q4_K's rows
@@ -190,11 +203,10 @@ def _q4_k_m(name: str) -> int | None:
 @needs_fused_layers
 @pytest.mark.skipif(not cpu_gguf_gemv.available(), reason="the GGUF kernels need a C compiler")
 @pytest.mark.parametrize("contexts,chunks", [([37, 5], []), ([130, 3], [(1, 0), (2, 200)]), ([7], [(100, 30)])])
-@pytest.mark.parametrize("quantizable_llm", ["llama"], indirect=True)
-def test_steps_on_weights_of_mixed_types_match_op_by_op(quantizable_llm, contexts, chunks):
+def test_steps_on_weights_of_mixed_types_match_op_by_op(quantizable_llms, contexts, chunks):
     """Each weight has its own product in the C layers: a model of Q4_K, Q6_K and bf16 weights
     (as a Q4_K_M file loads) runs there, with the op-by-op layers' hidden states and cache."""
-    runner = _quantized(quantizable_llm, "", _q4_k_m).llm_engine.runner
+    runner = _quantized(quantizable_llms("llama"), "", _q4_k_m).llm_engine.runner
     types = {getattr(m.weight, "quant_type", None) for m in runner.model.modules() if isinstance(m, Linear)}
     assert types == {Q4_K, Q6_K, None}
     _assert_fused_matches_op_by_op(runner, contexts, chunks, random.Random(len(contexts) + 7 * len(chunks)))
@@ -202,30 +214,14 @@ def test_steps_on_weights_of_mixed_types_match_op_by_op(quantizable_llm, context
 
 @needs_fused_layers
 @pytest.mark.skipif(not cpu_gguf_gemv.available(), reason="the GGUF kernels need a C compiler")
-@pytest.mark.parametrize("quantizable_llm", ["llama", "qwen2"], indirect=True)
-def test_quantized_engine_decodes_through_fused_layers(quantizable_llm):
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_quantized_engine_decodes_through_fused_layers(quantizable_llms, kind):
     """Greedy chunked generations of 9 prompts (steps of up to 64 tokens, all of which the C
     layers take) on Q4_1 blocks (the default model's type; the step tests cover the others),
     with the op-by-op path's tokens."""
-    llm = _quantized(quantizable_llm, "Q4_1")
+    llm = _quantized(quantizable_llms(kind), "Q4_1")
     prompts = [{"prompt_token_ids": p} for p in random_prompts([3, 40, 17, 90, 8, 61, 5, 70, 30], seed=5)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     outputs = tokens_op_by_op_then_fused(
         llm, lambda: [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
     assert outputs[0] == outputs[1]
-
-
-@pytest.mark.skipif(platform.machine() != "x86_64" or shutil.which("cc") is None, reason="builds for x86-64-v3")
-def test_avx2_only_build_falls_back_to_the_float_product(tmp_path):
-    """Run as on an AVX2-only CPU (VLLM_CPU_ISA=avx2, the kernels built for x86-64-v3): no int8
-    product and no tile GEMM, so the layers' entry points are the float32 product at every row
-    count, and this file's product tests pass there."""
-    env = avx2_only_env(tmp_path)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    probe = subprocess.run([sys.executable, "-c", "from vllm.model_executor.layers.quantization import "
-                            "cpu_gguf_gemv as g; print(g.available(), g.int8_available(), g.tiled_fits(64))"],
-                           cwd=root, env=env, capture_output=True, text=True, timeout=300)
-    assert probe.stdout.split() == ["True", "False", "False"], probe.stderr[-2000:]
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
-                          "-k", "test_layer_product"], cwd=root, env=env, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0 and " passed" in run.stdout, run.stdout[-3000:]

@@ -50,6 +50,12 @@ _PROBE = textwrap.dedent("""
 """)
 
 
+@pytest.fixture(scope="module")
+def avx2_env(tmp_path_factory) -> dict[str, str]:
+    """One AVX2-only environment for the module: its kernels and inductor's are built once."""
+    return avx2_only_env(tmp_path_factory.mktemp("avx2_only"))
+
+
 def _probe(path: str, env: dict[str, str]) -> dict:
     """_PROBE on `path` in a subprocess with `env` (an AVX2-only build's, or this CPU's)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -65,9 +71,9 @@ def _check_tokens(result: dict, path: str) -> None:
     assert all(len(t) == MAX_TOKENS for t in result["tokens"]["bfloat16"])
 
 
-def test_avx2_only_build_falls_back(tiny_checkpoints, tmp_path):
+def test_avx2_only_build_falls_back(tiny_checkpoints, avx2_env):
     path = tiny_checkpoints["llama"]
-    result = _probe(path, avx2_only_env(tmp_path))
+    result = _probe(path, avx2_env)
     assert result["gemv_rows"] == 0 and result["tile_gemm_rows"] == 0 and not result["paged_prefill"]
     _check_tokens(result, path)
 
@@ -108,6 +114,8 @@ AVX2_ONLY_TESTS = ["tests/test_attention.py", "tests/test_c_kernels.py", "tests/
                    "tests/test_fused_layers.py", "tests/test_step_checks.py", "tests/test_batch_invariance.py",
                    "tests/test_prefill_kernel_engine.py", "tests/test_tiny_models_vs_hf.py",
                    "tests/test_chunked_prefill_demo.py", "tests/test_engine_args.py",
+                   "tests/test_gguf_fused_layers.py::test_layer_products_are_those_the_isa_has",
+                   "tests/test_gguf_fused_layers.py::test_layer_product_is_the_op_by_op_product",
                    # The first run as AVX2-only inside; graphs compile long; the async demo's engine
                    # steps as the demo's does.
                    "-k", "not avx2_only and not graph_mode and not async_demo"]
@@ -116,12 +124,12 @@ AVX2_ONLY_TESTS = ["tests/test_attention.py", "tests/test_c_kernels.py", "tests/
 @pytest.mark.skipif(not {"avx2", "fma"} <= cpu_flags(), reason="an AVX2-only run needs AVX2 and FMA")
 @pytest.mark.skipif(not [f for f in cpu_flags() if f.startswith(PAST_AVX2)],
                     reason="this CPU has nothing past AVX2: the whole suite runs as on an AVX2-only one")
-def test_the_engine_passes_its_tests_as_an_avx2_only_cpu(tmp_path, tiny_files_env):
+def test_the_engine_passes_its_tests_as_an_avx2_only_cpu(avx2_env, tiny_files_env):
     """On a CPU with AVX-512 (or AMX), the AVX2-only paths of the kernels and the engine's choices
     for them skip in every test; here a subprocess runs those tests with VLLM_CPU_ISA=avx2 and
     torch held to AVX2, so that main stays green on such a CPU too."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**avx2_only_env(tmp_path), **tiny_files_env}
+    env = {**avx2_env, **tiny_files_env}
     build_kernels(env)
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *AVX2_ONLY_TESTS],
                             cwd=root, env=env, capture_output=True, text=True, timeout=900)
