@@ -42,6 +42,18 @@ _QUANTIZE = {Q4_K: quantize_q4_k, Q6_K: quantize_q6_k}
 _Q4_K_M_Q6_K = ("output.weight", "blk.0.attn_v.weight", "blk.0.ffn_down.weight")
 
 
+@functools.cache
+def _smollm2_tokenizer_fields() -> list[tuple]:
+    """(key, value, type, array element type) of each tokenizer field of SmolLM2's GGUF, read
+    once for the files this module writes (the gguf package parses a header in seconds)."""
+    fields = []
+    for key, field in gguf.GGUFReader(smollm2_path()).fields.items():
+        if key.startswith("tokenizer."):
+            sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+            fields.append((key, field.contents(), field.types[0], sub_type))
+    return fields
+
+
 def _write_k_quant_gguf(checkpoint: str, path: str, q6_k: tuple[str, ...] = ()) -> str:
     """The Llama checkpoint's matrices as Q4_K, those named in `q6_k` as Q6_K (norms float32), in
     a GGUF file at `path`, with its
@@ -52,10 +64,8 @@ def _write_k_quant_gguf(checkpoint: str, path: str, q6_k: tuple[str, ...] = ()) 
 
     config = AutoConfig.from_pretrained(checkpoint)
     writer = gguf.GGUFWriter(path, "llama")
-    for key, field in gguf.GGUFReader(smollm2_path()).fields.items():
-        if key.startswith("tokenizer."):
-            sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
-            writer.add_key_value(key, field.contents(), field.types[0], sub_type)
+    for key, value, value_type, sub_type in _smollm2_tokenizer_fields():
+        writer.add_key_value(key, value, value_type, sub_type)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)

@@ -52,8 +52,8 @@ def test_q4_k_blocks_are_yielded_as_super_blocks(tmp_path):
 
 
 def test_rows_not_whole_super_blocks_are_refused_naming_the_file(tmp_path):
-    """A Q4_K tensor of (4, 64): one super-block's bytes, rows of a quarter of one. The gguf
-    package refuses the file; the error says which file."""
+    """A Q4_K tensor of (4, 64): one super-block's bytes, rows of a quarter of one. The header
+    reader refuses the file; the error says which file and which tensor."""
     path = tmp_path / "partial_q4_k.gguf"
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_tensor("blk.0.attn_q.weight", np.zeros(144, dtype=np.int8), raw_shape=(4, 64),
@@ -63,7 +63,7 @@ def test_rows_not_whole_super_blocks_are_refused_naming_the_file(tmp_path):
     writer.write_tensors_to_file()
     writer.close()
     for keep_quantized in (True, False):
-        with pytest.raises(ValueError, match=rf"{path}.*row size \(64\) is not a multiple of Q4_K block size"):
+        with pytest.raises(ValueError, match=rf"{path}: tensor blk.0.attn_q.weight: rows of 64 are not whole Q4_K"):
             list(iter_gguf_weights(str(path), num_heads=1, num_kv_heads=1, keep_quantized=keep_quantized))
 
 

@@ -72,12 +72,13 @@ def test_kept_metadata_is_what_the_file_holds_and_a_later_start_parses_no_header
     assert {"config.json", "tokenizer.json", "tensors.json"} <= set(os.listdir(cache_root / "gguf-metadata" / kept))
     _assert_same_model_metadata(config, tokenizer)
 
-    # A later start: neither the gguf reader nor transformers' GGUF conversion runs.
+    # A later start: neither a reader of the header nor transformers' GGUF conversion runs.
     def refuse(*args, **kwargs):
         raise AssertionError("the GGUF header was parsed again")
 
     gguf_metadata._read_index_of_version.cache_clear()
     monkeypatch.setattr(gguf, "GGUFReader", refuse)
+    monkeypatch.setattr(gguf_metadata, "read_gguf_index", refuse)
     from transformers import modeling_gguf_pytorch_utils
 
     monkeypatch.setattr(modeling_gguf_pytorch_utils, "load_gguf_checkpoint", refuse)

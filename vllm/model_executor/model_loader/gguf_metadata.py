@@ -1,9 +1,9 @@
 """A GGUF file's metadata, converted once per version of the file: the Hugging Face config and
 tokenizer files, and the list of its tensors.
 
-Reading a GGUF file's header with the gguf package parses every field in Python, the
-vocabulary's tens of thousands of strings included, and transformers does so again for the
-config and for the tokenizer: seconds each, at every engine start. The first start saves what
+Converting a GGUF file's header takes seconds at every engine start: transformers reads it for
+the config, then again for the tokenizer, which it builds from the vocabulary's tens of
+thousands of tokens and merges. The first start saves what
 it read as plain files under VLLM_CACHE_ROOT; later starts load those and map the tensors' bytes
 straight from the file:
 
@@ -19,7 +19,6 @@ as another environment sharing the cache may be reading them. Where the director
 written, the callers read the file itself, as on every start before.
 """
 
-import dataclasses
 import functools
 import hashlib
 import json
@@ -31,27 +30,12 @@ from pathlib import Path
 
 from vllm.envs import cache_root
 from vllm.logger import init_logger
+from vllm.model_executor.model_loader.gguf_header import GGUFIndex, GGUFTensorInfo, read_gguf_index
 
 logger = init_logger(__name__)
 
 _TENSORS = "tensors.json"
 _SOURCE = "source.json"
-
-
-@dataclasses.dataclass(frozen=True)
-class GGUFTensorInfo:
-    """Where one tensor's bytes lie in the file, and what they hold."""
-    name: str
-    type_name: str              # a GGMLQuantizationType name: "Q4_1", "F32", ...
-    shape: tuple[int, ...]      # numpy order (GGUF lists the dims fastest-first)
-    offset: int                 # of the first byte in the file
-    num_bytes: int
-
-
-@dataclasses.dataclass(frozen=True)
-class GGUFIndex:
-    architecture: str
-    tensors: tuple[GGUFTensorInfo, ...]
 
 
 def converted_metadata_dir(directory: str, gguf_file: str) -> str | None:
@@ -99,18 +83,11 @@ def _read_index(path: str) -> GGUFIndex:
 
 @functools.lru_cache(maxsize=8)
 def _read_index_of_version(path: str, size: int, mtime_ns: int) -> GGUFIndex:
-    """Parses the whole header: once a process per version of a file, where none is kept."""
-    from gguf import GGUFReader
-
+    """Reads the tensor table: once a process per version of a file, where none is kept."""
     try:
-        reader = GGUFReader(path)
-    except ValueError as e:  # e.g. a quantized tensor whose rows are not whole blocks of its type
+        return read_gguf_index(path)
+    except ValueError as e:
         raise ValueError(f"cannot read the GGUF file {path}: {e}") from e
-    field = reader.fields.get("general.architecture")
-    return GGUFIndex(
-        "" if field is None else field.contents(),
-        tuple(GGUFTensorInfo(t.name, t.tensor_type.name, tuple(int(d) for d in reversed(t.shape)),
-                             int(t.data_offset), int(t.n_bytes)) for t in reader.tensors))
 
 
 def _convert(directory: str, gguf_file: str, target: Path) -> None:
