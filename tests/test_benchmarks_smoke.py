@@ -145,12 +145,18 @@ def test_throughput_dataset_output_len_override_vllm(tiny_checkpoints, tmp_path)
     assert "roofline" not in result
 
 
-def test_throughput_argument_errors(tiny_checkpoints):
-    proc = run_script("benchmark_throughput.py", "--backend", "hf", "--input-len", "4",
-                      "--output-len", "2", "--model", tiny_checkpoints["llama"])
-    assert proc.returncode == 2 and "--hf-max-batch-size" in proc.stderr
-    proc = run_script("benchmark_throughput.py", "--model", tiny_checkpoints["llama"])
-    assert proc.returncode == 2 and "--input-len" in proc.stderr
+@pytest.mark.parametrize("args,named", [
+    (["--backend", "hf", "--input-len", "4", "--output-len", "2"], "--hf-max-batch-size"),
+    ([], "--input-len"),
+])
+def test_throughput_argument_errors(tiny_checkpoints, capsys, args, named):
+    """The script's checks of its flags, called as its __main__ calls them (in this process):
+    parser.error exits with status 2, naming the missing flag."""
+    throughput = load_module("benchmark_throughput")
+    parser = throughput.make_parser()
+    with pytest.raises(SystemExit) as exit_info:
+        throughput.check_args(parser, parser.parse_args([*args, "--model", tiny_checkpoints["llama"]]))
+    assert exit_info.value.code == 2 and named in capsys.readouterr().err
 
 
 def test_throughput_llama_cpp_backend(tiny_checkpoints, tmp_path):
