@@ -27,7 +27,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [_HERE, os.path.dirname(_HERE)]  # the helper modules beside it, vllm of this checkout
 
 from result_files import machine_info, write_json  # noqa: E402
-from roofline import measure_memory_bandwidth  # noqa: E402
+from roofline import add_roofline_args, measure_memory_bandwidth  # noqa: E402
 from step_stats import mean_seconds  # noqa: E402
 from vllm.attention.ops import cpu_paged_decode  # noqa: E402
 
@@ -48,6 +48,7 @@ def main() -> int:
                         help="the kernel's copy: auto = AMX where the CPU has it")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--output-json", type=str, default=None)
+    add_roofline_args(parser)
     args = parser.parse_args()
     try:
         seq_lens = [int(length) for group in args.contexts.split(",")
@@ -93,12 +94,13 @@ def main() -> int:
         for layer_tables in tables:
             cpu_paged_decode.paged_decode(query, key_cache, value_cache, layer_tables, lens, scale, None, out)
 
-    bandwidth = measure_memory_bandwidth()["bytes_per_s"]
+    timing = {} if args.roofline_seconds is None else {"min_seconds": args.roofline_seconds}
+    bandwidth = measure_memory_bandwidth(**timing)["bytes_per_s"]
     seconds = {name: [] for name in placements}
     for _ in range(args.rounds):
         for name, tables in placements.items():
             seconds[name].append(mean_seconds(lambda: step(tables), args.repeats))
-    bandwidth = max(bandwidth, measure_memory_bandwidth()["bytes_per_s"])
+    bandwidth = max(bandwidth, measure_memory_bandwidth(**timing)["bytes_per_s"])
 
     read_bytes = sum(seq_lens) * args.layers * 2 * args.kv_heads * HEAD_DIM * dtype.itemsize  # keys and values
     results = {}

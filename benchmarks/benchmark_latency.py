@@ -123,7 +123,7 @@ def main(args: argparse.Namespace) -> dict:
             args.model, dtype, all_records,
             fallback={"elapsed": sum(latencies), "prefill_tokens": stats["num_prefill_tokens"],
                       "decode_tokens": stats["num_decode_tokens"], "num_steps": stats["num_steps"]},
-            weight_bytes=engine_setup.decode_weight_bytes(llm))
+            weight_bytes=engine_setup.decode_weight_bytes(llm), min_seconds=args.roofline_seconds)
         roofline.print_roofline(results["roofline"])
 
     mode = "chunked" if args.enable_chunked_prefill else "unchunked"
@@ -148,6 +148,7 @@ def make_parser() -> argparse.ArgumentParser:
                         help="write the results to benchmarks/results/<name>.json")
     parser.add_argument("--no-roofline", action="store_true",
                         help="skip the matmul/bandwidth microbenchmarks and the roofline fractions")
+    roofline.add_roofline_args(parser)
     engine_setup.add_engine_args(parser)
     return parser
 

@@ -112,7 +112,7 @@ def run_vllm(requests: list[dict], args: argparse.Namespace) -> dict:
             args.model, extra["dtype"], recorder.records,
             fallback={"elapsed": elapsed, "prefill_tokens": stats["num_prefill_tokens"],
                       "decode_tokens": stats["num_decode_tokens"], "num_steps": stats["num_steps"]},
-            weight_bytes=engine_setup.decode_weight_bytes(llm))
+            weight_bytes=engine_setup.decode_weight_bytes(llm), min_seconds=args.roofline_seconds)
     return {"elapsed": elapsed, "extra": extra}
 
 
@@ -398,6 +398,7 @@ def make_parser() -> argparse.ArgumentParser:
                         help="keep llama.cpp's own log output (llama.cpp backend)")
     parser.add_argument("--no-roofline", action="store_true",
                         help="skip the matmul/bandwidth microbenchmarks and the roofline fractions")
+    roofline.add_roofline_args(parser)
     engine_setup.add_engine_args(parser)
     return parser
 

@@ -162,7 +162,7 @@ def run(args: argparse.Namespace) -> dict:
     w = result["workloads"]
 
     dtype_name = engine_setup.resolve_dtype_name(args.dtype)
-    result["machine_roofline"] = roofline.measure_machine_roofline(dtype_name)
+    result["machine_roofline"] = roofline.measure_machine_roofline(dtype_name, args.roofline_seconds)
     params = roofline.model_param_counts(engine_setup.resolve_model_path(args.model))
     bytes_per_param = torch.finfo(getattr(torch, dtype_name)).bits // 8
 
@@ -286,6 +286,7 @@ def make_parser() -> argparse.ArgumentParser:
                         help="comma-separated: vllm, hf, llama.cpp (needs llama-cpp-python)")
     parser.add_argument("--scale", type=float, default=1.0, help="multiplies every length (smoke tests)")
     parser.add_argument("--output-json", default=None, help="write the results here (without it, only print them)")
+    roofline.add_roofline_args(parser)
     engine_setup.add_engine_args(parser)
     return parser
 

@@ -6,6 +6,7 @@ instructions (dot_product_peaks.c) bound their inner loops."""
 
 from __future__ import annotations
 
+import argparse
 import math
 import time
 
@@ -153,12 +154,28 @@ def model_param_counts(model_path: str) -> dict:
             "num_hidden_layers": getattr(config, "num_hidden_layers", None)}
 
 
-def measure_machine_roofline(dtype_name: str) -> dict:
-    """The two machine ceilings, measured now with the current torch thread count, and the
-    dot-product instructions' rates beside them (multiply-adds per second)."""
+def add_roofline_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--roofline-seconds", type=_positive_seconds, default=None,
+                        help="time each machine-limit measurement (the matmul, each bandwidth method) "
+                             "for at least this long (default: 0.3 s for the matmul, 0.5 s per "
+                             "bandwidth method); shorter is quicker and noisier")
+
+
+def _positive_seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
+
+
+def measure_machine_roofline(dtype_name: str, min_seconds: float | None = None) -> dict:
+    """The two machine ceilings, measured now with the current torch thread count (each for at
+    least `min_seconds`, else its own default), and the dot-product instructions' rates beside
+    them (multiply-adds per second)."""
+    timing = {} if min_seconds is None else {"min_seconds": min_seconds}
     matmul = measure_matmul_flops(dtype_name if dtype_name in ("bfloat16", "float16", "float32")
-                                  else "bfloat16")
-    bandwidth = measure_memory_bandwidth()
+                                  else "bfloat16", **timing)
+    bandwidth = measure_memory_bandwidth(**timing)
     return {"matmul": matmul, "memory": bandwidth, "dot_products_macs_per_s": measure_dot_product_peaks()}
 
 
@@ -248,12 +265,14 @@ def roofline_report(params: dict, dtype_name: str, machine: dict, records: list[
 
 
 def compute_roofline(model: str | None, dtype_name: str, records: list[StepRecord] | None,
-                     fallback: dict | None = None, weight_bytes: int | None = None) -> dict:
-    """Parameter counts + machine measurements + the report; errors become {"error": ...}.
-    `weight_bytes`: the weights' bytes as the engine holds them, where known."""
+                     fallback: dict | None = None, weight_bytes: int | None = None,
+                     min_seconds: float | None = None) -> dict:
+    """Parameter counts + machine measurements (see measure_machine_roofline) + the report;
+    errors become {"error": ...}. `weight_bytes`: the weights' bytes as the engine holds them,
+    where known."""
     try:
         params = model_param_counts(resolve_model_path(model))
-        machine = measure_machine_roofline(dtype_name)
+        machine = measure_machine_roofline(dtype_name, min_seconds)
         return roofline_report(params, dtype_name, machine, records, fallback, weight_bytes)
     except Exception as e:  # a roofline problem must not lose the benchmark's result
         return {"error": f"{type(e).__name__}: {e}"}

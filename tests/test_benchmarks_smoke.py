@@ -30,6 +30,8 @@ VLLM_THROUGHPUT_KEYS = {"elapsed_time", "num_requests", "total_num_tokens", "req
                         "tokens_per_second"}
 # Small engines: eager (no graph capture at start-up) and a small KV cache.
 ENGINE = ["--enforce-eager", "--kv-cache-memory-bytes", str(32 * 1024**2), "--block-size", "16"]
+# Each machine limit measured for a few repetitions only: the tests check the figures' form.
+QUICK_ROOFLINE = ["--roofline-seconds", "0.01"]
 
 
 def _has_amx() -> bool:
@@ -78,7 +80,7 @@ def test_throughput_vllm(tiny_checkpoints, tmp_path):
     out = tmp_path / "throughput.json"
     proc = run_script("benchmark_throughput.py", "--model", tiny_checkpoints["llama"],
                       "--input-len", "16", "--output-len", "4", "--num-prompts", "4",
-                      "--max-num-batched-tokens", "32", *ENGINE, "--disable-tqdm",
+                      "--max-num-batched-tokens", "32", *ENGINE, "--disable-tqdm", *QUICK_ROOFLINE,
                       "--output-json", str(out))
     check_ok(proc)
     assert THROUGHPUT_LINE.search(proc.stdout), proc.stdout
@@ -148,6 +150,7 @@ def test_throughput_dataset_output_len_override_vllm(tiny_checkpoints, tmp_path)
 @pytest.mark.parametrize("args,named", [
     (["--backend", "hf", "--input-len", "4", "--output-len", "2"], "--hf-max-batch-size"),
     ([], "--input-len"),
+    (["--input-len", "4", "--output-len", "2", "--roofline-seconds", "0"], "--roofline-seconds"),
 ])
 def test_throughput_argument_errors(tiny_checkpoints, capsys, args, named):
     """The script's checks of its flags, called as its __main__ calls them (in this process):
@@ -184,7 +187,7 @@ def test_latency(tiny_checkpoints, tmp_path):
     proc = run_script("benchmark_latency.py", "--model", tiny_checkpoints["llama"],
                       "--input-len", "8", "--output-len", "4", "--batch-size", "2",
                       "--num-iters-warmup", "1", "--num-iters", "3", *ENGINE,
-                      "--quantization", "int8", "--output-json", str(out))
+                      "--quantization", "int8", *QUICK_ROOFLINE, "--output-json", str(out))
     check_ok(proc)
     assert re.search(r"^Avg latency: [0-9.e-]+ seconds$", proc.stdout, re.M), proc.stdout
     assert re.search(r"^99% percentile latency: [0-9.e-]+ seconds$", proc.stdout, re.M)
@@ -227,7 +230,7 @@ def test_step_host(tiny_checkpoints, tmp_path):
 def test_workloads(tiny_checkpoints, tmp_path):
     out = tmp_path / "workloads.json"
     proc = run_script("benchmark_workloads.py", "--model", tiny_checkpoints["llama"], "--scale", "0.02",
-                      "--max-model-len", "256", "--enforce-eager", "--block-size", "16",
+                      "--max-model-len", "256", "--enforce-eager", "--block-size", "16", *QUICK_ROOFLINE,
                       "--output-json", str(out))
     check_ok(proc)
     result = json.loads(out.read_text())
@@ -309,7 +312,8 @@ def test_prefill_attention(tmp_path):
 def test_decode_attention(tmp_path):
     out = tmp_path / "decode.json"
     proc = run_script("benchmark_decode_attention.py", "--contexts", "300x2,20x3", "--layers", "3",
-                      "--block-size", "16", "--rounds", "2", "--repeats", "1", "--output-json", str(out))
+                      "--block-size", "16", "--rounds", "2", "--repeats", "1", *QUICK_ROOFLINE,
+                      "--output-json", str(out))
     check_ok(proc)
     result = json.loads(out.read_text())
     assert set(result["placements"]) == {"cold", "warm"}
