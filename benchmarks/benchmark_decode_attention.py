@@ -94,13 +94,12 @@ def main() -> int:
         for layer_tables in tables:
             cpu_paged_decode.paged_decode(query, key_cache, value_cache, layer_tables, lens, scale, None, out)
 
-    timing = {} if args.roofline_seconds is None else {"min_seconds": args.roofline_seconds}
-    bandwidth = measure_memory_bandwidth(**timing)["bytes_per_s"]
+    bandwidth = measure_memory_bandwidth(min_seconds=args.roofline_seconds)["bytes_per_s"]
     seconds = {name: [] for name in placements}
     for _ in range(args.rounds):
         for name, tables in placements.items():
             seconds[name].append(mean_seconds(lambda: step(tables), args.repeats))
-    bandwidth = max(bandwidth, measure_memory_bandwidth(**timing)["bytes_per_s"])
+    bandwidth = max(bandwidth, measure_memory_bandwidth(min_seconds=args.roofline_seconds)["bytes_per_s"])
 
     read_bytes = sum(seq_lens) * args.layers * 2 * args.kv_heads * HEAD_DIM * dtype.itemsize  # keys and values
     results = {}

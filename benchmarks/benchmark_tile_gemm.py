@@ -21,9 +21,10 @@ import torch
 import torch.nn.functional as F
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [_HERE, os.path.dirname(_HERE)]  # common.py beside it, vllm of this checkout
+sys.path[:0] = [_HERE, os.path.dirname(_HERE)]  # the helper modules beside it, vllm of this checkout
 
-from common import machine_info, measure_matmul_flops, write_json  # noqa: E402
+from result_files import machine_info, write_json  # noqa: E402
+from roofline import measure_matmul_flops  # noqa: E402
 from vllm.model_executor.layers import cpu_tile_gemm  # noqa: E402
 
 # (in, out) of SmolLM2-135M's products

@@ -14,10 +14,16 @@ from engine_setup import resolve_model_path
 from step_stats import StepRecord
 
 
-def measure_matmul_flops(dtype_name: str = "bfloat16", n: int = 2048, min_seconds: float = 0.3,
+MATMUL_SECONDS = 0.3  # how long each measurement runs at least, where the caller does not say
+BANDWIDTH_SECONDS = 0.5  # per bandwidth method
+
+
+def measure_matmul_flops(dtype_name: str = "bfloat16", n: int = 2048, min_seconds: float | None = None,
                          max_reps: int = 200) -> dict:
-    """Best-of FLOP/s of an n x n x n `torch.matmul` in `dtype` (2 n^3 FLOPs each)."""
+    """Best-of FLOP/s of an n x n x n `torch.matmul` in `dtype` (2 n^3 FLOPs each), timed for at
+    least `min_seconds` (None: MATMUL_SECONDS)."""
     import torch
+    min_seconds = MATMUL_SECONDS if min_seconds is None else min_seconds
     dtype = getattr(torch, dtype_name)
     a = torch.randn(n, n).to(dtype)
     b = torch.randn(n, n).to(dtype)
@@ -99,15 +105,17 @@ def _c_read_seconds(lib, tensor, prefetch: bool) -> float:
                             (ctypes.c_int64 * 1)(cols), 1, int(prefetch), ctypes.byref(checksum))
 
 
-def measure_memory_bandwidth(nbytes: int = 256 * 1024**2, min_seconds: float = 0.5,
+def measure_memory_bandwidth(nbytes: int = 256 * 1024**2, min_seconds: float | None = None,
                              max_reps: int = 50) -> dict:
     """Best-of bytes/s of reading a large tensor and of copying it (the read and the write:
     2 x nbytes; the write's cache-line fills are not counted, so a copy understates the reads
     alone). A read is what a decode does with its weights: torch's sum, and where it builds, the
     plain streaming read of gemv_bandwidth.c with and without prefetching into L2 (on a shared
     machine a torch sum has come out slower than the engine's own decode reads). `bytes_per_s`,
-    the bound quoted, is the largest."""
+    the bound quoted, is the largest. Each method runs for at least `min_seconds` (None:
+    BANDWIDTH_SECONDS)."""
     import torch
+    min_seconds = BANDWIDTH_SECONDS if min_seconds is None else min_seconds
     n = nbytes // 4
     src = torch.ones(n, dtype=torch.float32)
     dst = torch.empty_like(src)
@@ -157,8 +165,8 @@ def model_param_counts(model_path: str) -> dict:
 def add_roofline_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--roofline-seconds", type=_positive_seconds, default=None,
                         help="time each machine-limit measurement (the matmul, each bandwidth method) "
-                             "for at least this long (default: 0.3 s for the matmul, 0.5 s per "
-                             "bandwidth method); shorter is quicker and noisier")
+                             f"for at least this long (default: {MATMUL_SECONDS} s for the matmul, "
+                             f"{BANDWIDTH_SECONDS} s per bandwidth method); shorter is quicker and noisier")
 
 
 def _positive_seconds(text: str) -> float:
@@ -170,12 +178,11 @@ def _positive_seconds(text: str) -> float:
 
 def measure_machine_roofline(dtype_name: str, min_seconds: float | None = None) -> dict:
     """The two machine ceilings, measured now with the current torch thread count (each for at
-    least `min_seconds`, else its own default), and the dot-product instructions' rates beside
+    least `min_seconds`; None: its own default), and the dot-product instructions' rates beside
     them (multiply-adds per second)."""
-    timing = {} if min_seconds is None else {"min_seconds": min_seconds}
     matmul = measure_matmul_flops(dtype_name if dtype_name in ("bfloat16", "float16", "float32")
-                                  else "bfloat16", **timing)
-    bandwidth = measure_memory_bandwidth(**timing)
+                                  else "bfloat16", min_seconds=min_seconds)
+    bandwidth = measure_memory_bandwidth(min_seconds=min_seconds)
     return {"matmul": matmul, "memory": bandwidth, "dot_products_macs_per_s": measure_dot_product_peaks()}
 
 

@@ -20,6 +20,7 @@ import sys
 import pytest
 import torch
 
+from vllm.model_executor.layers import cpu_tile_gemm
 from vllm.platforms.cpu import cpu_flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -306,6 +307,20 @@ def test_prefill_attention(tmp_path):
     assert set(result["paths"]) == {"kernel", "torch"} and result["kernel_speedup_over_torch"] > 0
     assert result["max_abs_difference"] < 0.05  # the two paths attend alike
     assert all(0 < p["fraction_of_matmul_peak"] < 1 for p in result["paths"].values())
+
+
+@pytest.mark.skipif(cpu_tile_gemm.max_rows() == 0, reason="no tile GEMM here (it needs AMX or AVX512-BF16)")
+def test_tile_gemm(tmp_path):
+    out = tmp_path / "tile_gemm.json"
+    proc = run_script("benchmark_tile_gemm.py", "--rows", "8", "33", "--shapes", "576x576", "--rounds", "1",
+                      "--min-seconds", "0.001", "--output-json", str(out))
+    check_ok(proc)
+    result = json.loads(out.read_text())
+    assert [(p["in"], p["out"], p["rows"]) for p in result["products"]] == [(576, 576, 8), (576, 576, 33)]
+    for product in result["products"]:
+        assert product["max_abs_difference_from_float32"] < 0.05  # bf16 output of the same product
+        assert all(product[name]["fraction_of_matmul_peak"] > 0 for name in ("tile", "onednn_blocked", "F.linear"))
+    assert result["tile_copy"] in ("amx", "avx512")
 
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="the decode kernel needs a C compiler")
