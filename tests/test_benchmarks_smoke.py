@@ -250,6 +250,11 @@ def test_workloads(tiny_checkpoints, tmp_path):
             expected = 2 * body * tokens / seconds / peak
             assert values[f"{key}_fraction_of_matmul_peak"] == pytest.approx(expected), (backend, key)
         assert len(values["C_memory_bounds_bytes_per_s"]) == 3 and min(values["C_memory_bounds_bytes_per_s"]) > 0
+    ours = result["workloads"]["vllm"]
+    assert 0 < ours["C_model_share_of_decode_time"] < 1  # the host's part of a step is never nothing
+    assert ours["C_model_fraction_of_memory_bandwidth"] == pytest.approx(
+        ours["C_fraction_of_memory_bandwidth"] / ours["C_model_share_of_decode_time"])
+    assert "C_model_share_of_decode_time" not in result["workloads"]["hf"]
     e = result["workloads"]["vllm"]["E"]
     assert e["chunked"]["p99_gap_s"] <= e["chunked"]["max_gap_s"]
     for name in ("chunked", "unchunked"):  # each figure the mean of its two runs

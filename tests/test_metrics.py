@@ -1,6 +1,7 @@
 """The engine's stats for its loggers, vLLM's periodic log line, and /metrics with vLLM's names."""
 
 import logging
+import time
 
 import httpx2
 import pytest
@@ -29,6 +30,22 @@ def llm(tiny_checkpoints):
     return LLM(tiny_checkpoints["llama"], dtype="float32", max_model_len=256, block_size=16,
                max_num_batched_tokens=32, max_num_seqs=8, enforce_eager=True, kv_cache_memory_bytes=32 * 2**20)
 
+
+
+def test_model_forward_seconds_are_a_part_of_each_step(llm):
+    """Every step that runs the model adds its time there, and never more than the step took:
+    a step of prefill chunks that samples nothing too (its budget of 32 cuts the 70 tokens)."""
+    engine = llm.llm_engine
+    engine.add_request("fwd", {"prompt_token_ids": random_prompts([70], seed=5)[0]},
+                       SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    parts = []
+    while engine.has_unfinished_requests():
+        before, start = engine.stats.model_forward_seconds, time.perf_counter()
+        outputs = engine.step()
+        parts.append((engine.stats.model_forward_seconds - before, time.perf_counter() - start, bool(outputs)))
+    assert len(parts) == 3 + 3 and not parts[0][2]  # 32 + 32 + 6 prompt tokens, then 3 decodes
+    for forward, wall, _ in parts:
+        assert 0 < forward < wall
 
 def test_engine_stats_add_up(llm):
     engine = llm.llm_engine

@@ -46,6 +46,9 @@ class EngineStats:
     # Prompt tokens looked up in the prefix cache, and of those the tokens found there.
     num_prefix_cache_queries: int = 0
     num_prefix_cache_hits: int = 0
+    # Wall time of the steps in the model (ModelRunnerOutput.forward_seconds); the rest of a
+    # step's time is the host's: scheduling, inputs, sampling, outputs.
+    model_forward_seconds: float = 0.0
 
 
 class LLMEngine:
@@ -284,6 +287,7 @@ class LLMEngine:
         need beyond them (times, logprobs, text); queues the outputs of those that changed."""
         now = time.monotonic()
         self._count(step)
+        self.stats.model_forward_seconds += result.forward_seconds
         changed: dict[str, SequenceGroup] = {}
         for scheduled in step.scheduled:
             seq, group = self._seqs[scheduled.request_id]

@@ -258,31 +258,35 @@ class HPUModelRunner:
         if bucket is not None:
             self.graph_stats.real_tokens += num_tokens
             self.graph_stats.padded_tokens += bucket - num_tokens
+        start = time.perf_counter()
         hidden = self._forward(inputs, eager=bucket is None)                        # (T, hidden)
         output = ModelRunnerOutput()
-        if inputs.num_rows:
-            logits = self._logits(hidden, inputs.logits_rows)                  # (R, vocab shard) fp32
-            self.platform.mark_step()
-            # Tensor parallelism: each rank holds a slice of the vocabulary; only rank 0 samples.
-            logits = self.model.gather_logits(logits)                                # (R, vocab)
-            if logits is None:
-                return output
-            logits = logits.cpu()[:inputs.num_rows]  # sliced on the host: no shape from the step
-            # A step that fails is run again (LLMEngine.step): seeded samples must draw the same.
-            sampled = [rid for s in step.scheduled if s.sample for rid in (s.request_id, *(f for f, _ in s.forks))]
-            states = {rid: self._generators[rid].get_state() for rid in sampled if rid in self._generators}
-            try:
-                if inputs.num_sampled:
-                    self._sample(step, logits[:inputs.num_sampled], output)
-                if inputs.num_rows > inputs.num_sampled:
-                    self._prompt_logprobs(step, logits[inputs.num_sampled:], output)
-            except BaseException:
-                for rid in sampled:
-                    if rid in states:
-                        self._generators[rid].set_state(states[rid])
-                    else:
-                        self._generators.pop(rid, None)  # made in this step: starts from its seed again
-                raise
+        if not inputs.num_rows:
+            output.forward_seconds = time.perf_counter() - start
+            return output
+        logits = self._logits(hidden, inputs.logits_rows)                      # (R, vocab shard) fp32
+        self.platform.mark_step()
+        # Tensor parallelism: each rank holds a slice of the vocabulary; only rank 0 samples.
+        logits = self.model.gather_logits(logits)                                    # (R, vocab)
+        if logits is None:
+            return output
+        logits = logits.cpu()[:inputs.num_rows]  # sliced on the host: no shape from the step
+        output.forward_seconds = time.perf_counter() - start
+        # A step that fails is run again (LLMEngine.step): seeded samples must draw the same.
+        sampled = [rid for s in step.scheduled if s.sample for rid in (s.request_id, *(f for f, _ in s.forks))]
+        states = {rid: self._generators[rid].get_state() for rid in sampled if rid in self._generators}
+        try:
+            if inputs.num_sampled:
+                self._sample(step, logits[:inputs.num_sampled], output)
+            if inputs.num_rows > inputs.num_sampled:
+                self._prompt_logprobs(step, logits[inputs.num_sampled:], output)
+        except BaseException:
+            for rid in sampled:
+                if rid in states:
+                    self._generators[rid].set_state(states[rid])
+                else:
+                    self._generators.pop(rid, None)  # made in this step: starts from its seed again
+            raise
         return output
 
     def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
