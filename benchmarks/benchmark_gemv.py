@@ -14,12 +14,11 @@ rows of x.
 
 import argparse
 import ctypes
-import json
 import sys
-from pathlib import Path
 
 import torch
 
+import result_files
 import roofline
 from vllm.model_executor.layers import cpu_gemv
 
@@ -43,7 +42,7 @@ def main() -> int:
     for name, default in (("hidden", 576), ("intermediate", 1536), ("heads", 9), ("kv-heads", 3),
                           ("head-dim", 64), ("layers", 30), ("vocab", 49152)):
         parser.add_argument(f"--{name}", type=int, default=default)
-    parser.add_argument("--output-json", type=Path)
+    parser.add_argument("--output-json", default=None, help="write the results here (without it, only print them)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -88,8 +87,8 @@ def main() -> int:
         print(f"{name:10s}{nbytes / 1e6:8.1f}{speeds['read']:8.1f}{speeds['read_prefetch']:9.1f}" +
               "".join(f"{speeds[f'gemv_x{m}']:8.1f} ({speeds[f'gemv_x{m}'] / read:.2f})"
                       for m in range(1, rows_max + 1)))
-    if args.output_json:
-        args.output_json.write_text(json.dumps({"args": vars(args) | {"output_json": None}, **results}, indent=1))
+    results.update(args=result_files.args_dict(args), machine=result_files.machine_info())
+    result_files.save_results(results, args.output_json, False, "gemv")
     return 0
 
 

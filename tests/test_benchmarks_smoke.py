@@ -20,7 +20,7 @@ import sys
 import pytest
 import torch
 
-from vllm.model_executor.layers import cpu_tile_gemm
+from vllm.model_executor.layers import cpu_gemv, cpu_tile_gemm
 from vllm.platforms.cpu import cpu_flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -326,6 +326,31 @@ def test_tile_gemm(tmp_path):
         assert product["max_abs_difference_from_float32"] < 0.05  # bf16 output of the same product
         assert all(product[name]["fraction_of_matmul_peak"] > 0 for name in ("tile", "onednn_blocked", "F.linear"))
     assert result["tile_copy"] in ("amx", "avx512")
+
+
+@pytest.mark.skipif(cpu_gemv.max_rows() == 0, reason="no C GEMV here (it needs AVX512-BF16 and a C compiler)")
+def test_gemv(tmp_path):
+    out = tmp_path / "gemv.json"
+    proc = run_script("benchmark_gemv.py", "--layers", "2", "--vocab", "4096", "--repeats", "2",
+                      "--output-json", str(out))
+    check_ok(proc)
+    result = json.loads(out.read_text())
+    rows = cpu_gemv.max_rows()
+    for name in ("layers", "lm_head"):
+        speeds = result["GB_per_s"][name]
+        assert set(speeds) == {"read", "read_prefetch", *(f"gemv_x{m}" for m in range(1, rows + 1))}
+        read = max(speeds["read"], speeds["read_prefetch"])
+        assert result["gemv_over_read"][name] == pytest.approx(
+            {f"gemv_x{m}": speeds[f"gemv_x{m}"] / read for m in range(1, rows + 1)})
+    assert result["machine"]["cpu_model"] and result["args"]["layers"] == 2
+
+
+@pytest.mark.parametrize("name", sorted(f[:-3] for f in os.listdir(BENCH) if f.endswith(".py")))
+def test_every_benchmark_module_imports(name, monkeypatch):
+    """Each script and helper imports (a script's main() is not run): one that still imports a
+    moved or deleted module fails here, even where its smoke test is skipped or missing."""
+    monkeypatch.setattr(sys, "path", list(sys.path))  # scripts put their folder first on it
+    load_module(name)
 
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="the decode kernel needs a C compiler")
