@@ -20,7 +20,8 @@ benchmark_workloads.py in a fresh process per run, once alone and once beside on
 
 and reports each run's figures and, per policy and workload, the slowdown (alone / busy) and the
 figure beside the busy process and alone as fractions of the default policy's alone. The
-fair share of two cores beside one busy process is one core: a slowdown of 2x.
+fair share of two cores beside one busy process is one core: a slowdown of 2x. Other flags go to
+benchmark_workloads.py (the engine's, such as --model, and --roofline-seconds).
 
     python benchmarks/benchmark_sharing.py --output-json benchmarks/results/sharing.json
 """
@@ -60,7 +61,7 @@ def run_workloads(policy_env: dict, busy: bool, args: argparse.Namespace) -> dic
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "a.json"
         cmd = [sys.executable, str(HERE / "benchmark_workloads.py"), "--workloads", args.workloads,
-               "--backends", "vllm", "--scale", str(args.scale), "--output-json", str(out)]
+               "--backends", "vllm", "--scale", str(args.scale), "--output-json", str(out), *args.workload_args]
         if args.dtype:
             cmd += ["--dtype", args.dtype]
         loop = subprocess.Popen([sys.executable, "-c", BUSY_LOOP]) if busy else None
@@ -102,7 +103,8 @@ def main(args: argparse.Namespace) -> dict:
     return results
 
 
-if __name__ == "__main__":
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags; those it does not know go to benchmark_workloads.py (`workload_args`)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--policies", default=",".join(POLICIES), help="comma-separated subset of "
                         + ", ".join(POLICIES))
@@ -110,4 +112,14 @@ if __name__ == "__main__":
     parser.add_argument("--dtype", default=None, help="the engine's dtype (default: its auto)")
     parser.add_argument("--scale", type=float, default=1.0, help="multiplies every length (smoke tests)")
     parser.add_argument("--output-json", default=None, help="write the results here (without it, only print them)")
-    main(parser.parse_args())
+    args, args.workload_args = parser.parse_known_args(argv)
+    unknown = set(args.policies.split(",")) - set(POLICIES)
+    if unknown:
+        parser.error(f"unknown policies {sorted(unknown)}; choose from {', '.join(POLICIES)}")
+    if set(args.workloads.split(",")) - set(METRICS):
+        parser.error("--workloads takes a subset of A,C")
+    return args
+
+
+if __name__ == "__main__":
+    main(parse_args())

@@ -345,6 +345,20 @@ def test_gemv(tmp_path):
     assert result["machine"]["cpu_model"] and result["args"]["layers"] == 2
 
 
+def test_sharing_arguments(capsys):
+    """The engine's and the workloads' flags go through to benchmark_workloads.py; a policy or a
+    workload it does not run is refused at once (each run is a process of its own, run twice)."""
+    sharing = load_module("benchmark_sharing")
+    args = sharing.parse_args(["--policies", "default,1-thread", "--workloads", "C", "--model", "m.gguf",
+                               "--roofline-seconds", "0.1"])
+    assert args.policies == "default,1-thread" and args.workloads == "C"
+    assert args.workload_args == ["--model", "m.gguf", "--roofline-seconds", "0.1"]
+    for argv, named in ((["--policies", "default,eager"], "eager"), (["--workloads", "A,B"], "--workloads")):
+        with pytest.raises(SystemExit):
+            sharing.parse_args(argv)
+        assert named in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("name", sorted(f[:-3] for f in os.listdir(BENCH) if f.endswith(".py")))
 def test_every_benchmark_module_imports(name, monkeypatch):
     """Each script and helper imports (a script's main() is not run): one that still imports a
