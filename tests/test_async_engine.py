@@ -7,13 +7,16 @@ or an abort); the rest run the tiny Llama end to end against `LLM.generate`.
 import asyncio
 import math
 import random
+import threading
 import time
 
 import pytest
 
 from tests.utils import random_prompts
 from vllm import LLM, AsyncLLMEngine, CompletionOutput, RequestOutput, SamplingParams
+from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.async_llm_engine import AsyncEngineDeadError
+from vllm.engine.llm_engine import LLMEngine
 
 TIMEOUT_S = 60.0  # a hang fails the test instead of stalling the suite
 
@@ -172,6 +175,40 @@ def mixed_prompts(n: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     lengths = [1, 300] + [rng.randint(1, 300) for _ in range(n - 2)]
     return random_prompts(lengths, seed=seed)
+
+
+def test_steps_run_on_the_thread_that_built_the_engine(tiny_checkpoints, monkeypatch):
+    """from_engine_args loads the model on the step thread and every step runs there: the kernels'
+    threads that the load and warm-up started are the only ones (see the class docstring)."""
+    threads = {"build": set(), "step": set()}
+
+    def record(name, method):
+        def wrapper(*args, **kwargs):
+            threads[name].add(threading.get_ident())
+            return method(*args, **kwargs)
+        return wrapper
+
+    build = record("build", LLMEngine.from_engine_args.__func__)
+    monkeypatch.setattr(LLMEngine, "from_engine_args", classmethod(build))
+    monkeypatch.setattr(LLMEngine, "step", record("step", LLMEngine.step))
+    aengine = AsyncLLMEngine.from_engine_args(EngineArgs.from_kwargs(
+        model=tiny_checkpoints["llama"], dtype="float32", max_model_len=128, block_size=16, enforce_eager=True,
+        kv_cache_memory_bytes=16 * 2**20))
+
+    async def main():
+        async def consume(i):
+            outs = [out async for out in aengine.generate(
+                {"prompt_token_ids": random_prompts([5 + i], seed=i)[0]},
+                SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), f"t{i}")]
+            return outs[-1]
+        outs = await asyncio.gather(*(consume(i) for i in range(4)))
+        await aengine.shutdown()
+        return outs
+
+    outs = run(main())
+    assert all(len(o.outputs[0].token_ids) == 6 for o in outs)
+    assert len(threads["build"]) == 1 and threads["step"] == threads["build"]
+    assert threading.get_ident() not in threads["step"]  # not the event loop's
 
 
 def test_concurrent_streams_match_offline_and_share_steps(llm):

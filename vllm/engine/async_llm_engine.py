@@ -2,6 +2,7 @@
 
 import asyncio
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 
 from vllm.config import EngineConfig
 from vllm.engine.arg_utils import EngineArgs
@@ -25,11 +26,20 @@ class AsyncEngineDeadError(EngineDeadError):
     """The background loop has stopped on an error; the engine serves no more requests."""
 
 
+def _new_step_thread() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
+
+
 class AsyncLLMEngine:
     """Streams the outputs of concurrent requests; all of them share the steps of one `LLMEngine`.
 
-    One background task (started on first use in the running event loop) runs `engine.step()` in
-    a worker thread while any stream is open, and sleeps on `_has_work` when none is. Invariants:
+    One background task (started on first use in the running event loop) runs `engine.step()` on
+    the engine's own step thread while any stream is open, and sleeps on `_has_work` when none
+    is. Always the same thread, and best the one that loaded the model (`from_engine_args`):
+    OpenMP keeps a team of kernel threads for each thread that starts parallel work, and once a
+    process holds more of them than it has cores, GNU OpenMP's threads stop spinning at barriers
+    and sleep at every one, which makes a batch-1 decode step several times slower on CPU.
+    Invariants:
     - A step runs (in its thread) only while the loop holds `_lock`, which it keeps until the
       outputs are in the streams; `generate` and `abort` hold it to add or abort. So adds and
       aborts land between steps, and no two threads ever use the engine at once.
@@ -43,7 +53,10 @@ class AsyncLLMEngine:
     go on. Only an error that escapes `step()` (the engine is then dead) ends the loop.
     """
 
-    def __init__(self, engine: LLMEngine, log_requests: bool = False) -> None:
+    def __init__(self, engine: LLMEngine, log_requests: bool = False,
+                 step_thread: ThreadPoolExecutor | None = None) -> None:
+        """`step_thread`: a one-worker executor to run the steps on, best the one that built
+        `engine` (as `from_engine_args` does); by default a new one."""
         self.engine = engine
         self.log_requests = log_requests
         self._streams: dict[str, asyncio.Queue[StreamItem]] = {}
@@ -53,11 +66,17 @@ class AsyncLLMEngine:
         self._task: asyncio.Task | None = None
         self._stopping = False
         self._dead_error: BaseException | None = None
+        # Its one worker lives until the interpreter ends.
+        self._step_thread = step_thread or _new_step_thread()
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> "AsyncLLMEngine":
-        return cls(LLMEngine.from_engine_args(engine_args),
-                   log_requests=getattr(engine_args, "enable_log_requests", False))
+        """Builds the engine (loads the model, warms it up) on the thread that will run its
+        steps: the kernel threads that start then are the ones every step uses."""
+        step_thread = _new_step_thread()
+        engine = step_thread.submit(LLMEngine.from_engine_args, engine_args).result()
+        return cls(engine, log_requests=getattr(engine_args, "enable_log_requests", False),
+                   step_thread=step_thread)
 
     @property
     def is_running(self) -> bool:
@@ -190,8 +209,8 @@ class AsyncLLMEngine:
             self._fail_all(error)
 
     async def _step_in_thread(self) -> list[RequestOutput]:
-        # The step is blocking CPU work: a worker thread keeps the event loop responsive.
-        future = asyncio.get_running_loop().run_in_executor(None, self.engine.step)
+        # The step is blocking CPU work: its thread keeps the event loop responsive.
+        future = asyncio.get_running_loop().run_in_executor(self._step_thread, self.engine.step)
         try:
             return await asyncio.shield(future)
         except asyncio.CancelledError:
