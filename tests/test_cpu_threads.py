@@ -87,6 +87,32 @@ def test_governor_sets_the_count_on_each_new_step_thread():
     assert calls == [2, 2]
 
 
+def test_governor_warns_once_when_steps_leave_the_loading_thread(caplog):
+    import threading
+
+    governor = ThreadGovernor(2, lambda n: None, read_times=lambda: None)
+    stepped, done = threading.Event(), threading.Event()
+
+    def step_and_wait():  # alive until the end, so that the two threads' idents differ
+        governor.before_step()
+        stepped.set()
+        done.wait()
+
+    with caplog.at_level("WARNING", logger="vllm.platforms.cpu_threads"):
+        governor.before_step()  # the thread that built it: nothing to say
+        assert not caplog.records
+        workers = [threading.Thread(target=step_and_wait) for _ in range(2)]
+        for worker in workers:
+            stepped.clear()
+            worker.start()
+            assert stepped.wait(10)
+        done.set()
+        for worker in workers:
+            worker.join()
+    assert len(caplog.records) == 1
+    assert "another thread than the one that loaded the model" in caplog.records[0].getMessage()
+
+
 def test_governor_without_proc_stat_keeps_its_threads():
     calls = []
     governor = ThreadGovernor(2, calls.append, read_times=lambda: None, interval_s=0.0)

@@ -71,7 +71,13 @@ def threads_for(others: float, current: int, max_threads: int) -> int:
 
 class ThreadGovernor:
     """Sets the calling thread's kernel thread count before each step (OpenMP keeps the count
-    per thread, so it must run on the thread that runs the steps)."""
+    per thread, so it must run on the thread that runs the steps).
+
+    Built on the thread that loaded the model and warmed it up: OpenMP also keeps a team of
+    kernel threads per thread that starts parallel work, so steps on any other thread add a team,
+    more threads than cores, and GNU OpenMP's threads then sleep at every barrier instead of
+    spinning. That is worth a warning, once.
+    """
 
     def __init__(self, max_threads: int, set_threads: Callable[[int], None],
                  read_times: Callable[[], CpuTimes | None] = read_cpu_times,
@@ -86,11 +92,19 @@ class ThreadGovernor:
         self._read_times = read_times
         self._clock = clock
         self._last = read_times()
+        self._loading_thread = threading.get_ident()
         self._step_thread: int | None = None
+        self._warned_thread = False
 
     def before_step(self) -> None:
         # Steps may move between threads (an async server runs them in a pool).
         if threading.get_ident() != self._step_thread:
+            if threading.get_ident() != self._loading_thread and not self._warned_thread:
+                logger.warning("The engine steps on another thread than the one that loaded the model: "
+                               "the kernels' OpenMP threads now outnumber the %d cores, and every step "
+                               "is slower. Step it from the thread that built it (as "
+                               "AsyncLLMEngine.from_engine_args does).", self.max_threads)
+                self._warned_thread = True
             self._set_threads(self.threads)
             self._step_thread = threading.get_ident()
         if self._last is None or self._clock() - self._last.wall < self.interval_s:
