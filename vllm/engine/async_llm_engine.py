@@ -74,7 +74,11 @@ class AsyncLLMEngine:
         """Builds the engine (loads the model, warms it up) on the thread that will run its
         steps: the kernel threads that start then are the ones every step uses."""
         step_thread = _new_step_thread()
-        engine = step_thread.submit(LLMEngine.from_engine_args, engine_args).result()
+        try:
+            engine = step_thread.submit(LLMEngine.from_engine_args, engine_args).result()
+        except BaseException:
+            step_thread.shutdown(wait=False)
+            raise
         return cls(engine, log_requests=getattr(engine_args, "enable_log_requests", False),
                    step_thread=step_thread)
 

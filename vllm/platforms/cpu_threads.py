@@ -97,7 +97,7 @@ class ThreadGovernor:
         self._warned_thread = False
 
     def before_step(self) -> None:
-        # Steps may move between threads (an async server runs them in a pool).
+        # Steps may move between threads (an engine stepped from threads of the caller's choosing).
         if threading.get_ident() != self._step_thread:
             if threading.get_ident() != self._loading_thread and not self._warned_thread:
                 logger.warning("The engine steps on another thread than the one that loaded the model: "
