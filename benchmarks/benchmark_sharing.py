@@ -112,7 +112,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dtype", default=None, help="the engine's dtype (default: its auto)")
     parser.add_argument("--scale", type=float, default=1.0, help="multiplies every length (smoke tests)")
     parser.add_argument("--output-json", default=None, help="write the results here (without it, only print them)")
-    args, args.workload_args = parser.parse_known_args(argv)
+    args, workload_args = parser.parse_known_args(argv)
+    args.workload_args = workload_args
     unknown = set(args.policies.split(",")) - set(POLICIES)
     if unknown:
         parser.error(f"unknown policies {sorted(unknown)}; choose from {', '.join(POLICIES)}")
