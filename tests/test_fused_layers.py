@@ -124,10 +124,9 @@ def test_each_step_writes_the_caches_it_is_given(bf16_llm):
     first = runner.cache.kv_caches
     second = [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in first]
     with torch.inference_mode(), forward_context(ForwardContext(metadata, runner.attn_backend)):
-        cos, sin = model.rotary(positions)                                    # (T, 1, D) each
-        fused(model.embed_tokens(torch.tensor([7, 11])), cos, sin, metadata, first)
+        fused(model.embed_tokens(torch.tensor([7, 11])), positions, metadata, first)
         kept = [(k.clone(), v.clone()) for k, v in first]
-        fused(model.embed_tokens(torch.tensor([300, 5000])), cos, sin, metadata, second)
+        fused(model.embed_tokens(torch.tensor([300, 5000])), positions, metadata, second)
 
     def rows(cache: torch.Tensor) -> torch.Tensor:                            # (T, KVH, D)
         return cache.flatten(0, 1)[slots]
@@ -136,6 +135,23 @@ def test_each_step_writes_the_caches_it_is_given(bf16_llm):
         assert torch.equal(k, k0) and torch.equal(v, v0)
         assert (rows(k2) != 0).any() and (rows(v2) != 0).any()
         assert not torch.equal(rows(k2), rows(k0))
+
+
+def test_a_position_past_the_rotary_tables_is_refused(bf16_llm):
+    """A position without a row in the rotary tables raises IndexError (as the op-by-op path's
+    lookup in them does) before any layer writes the caches or reads past the tables."""
+    runner = bf16_llm.llm_engine.runner
+    model, fused = runner.model.model, FusedLayers.build(runner.model.model)
+    metadata, _ = _step(runner, [5, 40], [], random.Random(4))
+    caches = runner.cache.kv_caches
+    before = [(k.clone(), v.clone()) for k, v in caches]
+    rows = model.rotary.cos.shape[0]
+    with torch.inference_mode(), forward_context(ForwardContext(metadata, runner.attn_backend)):
+        for bad in (rows, -1):
+            with pytest.raises(IndexError, match=f"outside the rotary tables' {rows} rows"):
+                fused(model.embed_tokens(torch.tensor([7, 11])), torch.tensor([3, bad]), metadata, caches)
+    for (k, v), (k0, v0) in zip(caches, before, strict=True):
+        assert torch.equal(k, k0) and torch.equal(v, v0)
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "mistral"])
@@ -197,9 +213,9 @@ class _Recording:
     def accepts(self, metadata, num_tokens: int) -> bool:
         return self.inner.accepts(metadata, num_tokens)
 
-    def __call__(self, hidden, cos, sin, metadata, kv_caches) -> None:
+    def __call__(self, hidden, positions, metadata, kv_caches):
         self.steps.append(metadata.paged_prefills is not None)
-        self.inner(hidden, cos, sin, metadata, kv_caches)
+        return self.inner(hidden, positions, metadata, kv_caches)
 
 
 def test_engine_runs_chunked_prefill_through_fused_layers(bf16_llm_d64):

@@ -20,7 +20,8 @@
  *   hidden += down(silu(gate) * up)                                      gate, up = gate_up(norm(hidden))
  *
  * A step's tokens: its decodes (one token per sequence; first, unless the step names their rows),
- * then its prefill chunks. llama_layers runs all of a model's layers for a step in one call.
+ * then its prefill chunks. llama_layers runs all of a model's layers for a step, and its final
+ * norm, in one call.
  */
 #include <stdint.h>
 #include <string.h>
@@ -69,7 +70,9 @@ struct layer_weights {
  * ones, or the rows `decode_rows` names), and `prefills` chunks. */
 struct layer_step {
     int64_t tokens;
-    const uint16_t *cos, *sin;    /* (T, D): rows of the tokens' positions; sin's first half negated */
+    const uint16_t *cos, *sin;    /* (max_position, D): a row per position; sin's first half negated */
+    const int64_t *positions;     /* (T,): each token's position, its row of cos and sin */
+    int64_t max_position;
     const int64_t *slots;         /* (T,): cache slot of each token's key and value; < 0: none */
     int64_t decodes;
     const int64_t *decode_rows;          /* (decodes,): each decode's row; NULL: rows 0 .. decodes - 1 */
@@ -85,6 +88,9 @@ struct layer_step {
     decode_attend_fn attend_decodes;
     prefill_attend_fn attend_prefills;  /* NULL: none (then the step has no prefills) */
 };
+
+/* llama_layers' status for a position outside the rotary tables (the kernels return 0 or 1). */
+#define LLAMA_BAD_POSITION (-1)
 
 /* The widest intermediate row: q|k|v or gate|up. */
 static int64_t widest_row(const struct layer_weights *L) {
@@ -135,7 +141,8 @@ static int llama_layer(const struct layer_weights *L, const struct layer_step *S
     status |= project(&L->qkv_product, normed, L->qkv, L->qkv_tiles, L->qkv_bias, wide, t, qkv_size,
                       h);                                                                 /* (T, q + 2 kv) */
     FOR_EACH_ROW(t, r,
-        const uint16_t *row = wide + r * qkv_size, *cos = S->cos + r * d, *sin = S->sin + r * d;
+        const uint16_t *row = wide + r * qkv_size;
+        const uint16_t *cos = S->cos + S->positions[r] * d, *sin = S->sin + S->positions[r] * d;
         for (int64_t head = 0; head < L->heads; ++head)
             rotate(row + head * d, cos, sin, query + (r * L->heads + head) * d, d);
         if (S->slots[r] < 0) continue;  /* the sentinel slot: nothing to keep */
@@ -186,14 +193,23 @@ static int llama_layer(const struct layer_weights *L, const struct layer_step *S
     return status;
 }
 
-/* The `count` layers of a model for one step, in order, each on its own caches; stops at the
- * first a kernel rejects (its status). One call for the model: a call per layer from Python
- * costs more than a batch-1 layer's norms and residual adds. */
-int llama_layers(const struct layer_weights *layers, int64_t count, const struct layer_step *S, uint16_t *hidden,
-                 uint16_t *const *key_caches, uint16_t *const *value_caches, uint16_t *workspace) {
+/* The `count` layers of a model for one step, in order, each on its own caches, then the model's
+ * final norm (weight `norm`) in place: hidden goes in as the tokens' embeddings and comes out as
+ * what the LM head reads. Returns LLAMA_BAD_POSITION, before any layer runs, when a position has
+ * no row of cos and sin; else stops at the first layer a kernel rejects (its status). One call
+ * for the model: a call per layer from Python costs more than a batch-1 layer's norms and
+ * residual adds, and each torch op around it (rotary lookup, final norm) a few microseconds
+ * more, on caches that the weights streaming through the step have emptied. */
+int llama_layers(const struct layer_weights *layers, int64_t count, const uint16_t *norm, float eps,
+                 const struct layer_step *S, uint16_t *hidden, uint16_t *const *key_caches,
+                 uint16_t *const *value_caches, uint16_t *workspace) {
+    for (int64_t r = 0; r < S->tokens; ++r)
+        if (S->positions[r] < 0 || S->positions[r] >= S->max_position) return LLAMA_BAD_POSITION;
     for (int64_t i = 0; i < count; ++i) {
         const int status = llama_layer(layers + i, S, hidden, key_caches[i], value_caches[i], workspace);
         if (status != 0) return status;
     }
+    const int64_t h = layers[0].hidden;
+    FOR_EACH_ROW(S->tokens, r, rms_norm_row(hidden + r * h, norm, hidden + r * h, h, eps););
     return 0;
 }

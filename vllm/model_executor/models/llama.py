@@ -154,12 +154,11 @@ class LlamaModel(nn.Module):
         Attention reads the step's metadata and backend from the current forward_context.
         """
         hidden = self.embed_tokens(input_ids)                                   # (T, hidden)
-        cos, sin = self.rotary(positions)                                       # (T, 1, D) each
         if self.fused_layers is not None and not torch.compiler.is_compiling():
             context = get_forward_context()
             if self.fused_layers.accepts(context.metadata, input_ids.shape[0]):
-                self.fused_layers(hidden, cos, sin, context.metadata, self.kv_caches)
-                return self.norm(hidden)
+                return self.fused_layers(hidden, positions, context.metadata, self.kv_caches)  # (T, hidden)
+        cos, sin = self.rotary(positions)                                       # (T, 1, D) each
         residual = None
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, cos, sin)

@@ -8,10 +8,11 @@ reading itself. A prefill chunk's layers are mostly products, yet their ~15 torc
 calls a layer still add a fixed cost to every step. How close decodes come to the weight-reading
 bound is workload C's `C_fraction_of_memory_bandwidth` in benchmarks/results/workloads.json
 (`python benchmarks/benchmark_workloads.py --output-json benchmarks/results/workloads.json`). `FusedLayers`
-runs all the layers in one C call instead (each layer's steps in C), for a step of decodes,
-prefill chunks or both whose attention the C kernels take whole (no metadata groups) and whose
-rows the GEMV or the tile GEMM take (up to PACKED_MAX_ROWS; linear.py says which takes which). It
-uses the same kernels as the op-by-op path and rounds to bf16 where it does.
+runs all the layers in one C call instead (each layer's steps in C, the rotary tables read at
+the tokens' positions, and the final norm after the last layer), for a step of decodes, prefill
+chunks or both whose attention the C kernels take whole (no metadata groups) and whose rows the
+GEMV or the tile GEMM take (up to PACKED_MAX_ROWS; linear.py says which takes which). It uses
+the same kernels as the op-by-op path and rounds to bf16 where it does.
 
 With quantization="gguf" the products are cpu_gguf_gemv.c's, one entry point per GGUF type
 with the bf16 GEMV's signature (the weight is its rows of blocks): the same product as the
@@ -37,6 +38,7 @@ from vllm.model_executor.layers.quantization import cpu_gguf_gemv, gguf_linear
 from vllm.platforms.c_library import KERNEL_SOURCES, CFunction, CLibrary
 
 _ptr, _i64 = ctypes.c_void_p, ctypes.c_int64
+_BAD_POSITION = -1  # llama_layers' LLAMA_BAD_POSITION
 
 
 class _Product(ctypes.Structure):
@@ -61,7 +63,8 @@ class _Layer(ctypes.Structure):
 
 class _Step(ctypes.Structure):
     """struct layer_step of llama_cpu_layers.c, field for field."""
-    _fields_ = [("tokens", _i64), ("cos", _ptr), ("sin", _ptr), ("slots", _ptr),
+    _fields_ = [("tokens", _i64), ("cos", _ptr), ("sin", _ptr), ("positions", _ptr), ("max_position", _i64),
+                ("slots", _ptr),
                 ("decodes", _i64), ("decode_rows", _ptr), ("decode_block_tables", _ptr), ("seq_lens", _ptr),
                 ("decode_max_blocks", _i64),
                 ("prefills", _i64), ("prefill_block_tables", _ptr), ("token_offsets", _ptr),
@@ -71,8 +74,8 @@ class _Step(ctypes.Structure):
 
 
 _LIBRARY = CLibrary(KERNEL_SOURCES / "llama_cpu_layers.c", "the layers run op by op", {
-    "llama_layers": CFunction([ctypes.POINTER(_Layer), _i64, ctypes.POINTER(_Step), _ptr, ctypes.POINTER(_ptr),
-                               ctypes.POINTER(_ptr), _ptr]),
+    "llama_layers": CFunction([ctypes.POINTER(_Layer), _i64, _ptr, ctypes.c_float, ctypes.POINTER(_Step), _ptr,
+                               ctypes.POINTER(_ptr), ctypes.POINTER(_ptr), _ptr]),
     "llama_layer_workspace": CFunction([ctypes.POINTER(_Layer), _i64], _i64),
 })
 
@@ -111,7 +114,7 @@ def _product(linear: torch.nn.Module) -> _Product | None:
 
 
 class FusedLayers:
-    """Runs all decoder layers of a `LlamaModel` for a step, in one C call.
+    """Runs all decoder layers of a `LlamaModel` for a step, and its final norm, in one C call.
 
     Holds pointers to the layers' weights: the model's parameters must not be replaced or moved
     after it is built (the runner builds it once the weights are loaded and packed).
@@ -148,6 +151,12 @@ class FusedLayers:
                 mlp.intermediate_size, layer.input_layernorm.eps, attn.scale))
         assert all(layer.input_layernorm.eps == layer.post_attention_layernorm.eps for layer in model.layers)
         self._layers = (_Layer * len(layers))(*layers)
+        # The rotary tables, read at each token's position, and the final norm: (P, D) and (hidden,).
+        self._cos, self._sin = model.rotary.cos, model.rotary.signed_sin
+        assert self._cos.shape == self._sin.shape and self._cos.shape[1] == model.layers[0].self_attn.head_dim
+        assert self._cos.dtype == self._sin.dtype == model.norm.weight.dtype == torch.bfloat16
+        assert self._cos.is_contiguous() and self._sin.is_contiguous() and model.norm.weight.is_contiguous()
+        self._norm, self._eps = model.norm.weight, model.norm.eps
         # Each layer's key and value cache addresses, for the caches last given (_bind)
         self._caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self._keys = self._values = None
@@ -183,15 +192,18 @@ class FusedLayers:
             return False
         return metadata.paged_decodes is not None or metadata.paged_prefills is not None
 
-    def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 metadata: AttentionMetadata, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """hidden: (T, hidden) bf16, updated in place by every layer; cos/sin: (T, 1, D)."""
-        assert hidden.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()
+    def __call__(self, hidden: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
+                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """hidden: (T, hidden) bf16 embeddings, positions: (T,) int64 -> the final norm of the
+        last layer's output, (T, hidden), in hidden's memory."""
+        assert hidden.is_contiguous() and positions.dtype == torch.int64 and positions.is_contiguous()
         num_tokens = hidden.shape[0]
+        assert positions.shape == (num_tokens,)
         decodes, prefills = metadata.paged_decodes, metadata.paged_prefills
         windows = {p.sliding_window for p in (decodes, prefills) if p is not None}
         assert len(windows) == 1, "decodes and prefills share the model's window"
-        step = _Step(num_tokens, cos.data_ptr(), sin.data_ptr(), metadata.slot_mapping.data_ptr(),
+        step = _Step(num_tokens, self._cos.data_ptr(), self._sin.data_ptr(), positions.data_ptr(),
+                     self._cos.shape[0], metadata.slot_mapping.data_ptr(),
                      block_size=kv_caches[0][0].shape[1], window=windows.pop() or 0,
                      tile_gemm_silu_mul=self._tile_gemm_silu_mul, attend_decodes=self._attend_decodes,
                      attend_prefills=self._attend_prefills)
@@ -211,9 +223,14 @@ class FusedLayers:
             self._workspace = torch.empty(need, dtype=torch.bfloat16)
         if kv_caches is not self._caches:
             self._bind(kv_caches)
-        status = self._lib.llama_layers(self._layers, len(self._layers), ctypes.byref(step), hidden.data_ptr(),
-                                        self._keys, self._values, self._workspace.data_ptr())
+        status = self._lib.llama_layers(self._layers, len(self._layers), self._norm.data_ptr(), self._eps,
+                                        ctypes.byref(step), hidden.data_ptr(), self._keys, self._values,
+                                        self._workspace.data_ptr())
+        if status == _BAD_POSITION:  # as the op-by-op path's lookup in the tables would raise it
+            raise IndexError(f"a position in [{int(positions.min())}, {int(positions.max())}] is outside "
+                             f"the rotary tables' {self._cos.shape[0]} rows")
         assert status == 0, "a kernel rejected its sizes; build() checks them"
+        return hidden
 
     def _bind(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Takes the addresses of the layers' caches (the model's list, the same every step
