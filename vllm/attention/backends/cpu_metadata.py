@@ -115,12 +115,13 @@ def _indices(spans: list[SeqSpan], num_tokens: int) -> tuple[torch.Tensor, torch
     return torch.where(valid_q, flat, 0), torch.where(valid_q, flat, num_tokens), valid_q
 
 
-def _block_tables(spans: list[SeqSpan], num_tokens_of, block_size: int, pad_block: int) -> torch.Tensor:
+def _block_tables(spans: list[SeqSpan], num_tokens_of, block_size: int, pad_block: int,
+                  device: torch.device | None = None) -> torch.Tensor:
     counts = [_cdiv(num_tokens_of(s), block_size) for s in spans]
     width = max(max(counts), 1)
     # One tensor from lists: a tensor per row would cost more than the rest of the metadata.
     return torch.tensor([s.block_table[:n] + [pad_block] * (width - n) for s, n in zip(spans, counts)],
-                        dtype=torch.int64)
+                        dtype=torch.int64, device=device)
 
 
 def _masked_group(spans: list[SeqSpan], num_tokens: int, block_size: int, heads_per_kv: int,
@@ -228,7 +229,7 @@ def build_attention_metadata(spans: list[SeqSpan], num_decodes: int, slot_mappin
     if paged_decode and decodes:
         leading = all(s.token_offset == i for i, s in enumerate(decodes))
         paged = PagedDecodes(
-            _block_tables(decodes, lambda s: s.context_len + 1, block_size, pad_block).to(device),
+            _block_tables(decodes, lambda s: s.context_len + 1, block_size, pad_block, device),
             torch.tensor([s.context_len + 1 for s in decodes], dtype=torch.int64, device=device),
             sliding_window,
             None if leading else torch.tensor([s.token_offset for s in decodes], dtype=torch.int64, device=device))
@@ -238,7 +239,7 @@ def build_attention_metadata(spans: list[SeqSpan], num_decodes: int, slot_mappin
         def column(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int64, device=device)
         paged_prefills = PagedPrefills(
-            _block_tables(prefills, lambda s: s.context_len + s.query_len, block_size, pad_block).to(device),
+            _block_tables(prefills, lambda s: s.context_len + s.query_len, block_size, pad_block, device),
             column([s.token_offset for s in prefills]), column([s.query_len for s in prefills]),
             column([s.context_len for s in prefills]), sliding_window)
         prefills = []

@@ -43,7 +43,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     assert logits.shape[0] == len(params) == len(generators)
     # The first maximal index, as torch's argmax and max(dim) give it; numpy's argmax is a
     # vectorized pass over the row, several times faster on the host than either.
-    tokens = torch.from_numpy(logits.numpy().argmax(axis=-1))               # (S,) int64
+    tokens = logits.numpy().argmax(axis=-1)                                  # (S,) int64
     # Rows with top-k/top-p filters draw in rank order, the others in vocabulary order; each
     # kind is sampled on its own so a row's draw never depends on which rows share the batch.
     # min_p keeps a row in vocabulary order: it removes tokens without needing their ranks.
@@ -52,8 +52,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
                 if not p.greedy and (p.top_k > 0 or p.top_p < 1.0) == filtered]
         if rows:
             index = torch.tensor(rows)
-            tokens[index] = _sample_random(logits[index], [params[i] for i in rows],
-                                           [generators[i] for i in rows], filtered)
+            tokens[rows] = _sample_random(logits[index], [params[i] for i in rows],
+                                          [generators[i] for i in rows], filtered).numpy()
     return tokens.tolist()
 
 
