@@ -12,10 +12,10 @@ from vllm.core.scheduler import Scheduler
 from vllm.core.scheduler_output import SchedulerOutput
 from vllm.core.step_time_model import StepShape, StepTimeModel
 from vllm.engine.arg_utils import EngineArgs
-from vllm.engine.detokenizer import detokenize_incrementally
 from vllm.engine.exceptions import EngineDeadError
 from vllm.engine.interrupts import deferred_interrupts
 from vllm.engine.metrics_types import IterationStats, StatLoggerBase, Stats
+from vllm.engine.stop_checker import StopChecker
 from vllm.engine.structured_output import StructuredOutputManager
 from vllm.executor import ExecutorBase, WorkerDiedError, get_executor_class
 from vllm.inputs import ProcessedPrompt, PromptType, parse_prompt, truncated
@@ -83,6 +83,7 @@ class LLMEngine:
         self.eos_token_id = tokenizer.eos_token_id
         stop_ids = sorted({self.eos_token_id, *config.model.eos_token_ids} - {None})
         self.structured_output = StructuredOutputManager(tokenizer, config.model.vocab_size, stop_ids)
+        self._stop_checker = StopChecker(tokenizer, self.structured_output)
         self._dead_error: BaseException | None = None
         # Stat loggers (the server's log line and Prometheus); none offline, where stats cost nothing.
         self.stat_loggers: dict[str, StatLoggerBase] = {}
@@ -297,7 +298,7 @@ class LLMEngine:
                 self._add_prompt_logprobs(group, seq, *result.prompt_logprobs[scheduled.request_id])
             if scheduled.request_id in result.sampled_token_ids:
                 changed[group.request_id] = group
-        for seq in self.scheduler.update_from_output(step, result.sampled_token_ids, self._check_stop):
+        for seq in self.scheduler.update_from_output(step, result.sampled_token_ids, self._stop_checker):
             self._record_token(seq, result.logprobs.get(seq.request_id), now)
         for group in changed.values():
             self._pending_outputs.append(self._make_output(group))
@@ -381,51 +382,6 @@ class LLMEngine:
             seq.cumulative_logprob += logprobs.logprob
         if seq.is_finished:
             seq.metrics.finished_time = now
-
-    def _check_stop(self, seq: Sequence, status: SequenceStatus | None) -> SequenceStatus | None:
-        """The scheduler's hook after each token (see `Scheduler.update_from_output`): stop
-        strings, then the sample's grammar, which ends the request once complete."""
-        status = self._check_stop_string(seq, status)
-        if seq.request_id in self.structured_output:
-            try:
-                if self.structured_output.accept(seq.request_id, seq.output_token_ids[-1]) and status is None:
-                    return SequenceStatus.FINISHED_STOPPED
-            except ValueError as e:  # other constraints of the request left no token the grammar allows
-                seq.error = str(e)
-                return SequenceStatus.FINISHED_ERROR
-        return status
-
-    def _check_stop_string(self, seq: Sequence, status: SequenceStatus | None) -> SequenceStatus | None:
-        """The scheduler's stop check for stop strings (see `Scheduler.update_from_output`):
-        extends the text with the new token's, and stops at a stop string it completes. The
-        scheduler stops a request only at EOS or a stop token: like a stop string, its text is
-        output only with `include_stop_str_in_output` (as in vLLM; special tokens aside, EOS
-        text shows only without `skip_special_tokens`)."""
-        stop_token = status is SequenceStatus.FINISHED_STOPPED and not seq.sampling_params.include_stop_str_in_output
-        new_text = detokenize_incrementally(self.tokenizer, seq, final=status is not None, skip_last=stop_token)
-        # A stop string completed by the last allowed token wins over the length limit, as in vLLM.
-        if status in (None, SequenceStatus.FINISHED_LENGTH) and self._hit_stop_string(seq, new_text):
-            return SequenceStatus.FINISHED_STOPPED
-        return status
-
-    def _hit_stop_string(self, seq: Sequence, new_text: str) -> bool:
-        """Ends the text at the earliest stop string that ends in `new_text` (a stop may span
-        several tokens), keeping the stop itself only with `include_stop_str_in_output`."""
-        params = seq.sampling_params
-        if not params.stop or not new_text or len(seq.output_token_ids) < params.min_tokens:
-            return False
-        text = seq.output_text
-        matches = []
-        for stop in params.stop:
-            index = text.find(stop, max(0, len(text) - len(new_text) - len(stop) + 1))
-            if index != -1:
-                matches.append((index, stop))
-        if not matches:
-            return False
-        index, stop = min(matches)
-        seq.output_text = text[:index + len(stop) if params.include_stop_str_in_output else index]
-        seq.stop_reason = stop
-        return True
 
     def _logprob_dict(self, entry: TokenLogprobs) -> dict[int, Logprob]:
         """The top alternatives in rank order, then the chosen token if it is not among them."""
@@ -517,7 +473,7 @@ def _check_something_is_allowed(params: SamplingParams, eos_token_id: int | None
     """Raises ValueError when `allowed_token_ids` could leave a step with no token to sample:
     when every allowed id is the last token of a bad word or, with `min_tokens`, an id that
     min_tokens holds back. The other processors never remove every token; a grammar may, beside
-    allowed ids or bad words, and the request then ends with an error (`_check_stop`)."""
+    allowed ids or bad words, and the request then ends with an error (`StopChecker`)."""
     if params.allowed_token_ids is None:
         return
     banned = {ids[-1] for ids in params.bad_words_token_ids}
