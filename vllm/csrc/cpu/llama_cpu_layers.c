@@ -89,7 +89,7 @@ struct layer_step {
     prefill_attend_fn attend_prefills;  /* NULL: none (then the step has no prefills) */
 };
 
-/* llama_layers' status for a position outside the rotary tables (the kernels return 0 or 1). */
+/* llama_layers' status for a position outside the rotary tables (the kernels' failures are positive). */
 #define LLAMA_BAD_POSITION (-1)
 
 /* The widest intermediate row: q|k|v or gate|up. */
@@ -198,8 +198,8 @@ static int llama_layer(const struct layer_weights *L, const struct layer_step *S
  * what the LM head reads. Returns LLAMA_BAD_POSITION, before any layer runs, when a position has
  * no row of cos and sin; else stops at the first layer a kernel rejects (its status). One call
  * for the model: a call per layer from Python costs more than a batch-1 layer's norms and
- * residual adds, and each torch op around it (rotary lookup, final norm) a few microseconds
- * more, on caches that the weights streaming through the step have emptied. */
+ * residual adds, and so does each torch op around the layers (the rotary lookup, the final
+ * norm), dispatched on caches that the weights streaming through the step have emptied. */
 int llama_layers(const struct layer_weights *layers, int64_t count, const uint16_t *norm, float eps,
                  const struct layer_step *S, uint16_t *hidden, uint16_t *const *key_caches,
                  uint16_t *const *value_caches, uint16_t *workspace) {
