@@ -62,15 +62,18 @@ class StepShape:
 
 
 NUM_FEATURES = 4
-# The target bounds a P99 over tokens, and a step's gaps are all its decodes'.
-TAIL_QUANTILE = 0.99
-MIN_TAIL_SAMPLES = 16  # measured steps with decodes before the tail departs from 0
+# The target bounds a P99 over tokens, and a step's gaps are all its decodes'. The 1% of gaps
+# that the percentile leaves over the target is shared in halves: one for the steps that run
+# over it on purpose (MISS_ALLOWANCE), one for those that run late unforeseen, which the tail
+# leaves out by its quantile.
+TARGET_QUANTILE = 0.99
 # A step over the target to drain the prompt queue misses the gaps of all its decodes: it may
 # run while the recent gaps over the target, its own included, stay within this share of the
-# gaps, half of what the target's percentile leaves (the other half for the steps that run
-# late unforeseen). Counted over the last MISS_WINDOW_STEPS measured steps with decodes.
-MISS_ALLOWANCE = (1.0 - TAIL_QUANTILE) / 2
+# gaps. Counted over the last MISS_WINDOW_STEPS measured steps with decodes.
+MISS_ALLOWANCE = (1.0 - TARGET_QUANTILE) / 2
 MISS_WINDOW_STEPS = 2048
+TAIL_QUANTILE = 1.0 - MISS_ALLOWANCE
+MIN_TAIL_SAMPLES = 16  # measured steps with decodes before the tail departs from 0
 
 
 class StepTimeModel:
