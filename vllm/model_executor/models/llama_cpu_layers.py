@@ -152,16 +152,18 @@ class FusedLayers:
         assert all(layer.input_layernorm.eps == layer.post_attention_layernorm.eps for layer in model.layers)
         self._layers = (_Layer * len(layers))(*layers)
         # The rotary tables, read at each token's position, and the final norm: (P, D) and (hidden,).
-        self._cos, self._sin = model.rotary.cos, model.rotary.signed_sin
-        assert self._cos.shape == self._sin.shape and self._cos.shape[1] == model.layers[0].self_attn.head_dim
-        assert self._cos.dtype == self._sin.dtype == model.norm.weight.dtype == torch.bfloat16
-        assert self._cos.is_contiguous() and self._sin.is_contiguous() and model.norm.weight.is_contiguous()
-        self._norm, self._eps = model.norm.weight, model.norm.eps
+        cos, sin, norm = model.rotary.cos, model.rotary.signed_sin, model.norm.weight
+        assert cos.shape == sin.shape and cos.shape[1] == model.layers[0].self_attn.head_dim
+        assert cos.dtype == sin.dtype == norm.dtype == torch.bfloat16
+        assert cos.is_contiguous() and sin.is_contiguous() and norm.is_contiguous()
+        self._rotary_rows = cos.shape[0]
+        self._cos, self._sin, self._norm = cos.data_ptr(), sin.data_ptr(), norm.data_ptr()
+        self._eps = model.norm.eps
         # Each layer's key and value cache addresses, for the caches last given (_bind)
         self._caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self._keys = self._values = None
-        # Keeps the pointed-to weights and tile copies alive.
-        self._tensors = list(model.parameters()) + [_tiles(m) for m in linears]
+        # Keeps the pointed-to weights, tile copies and rotary tables alive.
+        self._tensors = list(model.parameters()) + [_tiles(m) for m in linears] + [cos, sin]
         self._workspace = torch.empty(0, dtype=torch.bfloat16)  # grown to the largest step's need
 
     @classmethod
@@ -202,8 +204,8 @@ class FusedLayers:
         decodes, prefills = metadata.paged_decodes, metadata.paged_prefills
         windows = {p.sliding_window for p in (decodes, prefills) if p is not None}
         assert len(windows) == 1, "decodes and prefills share the model's window"
-        step = _Step(num_tokens, self._cos.data_ptr(), self._sin.data_ptr(), positions.data_ptr(),
-                     self._cos.shape[0], metadata.slot_mapping.data_ptr(),
+        step = _Step(num_tokens, self._cos, self._sin, positions.data_ptr(), self._rotary_rows,
+                     metadata.slot_mapping.data_ptr(),
                      block_size=kv_caches[0][0].shape[1], window=windows.pop() or 0,
                      tile_gemm_silu_mul=self._tile_gemm_silu_mul, attend_decodes=self._attend_decodes,
                      attend_prefills=self._attend_prefills)
@@ -223,12 +225,12 @@ class FusedLayers:
             self._workspace = torch.empty(need, dtype=torch.bfloat16)
         if kv_caches is not self._caches:
             self._bind(kv_caches)
-        status = self._lib.llama_layers(self._layers, len(self._layers), self._norm.data_ptr(), self._eps,
+        status = self._lib.llama_layers(self._layers, len(self._layers), self._norm, self._eps,
                                         ctypes.byref(step), hidden.data_ptr(), self._keys, self._values,
                                         self._workspace.data_ptr())
         if status == _BAD_POSITION:  # as the op-by-op path's lookup in the tables would raise it
             raise IndexError(f"a position in [{int(positions.min())}, {int(positions.max())}] is outside "
-                             f"the rotary tables' {self._cos.shape[0]} rows")
+                             f"the rotary tables' {self._rotary_rows} rows")
         assert status == 0, "a kernel rejected its sizes; build() checks them"
         return hidden
 
