@@ -122,6 +122,23 @@ def test_int8_product_is_dequantize_then_matmul_of_quantized_activations(name, m
     assert np.all(np.abs(out - exact) <= bound)
 
 
+@pytest.mark.skipif(not cpu_gguf_gemv.int8_available(), reason="no int8 product in this build")
+def test_int8_product_is_exact_at_the_extreme_codes():
+    """Q8_0 codes of -128 and 127 against x codes of +-127: the largest pair sums the int8
+    products form (2 * 128 * 127, within int16 for AVX2's pair products), signs mixed."""
+    k = 64
+    codes = np.tile(np.array([-128, -128, 127, -128], dtype=np.int8), (3, k // 4))  # (3, k)
+    codes[1] = -128
+    codes[2, ::2] = 127
+    scale = np.full((3, k // X_BLOCK, 1), np.float16(2.0 ** -6)).view(np.uint8)     # (3, blocks, 2)
+    data = np.concatenate([scale, codes.view(np.uint8).reshape(3, k // X_BLOCK, X_BLOCK)], axis=-1).reshape(3, -1)
+    dense = codes.astype(np.float64) * 2.0 ** -6
+    x = torch.from_numpy(np.where(np.arange(k) % 3 == 0, -1.0, 1.0).astype(np.float32)[None])  # codes +-127
+    y = cpu_gguf_gemv.matmul(x, torch.from_numpy(data), TYPES["Q8_0"], int8_activations=True)
+    want = x.double().numpy() @ dense.T  # x is exactly its codes times 1/127: only float32 sums round
+    assert np.allclose(y.numpy(), want, rtol=2.0 ** -20, atol=0)
+
+
 # (tokens, output rows, K): up to a tile of 8 rows each block multiplied as it is decoded (1, 5,
 # 8); past it, pairs of unpacked panels take tiles of 6, 4, 2 and 1 rows (16 = 6 + 6 + 4, 17,
 # 20 = 6 + 6 + 6 + 2, 40) and an odd last panel tiles of 8, 4, 2 and 1 (31 = 8 + 8 + 8 + 4 + 2 +
@@ -251,9 +268,9 @@ def test_super_blocks_take_the_weight_stationary_then_a_product_for_many_rows(na
 
 def test_int8_product_is_where_the_isa_has_it():
     flags = cpu_flags()
-    has_int8_dots = {"avx512_vnni", "avx512vl"} <= flags or "avx_vnni" in flags
-    assert cpu_gguf_gemv.int8_available() == has_int8_dots
+    # vpdpbusd where AVX512-VNNI or AVX-VNNI has it, AVX2's pair products elsewhere (an AVX2-only
+    # CPU: test_isa_fallback.py also runs this file as one).
+    assert cpu_gguf_gemv.int8_available() == ("avx2" in flags)
     assert cpu_gguf_gemv.gemm_available() == ({"avx512_vnni", "avx512bw", "avx512vl"} <= flags)
-    # A few rows without int8 dot products (an AVX2-only CPU: test_isa_fallback.py runs this file
-    # as one) take the portable float32 product, which this file's float tests check there.
-    assert (cpu_gguf_gemv.product_path(TYPES["Q4_1"], 3, 16, 64) == "float") == (not has_int8_dots)
+    # A few rows of bf16 x take the int8 product; without AVX2, the portable float32 product.
+    assert (cpu_gguf_gemv.product_path(TYPES["Q4_1"], 3, 16, 64) == "float") == ("avx2" not in flags)

@@ -8,13 +8,15 @@
  *
  * Two weight-stationary products, both with float32 sums (a bias, in x's dtype, added to them):
  *   gguf_matmul_float  x in float32 (bf16 x widened): each block dequantized to float32 exactly
- *                      as the gguf package does, then multiplied; AVX-512, else portable C.
+ *                      as the gguf package does, then multiplied; AVX-512, AVX2 with FMA, else
+ *                      portable C.
  *   gguf_matmul_int8   x quantized per 32-block to int8 like llama.cpp's Q8 activation blocks
  *                      (dx = max|x| / 127, qx = round-to-nearest-even(x / dx)), integer dot
- *                      products of weight and activation codes (vpdpbusd, exact in int32), then
- *                      dw * dx * dot summed in float32. Each x differs from dx * qx by at most
- *                      dx / 2, that is max|x of its block| / 254. Only where the ISA has int8
- *                      dot products (AVX512-VNNI or AVX-VNNI); gguf_int8_supported() says.
+ *                      products of weight and activation codes (vpdpbusd, or AVX2's vpmaddubsw
+ *                      and vpmaddwd: exact in int32), then dw * dx * dot summed in float32. Each
+ *                      x differs from dx * qx by at most dx / 2, that is max|x of its block| / 254.
+ *                      Where AVX2 is built (AVX512-VNNI or AVX-VNNI give the single-instruction
+ *                      dot products); gguf_int8_supported() says.
  * and, for bf16 x of any number of rows, two products made for many rows (below): the int8
  * GEMM (the int8 product's arithmetic on 16-row panels of W unpacked once per call, AVX512-VNNI)
  * and a tiled product (W dequantized to bf16 panel by panel for the tile GEMM of
@@ -84,7 +86,7 @@ int gguf_matmul_float(const void *x, int bf16, const uint8_t *w, int type, const
         const float b0 = bias_at(bias, bf16, j);
         for (int64_t t0 = 0; t0 < m; t0 += TILE) {
             const int tm = m - t0 < TILE ? (int)(m - t0) : TILE;
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
             switch (type) {
             case TYPE_Q8_0: row_float(row, TYPE_Q8_0, xf, b0, y, bf16, j, t0, tm, n, k); break;
             case TYPE_Q4_0: row_float(row, TYPE_Q4_0, xf, b0, y, bf16, j, t0, tm, n, k); break;

@@ -1,6 +1,7 @@
 /*
  * Part of cpu_gguf_gemv.c: the GGUF block layouts, their dequantization (scalar, and 16 lanes
- * at a time where AVX-512 is built), and the panel layout the int8 GEMM reads.
+ * at a time where AVX-512 is built, 8 where AVX2 is the widest), and the panel layout the int8
+ * GEMM reads.
  *
  * Block layouts (d, m and dmin fp16, little-endian), as the `gguf` package reads them:
  *
@@ -45,7 +46,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__F16C__) || defined(__AVX512F__)
+#if defined(__F16C__) || defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -290,6 +291,68 @@ static inline __attribute__((always_inline)) void dequantize_row_block16(const u
     const uint8_t *sb = row + b / 8 * block_bytes(type);
     const struct q4_k_scales u = q4_k_scales(sb);
     q4_k_sub_block16(sb, &u, (int)(b % 8), lo, hi);
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+/* The same, 8 lanes at a time, where AVX2 is the widest: a block as 4 x 8 float32 (weights
+ * 8 v .. 8 v + 7 in w[v]), with dequantize_row_block's roundings. */
+
+/* Bytes at..at+7, shifted right by `shift` and masked with `mask`, as 8 int32. */
+static inline __m256i codes8(const uint8_t *at, int shift, int mask) {
+    const __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)at));
+    return _mm256_and_si256(_mm256_srli_epi32(q, shift), _mm256_set1_epi32(mask));
+}
+
+static inline __attribute__((always_inline)) void dequantize_block8(const uint8_t *b, int type, __m256 w[4]) {
+    const __m256 d = _mm256_set1_ps(half_to_float(b));
+    if (type == TYPE_Q8_0) {
+        for (int v = 0; v < 4; ++v)
+            w[v] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + 2 + 8 * v)))), d);
+        return;
+    }
+    const uint8_t *q = b + (type == TYPE_Q4_1 ? 4 : 2);
+    const __m256i offset = _mm256_set1_epi32(type == TYPE_Q4_0 ? 8 : 0);
+    for (int v = 0; v < 4; ++v)  /* weights 0-15 in the low nibbles, 16-31 in the high */
+        w[v] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(codes8(q + 8 * (v % 2), 4 * (v / 2), 15), offset)), d);
+    if (type == TYPE_Q4_1) {
+        const __m256 m = _mm256_set1_ps(half_to_float(b + 2));
+        for (int v = 0; v < 4; ++v) w[v] = _mm256_add_ps(w[v], m);
+    }
+}
+
+/* Sub-block s of the Q4_K super-block sb (its scales unpacked in u) as 4 x 8 float32. */
+static inline __attribute__((always_inline)) void q4_k_sub_block8(const uint8_t *sb, const struct q4_k_scales *u,
+                                                                  int s, __m256 w[4]) {
+    const uint8_t *q = sb + 16 + 32 * (s / 2);
+    const __m256 d = _mm256_set1_ps(q4_k_scale(u, s)), m = _mm256_set1_ps(q4_k_min(u, s));
+    for (int v = 0; v < 4; ++v)
+        w[v] = _mm256_sub_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(codes8(q + 8 * v, 4 * (s % 2), 15)), d), m);
+}
+
+/* A Q6_K block as 4 x 8 float32 (its first run in w[0..1], its second in w[2..3]). */
+static inline __attribute__((always_inline)) void q6_k_block8(const struct q6_k_block *q, __m256 w[4]) {
+    for (int v = 0; v < 4; ++v) {
+        const __m256i code = _mm256_or_si256(codes8(q->ql + 8 * v, q->ql_shift, 15),
+                                             _mm256_slli_epi32(codes8(q->qh + 8 * v, q->qh_shift, 3), 4));
+        w[v] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(code, _mm256_set1_epi32(32))),
+                             _mm256_set1_ps(q->scale[v / 2]));
+    }
+}
+
+/* Block b of a row of `type` as 4 x 8 float32, as dequantize_row_block. */
+static inline __attribute__((always_inline)) void dequantize_row_block8(const uint8_t *row, int64_t b, int type,
+                                                                        __m256 w[4]) {
+    if (type == TYPE_Q6_K) {
+        const struct q6_k_block q = q6_k_block(row + b / 8 * block_bytes(type), (int)(b % 8));
+        q6_k_block8(&q, w);
+        return;
+    }
+    if (type != TYPE_Q4_K) {
+        dequantize_block8(row + b * block_bytes(type), type, w);
+        return;
+    }
+    const uint8_t *sb = row + b / 8 * block_bytes(type);
+    const struct q4_k_scales u = q4_k_scales(sb);
+    q4_k_sub_block8(sb, &u, (int)(b % 8), w);
 }
 #endif
 

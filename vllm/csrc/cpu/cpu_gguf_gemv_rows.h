@@ -1,8 +1,9 @@
 /*
  * Part of cpu_gguf_gemv.c: the weight-stationary products' inner loops (gguf_matmul_float's
- * where AVX-512 is built, gguf_matmul_int8's where int8 dot products are: HAVE_GGUF_INT8_ROWS):
- * one weight row times up to TILE rows of x while its blocks are in L1, Q4_K a super-block at
- * a time, Q6_K a block of two runs at a time.
+ * where AVX-512 or AVX2 with FMA is built, gguf_matmul_int8's where AVX2 is: HAVE_GGUF_INT8_ROWS,
+ * on vpdpbusd where the ISA has it, else on AVX2's pair products): one weight row times up to
+ * TILE rows of x while its blocks are in L1, Q4_K a super-block at a time, Q6_K a block of two
+ * runs at a time.
  */
 #ifndef VLLM_CPU_GGUF_GEMV_ROWS_H
 #define VLLM_CPU_GGUF_GEMV_ROWS_H
@@ -34,6 +35,17 @@ static const float *float_rows(const void *x, int bf16, int64_t count, float **o
     for (int64_t i = 0; i < count; ++i) copy[i] = bf16_to_float(((const uint16_t *)x)[i]);
     return *owned = copy;
 }
+
+#ifdef __AVX2__
+/* The sum of v's 8 lanes. */
+static inline float reduce(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+#endif
 
 #ifdef __AVX512F__
 static inline __attribute__((always_inline)) void row_float(
@@ -86,15 +98,63 @@ static void row_float_q4_k(const uint8_t *row, const float *xf, float b0, void *
     default: rows_float_q4_k(row, xf, b0, y, bf16, j, t0, TILE, n, k); break;
     }
 }
+
+#elif defined(__AVX2__) && defined(__FMA__)
+/* row_float 8 lanes at a time: two sums per row of x (a block's vectors 0, 2 and 1, 3), so that
+ * a single row's multiply-adds are not one chain. tm is a constant in each caller. */
+static inline __attribute__((always_inline)) void rows_float8(
+        const uint8_t *row, int type, const float *xf, float b0, void *y, int bf16, int64_t j,
+        int64_t t0, const int tm, int64_t n, int64_t k) {
+    const int64_t nb = k / QK;
+    __m256 acc[TILE][2];
+    for (int t = 0; t < tm; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+        __m256 w[4];
+        dequantize_row_block8(row, b, type, w);
+        for (int t = 0; t < tm; ++t) {
+            const float *xt = xf + (t0 + t) * k + b * QK;
+            for (int v = 0; v < 4; ++v) acc[t][v % 2] = _mm256_fmadd_ps(w[v], _mm256_loadu_ps(xt + 8 * v), acc[t][v % 2]);
+        }
+    }
+    for (int t = 0; t < tm; ++t)
+        store(y, bf16, (t0 + t) * n + j, reduce(_mm256_add_ps(acc[t][0], acc[t][1])) + b0);
+}
+
+/* `type` is a constant in each caller. */
+static inline __attribute__((always_inline)) void row_float(
+        const uint8_t *row, int type, const float *xf, float b0, void *y, int bf16, int64_t j, int64_t t0, int tm,
+        int64_t n, int64_t k) {
+    switch (tm) {
+    case 1: rows_float8(row, type, xf, b0, y, bf16, j, t0, 1, n, k); break;
+    case 2: rows_float8(row, type, xf, b0, y, bf16, j, t0, 2, n, k); break;
+    case 3: rows_float8(row, type, xf, b0, y, bf16, j, t0, 3, n, k); break;
+    default: rows_float8(row, type, xf, b0, y, bf16, j, t0, TILE, n, k); break;
+    }
+}
+
+/* Q4_K dequantizes a sub-block at a time here, its super-block's scales unpacked for each. */
+static void row_float_q4_k(const uint8_t *row, const float *xf, float b0, void *y, int bf16, int64_t j,
+                           int64_t t0, int tm, int64_t n, int64_t k) {
+    row_float(row, TYPE_Q4_K, xf, b0, y, bf16, j, t0, tm, n, k);
+}
 #endif
 
-#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+#ifdef __AVX2__
 #define HAVE_GGUF_INT8_ROWS 1
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define DPBUSD _mm256_dpbusd_epi32      /* sum of 4 u8 * s8 products into each int32 lane */
-#else
+#elif defined(__AVXVNNI__)
 #define DPBUSD _mm256_dpbusd_avx_epi32
+#else
+/* vpdpbusd's sums from AVX2's vpmaddubsw (u8 * s8 pairs summed into int16) and vpmaddwd. The
+ * int16 sums saturate past 32767, which no operands here reach: the weights' unsigned codes are
+ * at most 128 (|Q8_0 code|; 32 for Q6_K, 15 for the 4-bit types) and x's codes at most 127 in
+ * magnitude, so a pair is at most 2 * 128 * 127 = 32512. */
+static inline __m256i dpbusd_avx2(__m256i acc, __m256i u, __m256i s) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
+#define DPBUSD dpbusd_avx2
 #endif
 
 /* Codes of one block of x: qx = round(x / dx), dx = max|x| / 127; *sum = sum of the codes. */
@@ -118,13 +178,6 @@ static inline __m256i weight_codes(const uint8_t *b, int type) {
     const __m128i low = _mm_set1_epi8(15);
     const __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), low), _mm_and_si128(bytes, low));
     return type == TYPE_Q4_0 ? _mm256_sub_epi8(q, _mm256_set1_epi8(8)) : q;
-}
-
-static inline float reduce(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
 }
 
 /* One weight row times up to TILE rows of quantized x; `type` is a constant in each caller. */

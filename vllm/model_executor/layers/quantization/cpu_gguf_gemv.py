@@ -1,8 +1,8 @@
 """The C products on GGUF blocks (cpu_gguf_gemv.c), built on first use (vllm/platforms/c_build.py).
 
 Where the library cannot be built (no compiler, VLLM_CPU_C_KERNELS=0) the layers dequantize
-with the gguf package instead (gguf_linear.py); where the CPU has no int8 dot products,
-`int8_available()` is False and every product takes the float32 path.
+with the gguf package instead (gguf_linear.py); where it is built without AVX2 (no int8
+products), `int8_available()` is False and every product takes the float32 path.
 """
 
 import ctypes
@@ -45,7 +45,7 @@ def available() -> bool:
 
 @functools.cache
 def int8_available() -> bool:
-    """Whether this build has the int8-activation product (AVX512-VNNI or AVX-VNNI)."""
+    """Whether this build has the int8-activation product (AVX2 and later x86-64 extensions)."""
     lib = _LIBRARY.get()
     return lib is not None and lib.gguf_int8_supported() == 1
 
