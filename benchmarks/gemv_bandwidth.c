@@ -4,7 +4,7 @@
  *
  * Both walk the same list of weight matrices in order, as a decode step walks a model's layers:
  * the GEMV through its function pointer, the read with as many OpenMP threads, each summing the
- * 512-bit lines of its own contiguous share of each matrix's rows in eight independent chains,
+ * 64-byte lines of its own contiguous share of each matrix's rows in eight independent chains,
  * which is as fast as a core pulls memory without doing anything with it; optionally with the
  * lines PREFETCH_BYTES ahead prefetched into L2, as the GEMV does (a core keeps more lines in
  * flight that way).
@@ -28,17 +28,39 @@ static double seconds(void) {
     return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
 }
 
-/* Sums bytes [begin, end) of `p` as 64-bit integers (end - begin a multiple of 512). */
+/* Sums bytes [begin, end) of `p` as 64-bit integers (end - begin a multiple of 512), in vectors
+ * of 512 bits where AVX-512 is built, else of 256 (AVX2). */
+#ifdef __AVX512F__
+#define VEC __m512i
+#define VEC_BYTES 64
+#define VEC_ZERO _mm512_setzero_si512
+#define VEC_LOAD _mm512_loadu_si512
+#define VEC_ADD _mm512_add_epi64
+static int64_t vec_sum(VEC v) { return _mm512_reduce_add_epi64(v); }
+#else
+#define VEC __m256i
+#define VEC_BYTES 32
+#define VEC_ZERO _mm256_setzero_si256
+#define VEC_LOAD(at) _mm256_loadu_si256((const __m256i *)(at))
+#define VEC_ADD _mm256_add_epi64
+static int64_t vec_sum(VEC v) {
+    int64_t lanes[4];
+    _mm256_storeu_si256((__m256i *)lanes, v);
+    return lanes[0] + lanes[1] + lanes[2] + lanes[3];
+}
+#endif
+
 static int64_t read_range(const char *p, int64_t begin, int64_t end, int prefetch) {
-    __m512i acc[8];
-    for (int a = 0; a < 8; ++a) acc[a] = _mm512_setzero_si512();
+    VEC acc[8];
+    for (int a = 0; a < 8; ++a) acc[a] = VEC_ZERO();
     for (int64_t i = begin; i < end; i += 512)
         for (int a = 0; a < 8; ++a) {
             if (prefetch && i + PREFETCH_BYTES < end) _mm_prefetch(p + i + PREFETCH_BYTES + 64 * a, _MM_HINT_T1);
-            acc[a] = _mm512_add_epi64(acc[a], _mm512_loadu_si512((const void *)(p + i + 64 * a)));
+            for (int v = 0; v < 64 / VEC_BYTES; ++v)
+                acc[a] = VEC_ADD(acc[a], VEC_LOAD((const void *)(p + i + 64 * a + VEC_BYTES * v)));
         }
-    for (int a = 1; a < 8; ++a) acc[0] = _mm512_add_epi64(acc[0], acc[a]);
-    return _mm512_reduce_add_epi64(acc[0]);
+    for (int a = 1; a < 8; ++a) acc[0] = VEC_ADD(acc[0], acc[a]);
+    return vec_sum(acc[0]);
 }
 
 /* Seconds to read `count` matrices (weights[i]: rows[i] rows of cols[i] bf16) once. */

@@ -59,7 +59,7 @@ def _best_seconds(fn, min_seconds: float, max_reps: int) -> tuple[float, int]:
 
 def gemv_bandwidth_library():
     """gemv_bandwidth.c built (its plain streaming read and the GEMV walk), or None where it
-    cannot be (no C compiler, no AVX-512)."""
+    cannot be (no C compiler, no AVX2)."""
     import ctypes
     from pathlib import Path
 

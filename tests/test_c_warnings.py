@@ -1,5 +1,6 @@
-"""The C kernels (vllm/csrc/cpu/) compile without a warning under -Wall -Wextra, for every
-instruction set they have code for, whatever this machine has: each target below selects other
+"""The C kernels (vllm/csrc/cpu/), and the benchmarks' C measurements beside them, compile without
+a warning under -Wall -Wextra, for every instruction set they have code for, whatever this
+machine has: each target below selects other
 #if branches of the sources (AVX2 only, AVX-512, AVX512-BF16 and VNNI without AMX, AMX, and the
 AMX copies over the C emulation of the tile instructions). Only the compiler's front end runs
 (-fsyntax-only): nothing is built or executed, so a target need not be this CPU's."""
@@ -7,6 +8,7 @@ AMX copies over the C emulation of the tile instructions). Only the compiler's f
 import platform
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -19,7 +21,7 @@ TARGETS = {
     "amx": ["-march=sapphirerapids"],
     "amx-emulated": ["-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni", "-DVLLM_EMULATE_AMX"],
 }
-SOURCES = sorted(p.name for p in KERNEL_SOURCES.glob("*.c"))
+SOURCES = sorted(KERNEL_SOURCES.glob("*.c")) + sorted((Path(__file__).parents[1] / "benchmarks").glob("*.c"))
 COMPILER = shutil.which("cc")
 
 pytestmark = pytest.mark.skipif(COMPILER is None or platform.machine() != "x86_64",
@@ -36,12 +38,13 @@ def _knows(target: list[str]) -> bool:
 def test_the_kernels_compile_without_warnings(target):
     if not _knows(TARGETS[target]):
         pytest.skip(f"{COMPILER} does not take {TARGETS[target]}")
-    assert {"cpu_gguf_gemv.c", "cpu_paged_decode.c", "llama_cpu_layers.c"} <= set(SOURCES), SOURCES
+    names = {path.name for path in SOURCES}
+    assert {"cpu_gguf_gemv.c", "cpu_paged_decode.c", "llama_cpu_layers.c", "gemv_bandwidth.c"} <= names, names
     flags = [f for f in BUILD_FLAGS if f != "-shared"] + TARGETS[target]
     failures = {}
-    for name in SOURCES:
-        result = subprocess.run([COMPILER, *flags, "-Wall", "-Wextra", "-Werror", "-fsyntax-only",
-                                 str(KERNEL_SOURCES / name)], capture_output=True, text=True)
+    for path in SOURCES:
+        result = subprocess.run([COMPILER, *flags, "-Wall", "-Wextra", "-Werror", "-fsyntax-only", str(path)],
+                                capture_output=True, text=True)
         if result.returncode != 0:
-            failures[name] = result.stderr
+            failures[path.name] = result.stderr
     assert not failures, "\n".join(f"{name}:\n{err}" for name, err in failures.items())
