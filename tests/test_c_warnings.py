@@ -1,8 +1,8 @@
 """The C kernels (vllm/csrc/cpu/), and the benchmarks' C measurements beside them, compile without
 a warning under -Wall -Wextra, for every instruction set they have code for, whatever this
-machine has: each target below selects other
-#if branches of the sources (AVX2 only, AVX-512, AVX512-BF16 and VNNI without AMX, AMX, and the
-AMX copies over the C emulation of the tile instructions). Only the compiler runs, at -O0 into
+machine has: each target below selects other #if branches of the sources (AVX2 only, AVX-512,
+AVX512-BF16 and VNNI without AMX, AMX, and the AMX copies over the C emulation of the tile
+instructions). Only the compiler runs, at -O0 into
 /dev/null: nothing is executed, so a target need not be this CPU's, and code generation still
 refuses an intrinsic used outside the #if of its instruction set."""
 

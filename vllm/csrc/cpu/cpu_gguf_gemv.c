@@ -45,8 +45,8 @@
 #include "cpu_gguf_gemv_panels.h"
 
 /* Rows `rows` (the first num_rows if NULL) of W's n rows, dequantized into out (num_rows, k),
- * float32 or bf16. Returns 3, writing nothing, if a row is not in [0, n). Where AVX2 is the
- * widest, float32 rows are written 8 lanes at a time (what float32 prefill chunks read there). */
+ * float32 or bf16, a block at a time in the widest vectors built. Returns 3, writing nothing, if
+ * a row is not in [0, n). */
 int gguf_dequantize(const uint8_t *w, int type, const int64_t *rows, int64_t num_rows, int64_t n,
                     int64_t k, void *out, int out_bf16) {
     const int panels = (type & GGUF_PANELS) != 0;
@@ -61,20 +61,16 @@ int gguf_dequantize(const uint8_t *w, int type, const int64_t *rows, int64_t num
         const uint8_t *row = w + j * rb;
         float block[QK];
         for (int64_t b = 0; b < nb; ++b) {
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-            if (!panels && !out_bf16) {
-                __m256 v[4];
-                dequantize_row_block8(row, b, type, v);
-                for (int i = 0; i < 4; ++i) _mm256_storeu_ps((float *)out + r * k + b * QK + 8 * i, v[i]);
+            if (!panels && !out_bf16) {  /* straight into the float32 rows */
+                dequantize_row_block_vectors(row, b, type, (float *)out + r * k + b * QK);
                 continue;
             }
-#endif
             if (panels) {  /* the row's block b put back together from its panel's lane */
                 uint8_t bytes[34];
                 move_panel_block(w + (j / 16 * nb + b) * 16 * block_bytes(type), bytes, type, (int)(j % 16), 0);
                 dequantize_block(bytes, type, block);
             } else {
-                dequantize_row_block(row, b, type, block);
+                dequantize_row_block_vectors(row, b, type, block);
             }
             for (int i = 0; i < QK; ++i) store(out, out_bf16, r * k + b * QK + i, block[i]);
         }

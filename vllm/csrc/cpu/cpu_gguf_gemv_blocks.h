@@ -356,4 +356,22 @@ static inline __attribute__((always_inline)) void dequantize_row_block8(const ui
 }
 #endif
 
+/* Block b of a row of `type` -> 32 float32 at out, as dequantize_row_block, in the widest
+ * vectors built. */
+static inline __attribute__((always_inline)) void dequantize_row_block_vectors(const uint8_t *row, int64_t b, int type,
+                                                                               float *out) {
+#ifdef __AVX512F__
+    __m512 lo, hi;
+    dequantize_row_block16(row, b, type, &lo, &hi);
+    _mm512_storeu_ps(out, lo);
+    _mm512_storeu_ps(out + 16, hi);
+#elif defined(__AVX2__) && defined(__FMA__)
+    __m256 w[4];
+    dequantize_row_block8(row, b, type, w);
+    for (int v = 0; v < 4; ++v) _mm256_storeu_ps(out + 8 * v, w[v]);
+#else
+    dequantize_row_block(row, b, type, out);
+#endif
+}
+
 #endif  /* VLLM_CPU_GGUF_GEMV_BLOCKS_H */
