@@ -132,13 +132,13 @@ int gguf_matmul_int8(const void *x, int bf16, const uint8_t *w, int type, const 
     const float *xf = float_rows(x, bf16, m * k, &owned);
     int8_t *qx = malloc((size_t)(m * k));
     float *dx = malloc((size_t)(m * nb) * sizeof *dx);
-    int32_t *sx = malloc((size_t)(m * nb) * sizeof *sx);
-    if (xf == NULL || qx == NULL || dx == NULL || sx == NULL) {
-        free(owned); free(qx); free(dx); free(sx);
+    float *dxsx = malloc((size_t)(m * nb) * sizeof *dxsx);
+    if (xf == NULL || qx == NULL || dx == NULL || dxsx == NULL) {
+        free(owned); free(qx); free(dx); free(dxsx);
         return 2;
     }
     /* A few rows of x (the caller's GEMV rows): quantized by one thread, no second fork. */
-    for (int64_t i = 0; i < m * nb; ++i) quantize_block(xf + i * QK, qx + i * QK, dx + i, sx + i);
+    for (int64_t i = 0; i < m * nb; ++i) quantize_block(xf + i * QK, qx + i * QK, dx + i, dxsx + i);
     #pragma omp parallel for schedule(static)
     for (int64_t j = 0; j < n; ++j) {
         const uint8_t *row = w + j * rb;
@@ -146,15 +146,15 @@ int gguf_matmul_int8(const void *x, int bf16, const uint8_t *w, int type, const 
         for (int64_t t0 = 0; t0 < m; t0 += TILE) {
             const int tm = m - t0 < TILE ? (int)(m - t0) : TILE;
             switch (type) {
-            case TYPE_Q8_0: row_int8(row, TYPE_Q8_0, qx, dx, sx, b0, y, bf16, j, t0, tm, n, k); break;
-            case TYPE_Q4_0: row_int8(row, TYPE_Q4_0, qx, dx, sx, b0, y, bf16, j, t0, tm, n, k); break;
-            case TYPE_Q4_K: row_int8_q4_k(row, qx, dx, sx, b0, y, bf16, j, t0, tm, n, k); break;
+            case TYPE_Q8_0: row_int8(row, TYPE_Q8_0, qx, dx, dxsx, b0, y, bf16, j, t0, tm, n, k); break;
+            case TYPE_Q4_0: row_int8(row, TYPE_Q4_0, qx, dx, dxsx, b0, y, bf16, j, t0, tm, n, k); break;
+            case TYPE_Q4_K: row_int8_q4_k(row, qx, dx, dxsx, b0, y, bf16, j, t0, tm, n, k); break;
             case TYPE_Q6_K: row_int8_q6_k(row, qx, dx, b0, y, bf16, j, t0, tm, n, k); break;
-            default: row_int8(row, TYPE_Q4_1, qx, dx, sx, b0, y, bf16, j, t0, tm, n, k); break;
+            default: row_int8(row, TYPE_Q4_1, qx, dx, dxsx, b0, y, bf16, j, t0, tm, n, k); break;
             }
         }
     }
-    free(owned); free(qx); free(dx); free(sx);
+    free(owned); free(qx); free(dx); free(dxsx);
     return 0;
 }
 

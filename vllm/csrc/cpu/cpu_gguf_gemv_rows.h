@@ -157,8 +157,9 @@ static inline __m256i dpbusd_avx2(__m256i acc, __m256i u, __m256i s) {
 #define DPBUSD dpbusd_avx2
 #endif
 
-/* Codes of one block of x: qx = round(x / dx), dx = max|x| / 127; *sum = sum of the codes. */
-static void quantize_block(const float *x, int8_t *qx, float *dx, int32_t *sum) {
+/* Codes of one block of x: qx = round(x / dx), dx = max|x| / 127; *dxsx = dx * (sum of the codes),
+ * what a block offset (Q4_1's m, Q4_K's minimums) multiplies. */
+static void quantize_block(const float *x, int8_t *qx, float *dx, float *dxsx) {
     float amax = 0.0f;
     for (int i = 0; i < QK; ++i) amax = fmaxf(amax, fabsf(x[i]));
     const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
@@ -168,7 +169,7 @@ static void quantize_block(const float *x, int8_t *qx, float *dx, int32_t *sum) 
         s += qx[i];
     }
     *dx = d;
-    *sum = s;
+    *dxsx = d * (float)s;
 }
 
 /* The 32 codes of a weight block as bytes: unsigned nibbles (Q4_1) or signed (Q4_0, Q8_0). */
@@ -180,37 +181,66 @@ static inline __m256i weight_codes(const uint8_t *b, int type) {
     return type == TYPE_Q4_0 ? _mm256_sub_epi8(q, _mm256_set1_epi8(8)) : q;
 }
 
-/* One weight row times up to TILE rows of quantized x; `type` is a constant in each caller. */
-static inline __attribute__((always_inline)) void row_int8(
-        const uint8_t *row, int type, const int8_t *qx, const float *dx, const int32_t *sx,
-        float b0, void *y, int bf16, int64_t j, int64_t t0, int tm, int64_t n, int64_t k) {
-    const int64_t bb = block_bytes(type), nb = k / QK;
-    __m256 acc[TILE];
-    float shift[TILE] = {0};  /* Q4_1: sum over blocks of m * dx * sum(qx) */
-    for (int t = 0; t < TILE; ++t) acc[t] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t *blk = row + b * bb;
-        const float dw = half_to_float(blk), mw = type == TYPE_Q4_1 ? half_to_float(blk + 2) : 0.0f;
-        const __m256i q = weight_codes(blk, type);
-        /* vpdpbusd multiplies unsigned by signed bytes: signed weight codes give their sign to x. */
-        const __m256i wu = type == TYPE_Q4_1 ? q : _mm256_sign_epi8(q, q);
-        for (int t = 0; t < tm; ++t) {
-            const int64_t xb = (t0 + t) * nb + b;
-            __m256i xs = _mm256_loadu_si256((const __m256i *)(qx + xb * QK));
-            if (type != TYPE_Q4_1) xs = _mm256_sign_epi8(xs, q);
-            const __m256i dot = DPBUSD(_mm256_setzero_si256(), wu, xs);
-            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dw * dx[xb]), acc[t]);
-            if (type == TYPE_Q4_1) shift[t] += mw * dx[xb] * (float)sx[xb];
-        }
+/* Weight block b of a row times block b of tm rows of quantized x, into acc[t] (the scaled dot
+ * products) and shift[t] (Q4_1: m * dx * sum(qx)). type and tm are constants in each caller. */
+static inline __attribute__((always_inline)) void block_int8(
+        const uint8_t *row, int64_t b, const int type, const int8_t *qx, const float *dx, const float *dxsx,
+        int64_t t0, int64_t nb, const int tm, __m256 *acc, float *shift) {
+    const uint8_t *blk = row + b * block_bytes(type);
+    const float dw = half_to_float(blk);
+    const __m256i q = weight_codes(blk, type);
+    /* vpdpbusd multiplies unsigned by signed bytes: signed weight codes give their sign to x. */
+    const __m256i wu = type == TYPE_Q4_1 ? q : _mm256_sign_epi8(q, q);
+    for (int t = 0; t < tm; ++t) {
+        const int64_t xb = (t0 + t) * nb + b;
+        __m256i xs = _mm256_loadu_si256((const __m256i *)(qx + xb * QK));
+        if (type != TYPE_Q4_1) xs = _mm256_sign_epi8(xs, q);
+        const __m256i dot = DPBUSD(_mm256_setzero_si256(), wu, xs);
+        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dw * dx[xb]), acc[t]);
+        if (type == TYPE_Q4_1) shift[t] += half_to_float(blk + 2) * dxsx[xb];
     }
-    for (int t = 0; t < tm; ++t) store(y, bf16, (t0 + t) * n + j, reduce(acc[t]) + shift[t] + b0);
+}
+
+/* One weight row times tm rows of quantized x, two blocks at a time into two sets of sums (so
+ * that a single row's multiply-adds are not one chain); type and tm are constants in each caller. */
+static inline __attribute__((always_inline)) void rows_int8(
+        const uint8_t *row, const int type, const int8_t *qx, const float *dx, const float *dxsx,
+        float b0, void *y, int bf16, int64_t j, int64_t t0, const int tm, int64_t n, int64_t k) {
+    const int64_t nb = k / QK;
+    __m256 acc[2][TILE];
+    float shift[2][TILE];
+    for (int t = 0; t < tm; ++t) {
+        acc[0][t] = acc[1][t] = _mm256_setzero_ps();
+        shift[0][t] = shift[1][t] = 0.0f;
+    }
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2) {
+        block_int8(row, b, type, qx, dx, dxsx, t0, nb, tm, acc[0], shift[0]);
+        block_int8(row, b + 1, type, qx, dx, dxsx, t0, nb, tm, acc[1], shift[1]);
+    }
+    if (b < nb) block_int8(row, b, type, qx, dx, dxsx, t0, nb, tm, acc[0], shift[0]);
+    for (int t = 0; t < tm; ++t)
+        store(y, bf16, (t0 + t) * n + j,
+              reduce(_mm256_add_ps(acc[0][t], acc[1][t])) + (shift[0][t] + shift[1][t]) + b0);
+}
+
+/* rows_int8 with tm a constant in each instance (the sums then stay in registers). */
+static inline __attribute__((always_inline)) void row_int8(
+        const uint8_t *row, const int type, const int8_t *qx, const float *dx, const float *dxsx,
+        float b0, void *y, int bf16, int64_t j, int64_t t0, int tm, int64_t n, int64_t k) {
+    switch (tm) {
+    case 1: rows_int8(row, type, qx, dx, dxsx, b0, y, bf16, j, t0, 1, n, k); break;
+    case 2: rows_int8(row, type, qx, dx, dxsx, b0, y, bf16, j, t0, 2, n, k); break;
+    case 3: rows_int8(row, type, qx, dx, dxsx, b0, y, bf16, j, t0, 3, n, k); break;
+    default: rows_int8(row, type, qx, dx, dxsx, b0, y, bf16, j, t0, TILE, n, k); break;
+    }
 }
 
 /* row_int8 for Q4_K, a super-block at a time (its scales unpacked once for its 8 sub-blocks,
  * each a Q4_1 block of scale d * sc_s and offset -dmin * m_s), with tm a constant in each caller
  * (the sums then stay in registers). */
 static inline __attribute__((always_inline)) void rows_int8_q4_k(
-        const uint8_t *row, const int8_t *qx, const float *dx, const int32_t *sx, float b0, void *y, int bf16,
+        const uint8_t *row, const int8_t *qx, const float *dx, const float *dxsx, float b0, void *y, int bf16,
         int64_t j, int64_t t0, const int tm, int64_t n, int64_t k) {
     const int64_t nb = k / QK;
     __m256 acc[TILE];
@@ -230,20 +260,20 @@ static inline __attribute__((always_inline)) void rows_int8_q4_k(
                 const int64_t xb = (t0 + t) * nb + b + s;
                 const __m256i dot = DPBUSD(_mm256_setzero_si256(), q, _mm256_loadu_si256((const __m256i *)(qx + xb * QK)));
                 acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dw * dx[xb]), acc[t]);
-                shift[t] -= mw * dx[xb] * (float)sx[xb];
+                shift[t] -= mw * dxsx[xb];
             }
         }
     }
     for (int t = 0; t < tm; ++t) store(y, bf16, (t0 + t) * n + j, reduce(acc[t]) + shift[t] + b0);
 }
 
-static void row_int8_q4_k(const uint8_t *row, const int8_t *qx, const float *dx, const int32_t *sx, float b0,
+static void row_int8_q4_k(const uint8_t *row, const int8_t *qx, const float *dx, const float *dxsx, float b0,
                           void *y, int bf16, int64_t j, int64_t t0, int tm, int64_t n, int64_t k) {
     switch (tm) {
-    case 1: rows_int8_q4_k(row, qx, dx, sx, b0, y, bf16, j, t0, 1, n, k); break;
-    case 2: rows_int8_q4_k(row, qx, dx, sx, b0, y, bf16, j, t0, 2, n, k); break;
-    case 3: rows_int8_q4_k(row, qx, dx, sx, b0, y, bf16, j, t0, 3, n, k); break;
-    default: rows_int8_q4_k(row, qx, dx, sx, b0, y, bf16, j, t0, TILE, n, k); break;
+    case 1: rows_int8_q4_k(row, qx, dx, dxsx, b0, y, bf16, j, t0, 1, n, k); break;
+    case 2: rows_int8_q4_k(row, qx, dx, dxsx, b0, y, bf16, j, t0, 2, n, k); break;
+    case 3: rows_int8_q4_k(row, qx, dx, dxsx, b0, y, bf16, j, t0, 3, n, k); break;
+    default: rows_int8_q4_k(row, qx, dx, dxsx, b0, y, bf16, j, t0, TILE, n, k); break;
     }
 }
 
