@@ -17,7 +17,9 @@ reads the embedding's blocks. `Linear.matmul` and `VocabParallelEmbedding` then 
   float32 x, <= GEMV_MAX_ROWS  float32 products of the dequantized weights in registers, as
                          exact as the unquantized float32 path
   other products         the weight dequantized into a temporary in x's dtype and torch's GEMM
-                         (float32 prefill chunks; bf16 where the tile GEMM cannot run)
+                         (float32 prefill chunks; bf16 where the tile GEMM cannot run, in
+                         float32 on the weight's bf16 values where the CPU has no bf16 dot
+                         products, rounded to bf16 once)
   embedding              the looked-up rows dequantized, in the dtype the weight stands in for
 
 Without the C library (no compiler, VLLM_CPU_C_KERNELS=0) the gguf package dequantizes the
@@ -30,6 +32,7 @@ from torch import nn
 
 from vllm.model_executor.layers.quantization import cpu_gguf_gemv
 from vllm.model_executor.layers.quantization.gguf_blocks import PANELS, GGUFBlocks
+from vllm.platforms.cpu import cpu_has_native_bf16_dot
 
 # Rows up to which the weight-stationary products serve where no product made for many rows
 # runs (float32 x, or neither the int8 GEMM nor the tile GEMM here): past it, dequantizing the
@@ -125,6 +128,12 @@ def _matmul(x: torch.Tensor, blocks: torch.Tensor, quant_type: int, in_features:
         return cpu_gguf_gemv.product(x, blocks, quant_type, bias)  # the C decoder layers' product
     if small:
         return cpu_gguf_gemv.matmul(x, blocks, quant_type, int8_activations=False, bias=bias)
+    if x.dtype == torch.bfloat16 and not cpu_has_native_bf16_dot():
+        # Such a CPU's bf16 GEMM converts its operands to float32 as it goes, at a fraction of
+        # the float32 GEMM's rate: the same float32 sums of the same products (x and the
+        # weight's bf16 values) in the float32 GEMM, rounded to bf16 once.
+        weight = dequantize_blocks(blocks, quant_type, in_features, torch.bfloat16).float()   # (out, in)
+        return F.linear(x.float(), weight, None if bias is None else bias.float()).to(torch.bfloat16)
     return F.linear(x, dequantize_blocks(blocks, quant_type, in_features, x.dtype), bias)
 
 
