@@ -187,7 +187,7 @@ static inline __attribute__((always_inline)) void block_int8(
         const uint8_t *row, int64_t b, const int type, const int8_t *qx, const float *dx, const float *dxsx,
         int64_t t0, int64_t nb, const int tm, __m256 *acc, float *shift) {
     const uint8_t *blk = row + b * block_bytes(type);
-    const float dw = half_to_float(blk);
+    const float dw = half_to_float(blk), mw = type == TYPE_Q4_1 ? half_to_float(blk + 2) : 0.0f;
     const __m256i q = weight_codes(blk, type);
     /* vpdpbusd multiplies unsigned by signed bytes: signed weight codes give their sign to x. */
     const __m256i wu = type == TYPE_Q4_1 ? q : _mm256_sign_epi8(q, q);
@@ -197,7 +197,7 @@ static inline __attribute__((always_inline)) void block_int8(
         if (type != TYPE_Q4_1) xs = _mm256_sign_epi8(xs, q);
         const __m256i dot = DPBUSD(_mm256_setzero_si256(), wu, xs);
         acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(dw * dx[xb]), acc[t]);
-        if (type == TYPE_Q4_1) shift[t] += half_to_float(blk + 2) * dxsx[xb];
+        if (type == TYPE_Q4_1) shift[t] += mw * dxsx[xb];
     }
 }
 
