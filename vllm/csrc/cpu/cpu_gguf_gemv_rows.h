@@ -160,16 +160,29 @@ static inline __m256i dpbusd_avx2(__m256i acc, __m256i u, __m256i s) {
 /* Codes of one block of x: qx = round(x / dx), dx = max|x| / 127; *dxsx = dx * (sum of the codes),
  * what a block offset (Q4_1's m, Q4_K's minimums) multiplies. */
 static void quantize_block(const float *x, int8_t *qx, float *dx, float *dxsx) {
-    float amax = 0.0f;
-    for (int i = 0; i < QK; ++i) amax = fmaxf(amax, fabsf(x[i]));
-    const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-    int32_t s = 0;
-    for (int i = 0; i < QK; ++i) {
-        qx[i] = (int8_t)nearbyintf(x[i] * id);
-        s += qx[i];
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 v[4], amax = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+        v[i] = _mm256_loadu_ps(x + 8 * i);
+        amax = _mm256_max_ps(amax, _mm256_and_ps(v[i], magnitude));
     }
+    __m128 a = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    a = _mm_max_ps(a, _mm_movehl_ps(a, a));
+    a = _mm_max_ss(a, _mm_movehdup_ps(a));
+    const float d = _mm_cvtss_f32(a) / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+    /* conversions round to nearest even, as nearbyintf does */
+    __m256i q[4];
+    for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(id)));
+    /* the packs interleave the four vectors' 128-bit halves: dword j of `bytes` holds codes
+     * 8 (j % 4) + 4 (j / 4) .. + 3, which the permutation puts back in order */
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    _mm256_storeu_si256((__m256i *)qx, _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    const __m256i sums = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(sums), _mm256_extracti128_si256(sums, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
     *dx = d;
-    *dxsx = d * (float)s;
+    *dxsx = d * (float)_mm_cvtsi128_si32(s);
 }
 
 /* The 32 codes of a weight block as bytes: unsigned nibbles (Q4_1) or signed (Q4_0, Q8_0). */
