@@ -16,8 +16,6 @@ static inline float mul_bf16(uint16_t a, uint16_t b) { return bf16_to_float(a) *
 #define VLLM_LAYER_OPS_X16 1
 #include <immintrin.h>
 
-/* Each step below also has a loop over 16 lanes, bf16 rounding at the same points (a scalar
- * tail takes the rest); GCC does not vectorize the scalar rounding by itself. */
 static inline __m512 round_bf16x16(__m512 x) {  /* to the nearest bf16 (even on ties), kept in float32 */
     return _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(x));
 }
@@ -32,28 +30,77 @@ static inline __m512 silu_x16(__m512 x) {
     const __mmask16 negative = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
     return _mm512_mul_ps(x, _mm512_mask_mul_ps(r, negative, e, r));
 }
+
+#define LANES 16
+typedef __m512 lanes_ps;
+#define load_lanes bf16x16_to_float
+#define store_lanes store_bf16x16
+#define round_lanes round_bf16x16
+#define silu_lanes silu_x16
+#define mul_lanes _mm512_mul_ps
+#define add_lanes _mm512_add_ps
+#define fmadd_lanes _mm512_fmadd_ps
+#define set1_lanes _mm512_set1_ps
+#define sum_lanes _mm512_reduce_add_ps
+
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+static inline __m256 round_bf16x8(__m256 x) {  /* to the nearest bf16 (even on ties), kept in float32 */
+    return _mm256_castsi256_ps(_mm256_slli_epi32(bf16x8_bits(x), 16));
+}
+
+/* silu() on 8 lanes, silu()'s steps (a true division). */
+static inline __m256 silu_x8(__m256 x) {
+    const __m256 e = exp_nonpositive_x8(_mm256_or_ps(x, _mm256_set1_ps(-0.0f)));  /* e^-|x| */
+    const __m256 r = _mm256_div_ps(_mm256_set1_ps(1.0f), _mm256_add_ps(e, _mm256_set1_ps(1.0f)));
+    const __m256 negative = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ);
+    return _mm256_mul_ps(x, _mm256_blendv_ps(r, _mm256_mul_ps(e, r), negative));
+}
+
+static inline float sum_x8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+#define LANES 8
+typedef __m256 lanes_ps;
+#define load_lanes bf16x8_to_float
+#define store_lanes store_bf16x8
+#define round_lanes round_bf16x8
+#define silu_lanes silu_x8
+#define mul_lanes _mm256_mul_ps
+#define add_lanes _mm256_add_ps
+#define fmadd_lanes _mm256_fmadd_ps
+#define set1_lanes _mm256_set1_ps
+#define sum_lanes sum_x8
 #endif
+
+/* Each step below has a loop over the widest lanes built (LANES: 16 with AVX-512 BF16, 8 with
+ * AVX2), rounding to bf16 at the same points as its scalar tail, which takes the rest; GCC
+ * does not vectorize the scalar rounding by itself. */
 
 /* torch: w * (x.float() * rsqrt(mean(x^2) + eps)).to(bf16), rounded after each of the two
  * products. The float32 sum's order is not torch's: rarely, an element differs by one unit. */
 static inline void rms_norm_row(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t n, float eps) {
     float sum = 0.0f;
     int64_t i = 0;
-#ifdef VLLM_LAYER_OPS_X16
-    __m512 squares = _mm512_setzero_ps();
-    for (; i + 16 <= n; i += 16) {
-        const __m512 v = bf16x16_to_float(x + i);
-        squares = _mm512_fmadd_ps(v, v, squares);
+#ifdef LANES
+    lanes_ps squares = set1_lanes(0.0f);
+    for (; i + LANES <= n; i += LANES) {
+        const lanes_ps v = load_lanes(x + i);
+        squares = fmadd_lanes(v, v, squares);
     }
-    sum = _mm512_reduce_add_ps(squares);
+    sum = sum_lanes(squares);
 #endif
     for (; i < n; ++i) sum += bf16_to_float(x[i]) * bf16_to_float(x[i]);
     const float inv = 1.0f / sqrtf(sum / (float)n + eps);
     i = 0;
-#ifdef VLLM_LAYER_OPS_X16
-    for (; i + 16 <= n; i += 16) {
-        const __m512 normed = round_bf16x16(_mm512_mul_ps(bf16x16_to_float(x + i), _mm512_set1_ps(inv)));
-        store_bf16x16(y + i, _mm512_mul_ps(bf16x16_to_float(w + i), normed));
+#ifdef LANES
+    for (; i + LANES <= n; i += LANES) {
+        const lanes_ps normed = round_lanes(mul_lanes(load_lanes(x + i), set1_lanes(inv)));
+        store_lanes(y + i, mul_lanes(load_lanes(w + i), normed));
     }
 #endif
     for (; i < n; ++i)
@@ -64,13 +111,13 @@ static inline void rms_norm_row(const uint16_t *x, const uint16_t *w, uint16_t *
 static inline void rotate(const uint16_t *x, const uint16_t *cos, const uint16_t *sin, uint16_t *y, int64_t d) {
     const int64_t half = d / 2;
     int64_t i = 0;
-#ifdef VLLM_LAYER_OPS_X16
-    if (half % 16 == 0)  /* each 16 lanes' partners are 16 lanes of the other half */
-        for (; i < d; i += 16) {
+#ifdef LANES
+    if (half % LANES == 0)  /* each vector's partners are a vector of the other half */
+        for (; i < d; i += LANES) {
             const uint16_t *partner = i < half ? x + i + half : x + i - half;
-            const __m512 a = round_bf16x16(_mm512_mul_ps(bf16x16_to_float(x + i), bf16x16_to_float(cos + i)));
-            const __m512 b = round_bf16x16(_mm512_mul_ps(bf16x16_to_float(partner), bf16x16_to_float(sin + i)));
-            store_bf16x16(y + i, _mm512_add_ps(a, b));
+            const lanes_ps a = round_lanes(mul_lanes(load_lanes(x + i), load_lanes(cos + i)));
+            const lanes_ps b = round_lanes(mul_lanes(load_lanes(partner), load_lanes(sin + i)));
+            store_lanes(y + i, add_lanes(a, b));
         }
 #endif
     for (; i < d; ++i) {
@@ -92,9 +139,9 @@ static inline float silu(float x) {
 /* torch: hidden + delta, rounded to bf16. */
 static inline void add_into(uint16_t *hidden, const uint16_t *delta, int64_t count) {
     int64_t i = 0;
-#ifdef VLLM_LAYER_OPS_X16
-    for (; i + 16 <= count; i += 16)
-        store_bf16x16(hidden + i, _mm512_add_ps(bf16x16_to_float(hidden + i), bf16x16_to_float(delta + i)));
+#ifdef LANES
+    for (; i + LANES <= count; i += LANES)
+        store_lanes(hidden + i, add_lanes(load_lanes(hidden + i), load_lanes(delta + i)));
 #endif
     for (; i < count; ++i) hidden[i] = round_bf16(bf16_to_float(hidden[i]) + bf16_to_float(delta[i]));
 }
@@ -102,10 +149,10 @@ static inline void add_into(uint16_t *hidden, const uint16_t *delta, int64_t cou
 /* torch: silu(gate) * up, each rounded to bf16; gate_up (rows, 2 n) holds gate then up. */
 static inline void silu_mul_row(const uint16_t *gate_up, uint16_t *out, int64_t n) {
     int64_t i = 0;
-#ifdef VLLM_LAYER_OPS_X16
-    for (; i + 16 <= n; i += 16) {
-        const __m512 act = round_bf16x16(silu_x16(bf16x16_to_float(gate_up + i)));
-        store_bf16x16(out + i, _mm512_mul_ps(act, bf16x16_to_float(gate_up + n + i)));
+#ifdef LANES
+    for (; i + LANES <= n; i += LANES) {
+        const lanes_ps act = round_lanes(silu_lanes(load_lanes(gate_up + i)));
+        store_lanes(out + i, mul_lanes(act, load_lanes(gate_up + n + i)));
     }
 #endif
     for (; i < n; ++i)
