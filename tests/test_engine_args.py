@@ -111,22 +111,3 @@ def test_settings_that_do_not_apply_on_cpu_are_logged(tiny_checkpoints, caplog, 
 def test_out_of_range_values(tiny_checkpoints, field, value):
     with pytest.raises(ValueError, match=field):
         EngineArgs(model=tiny_checkpoints["llama"], **{field: value}).create_engine_config(CpuPlatform())
-
-
-@pytest.mark.parametrize("quantization", [None, "int8"])
-def test_auto_dtype_follows_the_cpu_and_the_weights(tiny_checkpoints, quantization):
-    """bf16 where the CPU has native bf16 dot products; else float32 for unquantized weights,
-    and bf16 for weights kept in blocks where the int8-activation products are built (they take
-    no bf16 GEMM), as this machine's kernels promise."""
-    import torch
-
-    from vllm.model_executor.layers.quantization import cpu_gguf_gemv
-    from vllm.platforms.cpu import cpu_has_native_bf16_dot
-
-    bf16 = cpu_has_native_bf16_dot() or (quantization is not None and cpu_gguf_gemv.int8_available())
-    config, _, _ = EngineArgs(model=tiny_checkpoints["llama"], quantization=quantization).create_engine_config(
-        CpuPlatform())
-    assert config.model.dtype == (torch.bfloat16 if bf16 else torch.float32)
-    explicit, _, _ = EngineArgs(model=tiny_checkpoints["llama"], quantization=quantization,
-                                dtype="float32").create_engine_config(CpuPlatform())
-    assert explicit.model.dtype == torch.float32

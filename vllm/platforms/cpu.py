@@ -106,22 +106,10 @@ class CpuPlatform(Platform):
 
     def __init__(self) -> None:
         super().__init__()
-        # dtype="auto" for unquantized weights: bf16 where the CPU has native bf16 dot products,
-        # fp32 elsewhere (AVX2-only CPUs emulate bf16 GEMMs and gain nothing over fp32 but its
-        # rounding). Quantized weights: auto_dtype.
+        # dtype="auto": bf16 where the CPU has native bf16 dot products, fp32 elsewhere (AVX2-only
+        # CPUs emulate bf16 and gain nothing over fp32 but its rounding).
         self.default_dtype = torch.bfloat16 if cpu_has_native_bf16_dot() else torch.float32
         keep_freed_memory_in_process()
-
-    def auto_dtype(self, quantization):
-        # Weights kept in blocks (GGUF, or int8 made at load) multiply x's int8 codes where AVX2
-        # or later has them, not through torch's bf16 GEMM, so there bf16 is the faster choice
-        # even without native bf16 dot products: the C layers run bf16 steps only, and bf16
-        # halves the activations' and KV cache's bytes.
-        from vllm.model_executor.layers.quantization import cpu_gguf_gemv
-
-        if quantization is not None and cpu_gguf_gemv.int8_available():
-            return torch.bfloat16
-        return self.default_dtype
 
     def gguf_kernel_types(self):
         from vllm.model_executor.layers.quantization import cpu_gguf_gemv, gguf_blocks
