@@ -12,6 +12,7 @@
 
 #include "bf16.h"
 #include "cpu_gguf_gemv_blocks.h"
+#include "lane_sum.h"
 
 #define TILE 4   /* rows of x multiplied into a weight row per pass over it */
 
@@ -35,17 +36,6 @@ static const float *float_rows(const void *x, int bf16, int64_t count, float **o
     for (int64_t i = 0; i < count; ++i) copy[i] = bf16_to_float(((const uint16_t *)x)[i]);
     return *owned = copy;
 }
-
-#ifdef __AVX2__
-/* The sum of v's 8 lanes. */
-static inline float reduce(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-#endif
 
 #ifdef __AVX512F__
 static inline __attribute__((always_inline)) void row_float(
@@ -117,7 +107,7 @@ static inline __attribute__((always_inline)) void rows_float8(
         }
     }
     for (int t = 0; t < tm; ++t)
-        store(y, bf16, (t0 + t) * n + j, reduce(_mm256_add_ps(acc[t][0], acc[t][1])) + b0);
+        store(y, bf16, (t0 + t) * n + j, sum_x8(_mm256_add_ps(acc[t][0], acc[t][1])) + b0);
 }
 
 /* `type` is a constant in each caller. */
@@ -234,7 +224,7 @@ static inline __attribute__((always_inline)) void rows_int8(
     if (b < nb) block_int8(row, b, type, qx, dx, dxsx, t0, nb, tm, acc[0], shift[0]);
     for (int t = 0; t < tm; ++t)
         store(y, bf16, (t0 + t) * n + j,
-              reduce(_mm256_add_ps(acc[0][t], acc[1][t])) + (shift[0][t] + shift[1][t]) + b0);
+              sum_x8(_mm256_add_ps(acc[0][t], acc[1][t])) + (shift[0][t] + shift[1][t]) + b0);
 }
 
 /* rows_int8 with tm a constant in each instance (the sums then stay in registers). */
@@ -277,7 +267,7 @@ static inline __attribute__((always_inline)) void rows_int8_q4_k(
             }
         }
     }
-    for (int t = 0; t < tm; ++t) store(y, bf16, (t0 + t) * n + j, reduce(acc[t]) + shift[t] + b0);
+    for (int t = 0; t < tm; ++t) store(y, bf16, (t0 + t) * n + j, sum_x8(acc[t]) + shift[t] + b0);
 }
 
 static void row_int8_q4_k(const uint8_t *row, const int8_t *qx, const float *dx, const float *dxsx, float b0,
@@ -344,7 +334,7 @@ static inline __attribute__((always_inline)) void rows_int8_q6_k(
             }
         }
     }
-    for (int t = 0; t < tm; ++t) store(y, bf16, (t0 + t) * n + j, reduce(acc[t]) + b0);
+    for (int t = 0; t < tm; ++t) store(y, bf16, (t0 + t) * n + j, sum_x8(acc[t]) + b0);
 }
 
 static void row_int8_q6_k(const uint8_t *row, const int8_t *qx, const float *dx, float b0, void *y, int bf16,

@@ -8,6 +8,7 @@
 
 #include "bf16.h"
 #include "exp.h"
+#include "lane_sum.h"
 
 static inline uint16_t round_bf16(float x) { return float_to_bf16(x); }
 static inline float mul_bf16(uint16_t a, uint16_t b) { return bf16_to_float(a) * bf16_to_float(b); }
@@ -56,12 +57,6 @@ static inline __m256 silu_x8(__m256 x) {
     const __m256 r = _mm256_div_ps(_mm256_set1_ps(1.0f), _mm256_add_ps(e, _mm256_set1_ps(1.0f)));
     const __m256 negative = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ);
     return _mm256_mul_ps(x, _mm256_blendv_ps(r, _mm256_mul_ps(e, r), negative));
-}
-
-static inline float sum_x8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
 #define LANES 8
