@@ -14,8 +14,8 @@ every case:
 - products: on the AVX512-BF16 tile GEMM every row count, decodes included, sums a row in
   the same order (cpu_tile_gemm.takes_decode_rows); on AMX the GEMV takes 1-4 rows, so there
   the engine-level check is skipped. The default model's GGUF blocks, where the int8 GEMM takes
-  them at every row count (AVX512-VNNI), pass each row's blocks through one epilogue in block
-  order, whatever the tile.
+  them at every row count (AVX512-VNNI, or AVX2's), pass each row's blocks through one epilogue
+  in block order, whatever the tile.
 """
 
 import random

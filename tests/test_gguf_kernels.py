@@ -152,12 +152,18 @@ GEMM_TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q4_K"]
 PANEL_TYPES = ["Q8_0", "Q4_0", "Q4_1"]
 
 
-@pytest.mark.skipif(not cpu_gguf_gemv.gemm_available(), reason="the CPU has no AVX512-VNNI")
+def _skip_unless_the_gemm_decodes(name: str) -> None:
+    if not cpu_gguf_gemv.gemm_takes(TYPES[name]):
+        pytest.skip(f"the int8 GEMM built here does not decode {name} (AVX512-VNNI's decodes Q4_K)")
+
+
+@pytest.mark.skipif(not cpu_gguf_gemv.gemm_available(), reason="no int8 GEMM here (AVX2 or AVX512-VNNI)")
 @pytest.mark.parametrize("m,n,k", GEMM_SHAPES)
 @pytest.mark.parametrize("name", GEMM_TYPES)
 def test_gemm_is_dequantize_then_matmul_of_quantized_activations(name, m, n, k):
     """The int8 GEMM: x's blocks quantized as for the int8 product, exact integer block sums,
     then float32 rounding of the scaled block sums and of the bias added, one rounding to bf16."""
+    _skip_unless_the_gemm_decodes(name)
     k = _whole_blocks(name, k)
     data, dense = _blocks(TYPES[name], n, k, seed=m * n + k)
     x = _x(m, k, torch.bfloat16, seed=k)
@@ -171,13 +177,14 @@ def test_gemm_is_dequantize_then_matmul_of_quantized_activations(name, m, n, k):
     assert np.all(np.abs(out - want) <= bound)
 
 
-@pytest.mark.skipif(not cpu_gguf_gemv.gemm_available(), reason="the CPU has no AVX512-VNNI")
+@pytest.mark.skipif(not cpu_gguf_gemv.gemm_available(), reason="no int8 GEMM here (AVX2 or AVX512-VNNI)")
 @pytest.mark.parametrize("name", GEMM_TYPES)
 def test_gemm_rows_do_not_depend_on_the_other_rows(name):
     """Each row of x sums its blocks in the same order whatever tile it falls in: a token's
     result is the same bits in a step of 40 rows (tiles on an unpacked panel) and of 5 (blocks
     multiplied as they are decoded) as alone (80 000 outputs, so that a float32 rounding that
     differs shows through the rounding to bf16)."""
+    _skip_unless_the_gemm_decodes(name)
     k = _whole_blocks(name, 576)
     data, _ = _blocks(TYPES[name], 2008, k, seed=3)
     x = _x(40, k, torch.bfloat16, seed=4)
@@ -189,7 +196,7 @@ def test_gemm_rows_do_not_depend_on_the_other_rows(name):
     assert torch.equal(alone, fives)
 
 
-@pytest.mark.skipif(not cpu_gguf_gemv.gemm_available(), reason="the CPU has no AVX512-VNNI")
+@pytest.mark.skipif(not cpu_gguf_gemv.gemm_available(), reason="no int8 GEMM here (AVX2 or AVX512-VNNI)")
 @pytest.mark.parametrize("name", PANEL_TYPES)
 def test_panels_are_the_rows_regrouped(name):
     """A weight regrouped into 16-row panels dequantizes to the same rows (all, or looked up as
@@ -212,7 +219,7 @@ def test_panels_are_the_rows_regrouped(name):
                            cpu_gguf_gemv.product(x, data, quant_type, bias, path="gemm")), m
 
 
-@pytest.mark.skipif(not cpu_gguf_gemv.gemm_available(), reason="the CPU has no AVX512-VNNI")
+@pytest.mark.skipif(not cpu_gguf_gemv.gemm_available(), reason="no int8 GEMM here (AVX2 or AVX512-VNNI)")
 def test_only_whole_panels_of_the_gemms_types_are_regrouped():
     """Rows that are not whole panels, Q4_K (which the GEMM reads from its rows) and panels again
     stay as they are;
@@ -226,7 +233,7 @@ def test_only_whole_panels_of_the_gemms_types_are_regrouped():
         cpu_gguf_gemv.product(_x(2, 64, torch.bfloat16, seed=0), panels, TYPES["Q4_1"] | PANELS, None, path="int8")
 
 
-@pytest.mark.skipif(not cpu_gguf_gemv.gemm_available(), reason="the CPU has no AVX512-VNNI")
+@pytest.mark.skipif(not cpu_gguf_gemv.gemm_available(), reason="no int8 GEMM here (AVX2 or AVX512-VNNI)")
 @pytest.mark.parametrize("m", [1, 2, 16, 256])
 @pytest.mark.parametrize("name", GEMM_TYPES)
 def test_bf16_products_take_the_gemm_where_it_runs(name, m):
@@ -236,7 +243,8 @@ def test_bf16_products_take_the_gemm_where_it_runs(name, m):
     k = _whole_blocks(name, 64)
     data, _ = _blocks(TYPES[name], 48, k, seed=m)
     x = _x(m, k, torch.bfloat16, seed=m)
-    if name == "Q4_K" and m == 1:
+    if name == "Q4_K" and (m == 1 or not cpu_gguf_gemv.gemm_takes(TYPES[name])):
+        # and at every row count where the GEMM built here does not decode Q4_K (AVX2's)
         assert cpu_gguf_gemv.product_path(TYPES[name], m, 48, k) == "int8"
         return
     assert cpu_gguf_gemv.product_path(TYPES[name], m, 48, k) == "gemm"
@@ -271,6 +279,10 @@ def test_int8_product_is_where_the_isa_has_it():
     # vpdpbusd where AVX512-VNNI or AVX-VNNI has it, AVX2's pair products elsewhere (an AVX2-only
     # CPU: test_isa_fallback.py also runs this file as one).
     assert cpu_gguf_gemv.int8_available() == ("avx2" in flags)
-    assert cpu_gguf_gemv.gemm_available() == ({"avx512_vnni", "avx512bw", "avx512vl"} <= flags)
+    # The int8 GEMM: AVX512-VNNI's, which also decodes Q4_K, else AVX2's on the pair products.
+    vnni = {"avx512_vnni", "avx512bw", "avx512vl"} <= flags
+    assert cpu_gguf_gemv.gemm_available() == ("avx2" in flags)
+    assert cpu_gguf_gemv.gemm_takes(TYPES["Q4_1"]) == ("avx2" in flags)
+    assert cpu_gguf_gemv.gemm_takes(Q4_K) == vnni
     # A few rows of bf16 x take the int8 product; without AVX2, the portable float32 product.
     assert (cpu_gguf_gemv.product_path(TYPES["Q4_1"], 3, 16, 64) == "float") == ("avx2" not in flags)

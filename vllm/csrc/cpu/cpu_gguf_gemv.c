@@ -18,8 +18,8 @@
  *                      Where AVX2 is built (AVX512-VNNI or AVX-VNNI give the single-instruction
  *                      dot products); gguf_int8_supported() says.
  * and, for bf16 x of any number of rows, two products made for many rows (below): the int8
- * GEMM (the int8 product's arithmetic on 16-row panels of W unpacked once per call, AVX512-VNNI)
- * and a tiled product (W dequantized to bf16 panel by panel for the tile GEMM of
+ * GEMM (the int8 product's arithmetic on 16-row panels of W unpacked once per call: AVX512-VNNI,
+ * or where AVX2 is the widest, its pair products on 8-row halves of the panels) and a tiled product (W dequantized to bf16 panel by panel for the tile GEMM of
  * cpu_tile_gemm.c). gguf_product_bf16 chooses among them by the shape (gguf_product_path); the
  * C decoder layers (llama_cpu_layers.c) call it through one entry point per type and layout.
  *
@@ -32,7 +32,8 @@
  *
  * The parts: cpu_gguf_gemv_blocks.h (block and panel layouts, dequantization),
  * cpu_gguf_gemv_rows.h (the weight-stationary products' loops), cpu_gguf_gemv_tiles.h (the
- * tiled product's dequantization) and cpu_gguf_gemv_panels.h (the int8 GEMM's).
+ * tiled product's dequantization), cpu_gguf_gemv_panels.h (the AVX512-VNNI int8 GEMM's) and
+ * cpu_gguf_gemv_panels_avx2.h (the AVX2 one's).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -43,6 +44,7 @@
 #include "cpu_gguf_gemv_rows.h"
 #include "cpu_gguf_gemv_tiles.h"
 #include "cpu_gguf_gemv_panels.h"
+#include "cpu_gguf_gemv_panels_avx2.h"
 
 /* Rows `rows` (the first num_rows if NULL) of W's n rows, dequantized into out (num_rows, k),
  * float32 or bf16, a block at a time in the widest vectors built. Returns 3, writing nothing, if
@@ -213,7 +215,13 @@ int gguf_tiled_product_bf16(const uint16_t *x, const uint8_t *w, int type, const
 
 /* Whether the int8 GEMM decodes `type` (in rows or in panels), where it is built
  * (gguf_gemm_supported). */
-int gguf_gemm_decodes(int type) { return gemm_type(type & ~GGUF_PANELS); }
+int gguf_gemm_decodes(int type) {
+#ifdef HAVE_GGUF_GEMM_AVX2
+    return gemm8_type(type & ~GGUF_PANELS);
+#else
+    return gemm_type(type & ~GGUF_PANELS);
+#endif
+}
 
 /* Whether weights of `type` are regrouped into panels for the GEMM (else it reads their rows). */
 int gguf_has_panels(int type) { return panel_type(type); }
@@ -299,7 +307,15 @@ int gguf_gemm_int8_bf16(const uint16_t *x, const uint8_t *w, int type, const uin
     return status;
 }
 
-#else  /* no AVX512-VNNI: the products above serve */
+#elif defined(HAVE_GGUF_GEMM_AVX2)
+int gguf_gemm_supported(void) { return 1; }
+
+int gguf_gemm_int8_bf16(const uint16_t *x, const uint8_t *w, int type, const uint16_t *bias, uint16_t *y,
+                        int64_t m, int64_t n, int64_t k) {
+    return gemm8_int8_bf16(x, w, type & ~GGUF_PANELS, (type & GGUF_PANELS) != 0, bias, y, m, n, k);
+}
+
+#else  /* no int8 GEMM: the products above serve */
 
 int gguf_gemm_supported(void) { return 0; }
 

@@ -148,8 +148,8 @@ static inline __m256i dpbusd_avx2(__m256i acc, __m256i u, __m256i s) {
 #endif
 
 /* Codes of one block of x: qx = round(x / dx), dx = max|x| / 127; *dxsx = dx * (sum of the codes),
- * what a block offset (Q4_1's m, Q4_K's minimums) multiplies. */
-static void quantize_block(const float *x, int8_t *qx, float *dx, float *dxsx) {
+ * what a block offset (Q4_1's m, Q4_K's minimums) multiplies. Returns the sum of the codes. */
+static int32_t quantize_block(const float *x, int8_t *qx, float *dx, float *dxsx) {
     const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     __m256 v[4], amax = _mm256_setzero_ps();
     for (int i = 0; i < 4; ++i) {
@@ -171,8 +171,10 @@ static void quantize_block(const float *x, int8_t *qx, float *dx, float *dxsx) {
     __m128i s = _mm_add_epi32(_mm256_castsi256_si128(sums), _mm256_extracti128_si256(sums, 1));
     s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
     s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
+    const int32_t sum = _mm_cvtsi128_si32(s);
     *dx = d;
-    *dxsx = d * (float)_mm_cvtsi128_si32(s);
+    *dxsx = d * (float)sum;
+    return sum;
 }
 
 /* The 32 codes of a weight block as bytes: unsigned nibbles (Q4_1) or signed (Q4_0, Q8_0). */

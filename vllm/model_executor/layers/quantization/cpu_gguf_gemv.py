@@ -92,7 +92,8 @@ def tiled_fits(n: int) -> bool:
 
 @functools.cache
 def gemm_available() -> bool:
-    """Whether this build has the int8 GEMM (AVX512-VNNI), for any number of output rows."""
+    """Whether this build has the int8 GEMM (AVX512-VNNI, or AVX2's pair products where that is
+    the widest), for any number of output rows."""
     lib = _LIBRARY.get()
     return lib is not None and lib.gguf_gemm_supported() == 1
 

@@ -6,11 +6,11 @@ of input columns and the dtype it stands in for; a tied lm_head shares the param
 reads the embedding's blocks. `Linear.matmul` and `VocabParallelEmbedding` then come here:
 
   bf16 x                 cpu_gguf_gemv.product, the C decoder layers' product too, x quantized
-                         per 32-block to int8 where the CPU has int8 dot products: with
-                         AVX512-VNNI the int8 GEMM at every row count (16 output rows of blocks
-                         unpacked at a time for all rows of x, from the panels `to_panels`
-                         regroups the weights into; Q4_K from its rows, from 2 rows of x; not
-                         Q6_K); else up to a few rows one pass
+                         per 32-block to int8 where the CPU has int8 dot products: the int8
+                         GEMM at every row count (16 output rows of blocks unpacked at a time
+                         for all rows of x, from the panels `to_panels` regroups the weights
+                         into; with AVX512-VNNI also Q4_K from its rows, from 2 rows of x; with
+                         AVX2 Q8_0, Q4_0 and Q4_1 only; not Q6_K); else up to a few rows one pass
                          over the blocks, dequantized in registers (int8 or float32 dot
                          products), and from there (batched decodes, prefill chunks) each weight
                          dequantized to bf16 panel by panel for the tile GEMM (cpu_tile_gemm.c)

@@ -1,0 +1,301 @@
+/*
+ * Part of cpu_gguf_gemv.c: the int8 GEMM where AVX2 is the widest ISA built (HAVE_GGUF_GEMM_AVX2;
+ * cpu_gguf_gemv_panels.h has the AVX512-VNNI one), for Q8_0, Q4_0 and Q4_1 in rows or panels.
+ *
+ * The same arithmetic per output as that GEMM (see its header): per block of 32,
+ *
+ *   sum_i w_i x_i ~= D * dx * dot + M * dx * sx      dot = sum_i (u_i - offset) * qx_i, in int32
+ *
+ * in float32 in the blocks' order, so an output does not depend on how many rows of x come with
+ * it. Each 16-row panel is taken as two halves of 8 rows, one ymm lane per output row:
+ *
+ *   codes[g]  lane c: the 4 byte codes of dword g (codes 4g .. 4g + 3) of row c's block
+ *
+ * and x's dword g, broadcast, multiplies into all 8 rows (vpmaddubsw: unsigned by signed byte
+ * pairs summed into int16, then vpmaddwd into int32). A pair of 4-bit codes (at most 15) and x's
+ * codes (at most 127 in magnitude) sums to at most 3810, so a block's 8 code dwords add up in
+ * int16 before one vpmaddwd. Q8_0's codes are signed: their magnitudes (at most 128) multiply x
+ * with their signs, and each pair (at most 32512) widens to int32 at once.
+ *
+ * A half of up to GEMM8_TILE rows of x multiplies each block as it is decoded; more rows take
+ * the half unpacked once (its blocks' codes, D and M) into a per-thread buffer, then tiles of x.
+ * Meanwhile the bytes of the half two on (the next one a thread takes from the same 16 rows or
+ * panel) are prefetched: in rows, a half's 8 row streams are more than the hardware
+ * prefetchers follow from memory.
+ */
+#ifndef VLLM_CPU_GGUF_GEMV_PANELS_AVX2_H
+#define VLLM_CPU_GGUF_GEMV_PANELS_AVX2_H
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "bf16.h"
+#include "cpu_gguf_gemv_blocks.h"
+#include "cpu_gguf_gemv_rows.h"
+#include "prefetch.h"
+
+#if !defined(HAVE_GGUF_GEMM) && defined(HAVE_GGUF_INT8_ROWS) && defined(__FMA__) && defined(__F16C__)
+#define HAVE_GGUF_GEMM_AVX2 1
+#define GEMM8_TILE 4  /* rows of x per pass over a half panel: their sums stay in registers */
+
+/* The types this GEMM decodes (in rows, or in panels). */
+static inline int gemm8_type(int type) { return panel_type(type); }
+
+/* The 8 rows of a half panel, in rows (row c at base + offset[c]; lanes past W's last row repeat
+ * it) or in panels (base: the panel's first block, half: which 8 of its 16 lanes). */
+typedef struct {
+    const uint8_t *base;
+    int64_t offset[8];
+    int panels, half;
+} half_panel_at;
+
+/* 16 bytes at `at` of each row's block -> v[g] (g = 0 .. 3), lane c: dword g of row c. Rows c
+ * and c + 4 go to the 128-bit lanes of r[c], then a 4 x 4 transpose in each lane. */
+static inline void load_dwords8(const half_panel_at *p, int64_t at, __m256i v[4]) {
+    __m256i r[4];
+    for (int c = 0; c < 4; ++c)
+        r[c] = _mm256_set_m128i(_mm_loadu_si128((const __m128i *)(p->base + p->offset[c + 4] + at)),
+                                _mm_loadu_si128((const __m128i *)(p->base + p->offset[c] + at)));
+    const __m256i t0 = _mm256_unpacklo_epi32(r[0], r[1]), t1 = _mm256_unpackhi_epi32(r[0], r[1]);
+    const __m256i t2 = _mm256_unpacklo_epi32(r[2], r[3]), t3 = _mm256_unpackhi_epi32(r[2], r[3]);
+    v[0] = _mm256_unpacklo_epi64(t0, t2);
+    v[1] = _mm256_unpackhi_epi64(t0, t2);
+    v[2] = _mm256_unpacklo_epi64(t1, t3);
+    v[3] = _mm256_unpackhi_epi64(t1, t3);
+}
+
+/* The float16 at `at` of each row's block, lane c for row c, as float32. */
+static inline __m256 load_halves8(const half_panel_at *p, int64_t at) {
+    uint16_t h[8];
+    for (int c = 0; c < 8; ++c) memcpy(&h[c], p->base + p->offset[c] + at, 2);
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
+}
+
+static inline void split_nibbles8(__m256i codes[8]) {  /* as split_nibbles in the panels' header */
+    const __m256i low = _mm256_set1_epi8(15);
+    for (int g = 0; g < 4; ++g) {
+        codes[4 + g] = _mm256_and_si256(_mm256_srli_epi16(codes[g], 4), low);
+        codes[g] = _mm256_and_si256(codes[g], low);
+    }
+}
+
+/* Block kb of the half panel -> codes[g] (signed for Q8_0, 4-bit unsigned otherwise), *D, *M.
+ * `type` is a constant in each caller. */
+static inline __attribute__((always_inline)) void decode8(const half_panel_at *p, const int type, int64_t kb,
+                                                          __m256i codes[8], __m256 *D, __m256 *M) {
+    const int vectors = type == TYPE_Q8_0 ? 8 : 4;
+    *M = _mm256_setzero_ps();
+    if (p->panels) {
+        const uint8_t *at = p->base + kb * 16 * block_bytes(type);
+        for (int g = 0; g < vectors; ++g) codes[g] = _mm256_loadu_si256((const __m256i *)(at + 64 * g + 32 * p->half));
+        *D = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(at + panel_d_at(type) + 16 * p->half)));
+        if (type == TYPE_Q4_1)
+            *M = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(at + panel_m_at(type) + 16 * p->half)));
+    } else {
+        const int64_t at = kb * block_bytes(type);
+        *D = load_halves8(p, at);
+        if (type == TYPE_Q4_1) *M = load_halves8(p, at + 2);
+        load_dwords8(p, at + codes_at(type), codes);
+        if (type == TYPE_Q8_0) load_dwords8(p, at + codes_at(type) + 16, codes + 4);
+    }
+    if (type != TYPE_Q8_0) split_nibbles8(codes);
+}
+
+/* x's blocks as this GEMM reads them (each array (m, k / 32) but qx (m, k)). */
+typedef struct {
+    int8_t *qx;
+    float *dx, *dxsx;
+    int32_t *start;  /* -offset * sx: where each block's integer dot product starts */
+} x_blocks;
+
+/* bf16 x (m, k) -> its blocks' codes, as gguf_matmul_int8 quantizes them. */
+static void quantize_x8(const uint16_t *x, int type, int64_t m, int64_t k, x_blocks q) {
+    const int64_t blocks = m * (k / QK);
+    const int offset = type == TYPE_Q4_0 ? 8 : 0;  /* Q8_0's signed codes need none */
+    #pragma omp parallel for schedule(static) if (blocks >= 256)
+    for (int64_t i = 0; i < blocks; ++i) {
+        float xf[QK];
+        for (int v = 0; v < QK / 8; ++v) _mm256_storeu_ps(xf + 8 * v, bf16x8_to_float(x + i * QK + 8 * v));
+        q.start[i] = -offset * quantize_block(xf, q.qx + i * QK, q.dx + i, q.dxsx + i);
+    }
+}
+
+/* acc[t] (t < TM) + x block xb + t * nb's share of the half panel's block (codes u, D, M) in its
+ * 8 output rows. TM and type are constants in each caller: the sums stay in registers. */
+static inline __attribute__((always_inline)) void tile_block8(const __m256i *u, __m256 D, __m256 M, x_blocks q,
+                                                              int64_t xb, int64_t nb, const int TM, const int type,
+                                                              __m256 *acc) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i dot[GEMM8_TILE];
+    if (type == TYPE_Q8_0) {
+        for (int t = 0; t < TM; ++t) dot[t] = _mm256_setzero_si256();
+        for (int g = 0; g < 8; ++g) {
+            const __m256i magnitude = _mm256_sign_epi8(u[g], u[g]);
+            for (int t = 0; t < TM; ++t) {
+                const __m256i xg = _mm256_set1_epi32(((const int32_t *)(q.qx + (xb + t * nb) * QK))[g]);
+                const __m256i pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(xg, u[g]));
+                dot[t] = _mm256_add_epi32(dot[t], _mm256_madd_epi16(pairs, ones));
+            }
+        }
+    } else {
+        __m256i pairs[GEMM8_TILE];
+        for (int t = 0; t < TM; ++t) pairs[t] = _mm256_setzero_si256();
+        for (int g = 0; g < 8; ++g)
+            for (int t = 0; t < TM; ++t) {
+                const __m256i xg = _mm256_set1_epi32(((const int32_t *)(q.qx + (xb + t * nb) * QK))[g]);
+                pairs[t] = _mm256_add_epi16(pairs[t], _mm256_maddubs_epi16(u[g], xg));
+            }
+        for (int t = 0; t < TM; ++t)
+            dot[t] = _mm256_add_epi32(_mm256_madd_epi16(pairs[t], ones), _mm256_set1_epi32(q.start[xb + t * nb]));
+    }
+    for (int t = 0; t < TM; ++t) {
+        const int64_t b = xb + t * nb;
+        acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(dot[t]), _mm256_set1_ps(q.dx[b])), D, acc[t]);
+        if (type == TYPE_Q4_1) acc[t] = _mm256_fmadd_ps(M, _mm256_set1_ps(q.dxsx[b]), acc[t]);
+    }
+}
+
+/* Rows [t0, t0 + TM) of y, output rows [j0, j0 + rows) (rows <= 8): acc[t] plus the bias, to bf16. */
+static inline void store_rows8(const __m256 *acc, int64_t t0, int TM, const uint16_t *bias, uint16_t *y,
+                               int64_t j0, int rows, int64_t n) {
+    float b[8] = {0};
+    for (int c = 0; c < rows && bias != NULL; ++c) b[c] = bf16_to_float(bias[j0 + c]);
+    const __m256 bv = _mm256_loadu_ps(b);
+    for (int t = 0; t < TM; ++t) {
+        const __m256 v = _mm256_add_ps(acc[t], bv);
+        if (rows == 8) {
+            store_bf16x8(y + (t0 + t) * n + j0, v);
+            continue;
+        }
+        float f[8];
+        _mm256_storeu_ps(f, v);
+        for (int c = 0; c < rows; ++c) y[(t0 + t) * n + j0 + c] = float_to_bf16(f[c]);
+    }
+}
+
+/* Rows [t0, t0 + TM) of x times the half panel, each block multiplied as it is decoded. */
+static inline __attribute__((always_inline)) void multiply_half(const half_panel_at *p, const int type, x_blocks q,
+                                                                int64_t t0, const int TM, int64_t nb,
+                                                                const uint16_t *bias, uint16_t *y, int64_t j0,
+                                                                int rows, int64_t n, prefetch_stream *ahead) {
+    __m256 acc[GEMM8_TILE];
+    for (int t = 0; t < TM; ++t) acc[t] = _mm256_setzero_ps();
+    for (int64_t kb = 0; kb < nb; ++kb) {
+        prefetch_step(ahead);
+        __m256i u[8];
+        __m256 D, M;
+        decode8(p, type, kb, u, &D, &M);
+        tile_block8(u, D, M, q, t0 * nb + kb, nb, TM, type, acc);
+    }
+    store_rows8(acc, t0, TM, bias, y, j0, rows, n);
+}
+
+/* A half panel unpacked: per block, 8 code vectors, then D and M (buffer: nb * 10 ymm). */
+static inline void unpack_half(const half_panel_at *p, const int type, int64_t nb, __m256i *buffer) {
+    for (int64_t kb = 0; kb < nb; ++kb) {
+        __m256 D, M;
+        decode8(p, type, kb, buffer + 10 * kb, &D, &M);
+        buffer[10 * kb + 8] = _mm256_castps_si256(D);
+        buffer[10 * kb + 9] = _mm256_castps_si256(M);
+    }
+}
+
+/* Rows [t0, t0 + TM) of x times an unpacked half panel. */
+static inline __attribute__((always_inline)) void multiply_unpacked(const __m256i *buffer, const int type, x_blocks q,
+                                                                    int64_t t0, const int TM, int64_t nb,
+                                                                    const uint16_t *bias, uint16_t *y, int64_t j0,
+                                                                    int rows, int64_t n, prefetch_stream *ahead) {
+    __m256 acc[GEMM8_TILE];
+    for (int t = 0; t < TM; ++t) acc[t] = _mm256_setzero_ps();
+    for (int64_t kb = 0; kb < nb; ++kb) {
+        prefetch_step(ahead);
+        const __m256i *b = buffer + 10 * kb;
+        tile_block8(b, _mm256_castsi256_ps(b[8]), _mm256_castsi256_ps(b[9]), q, t0 * nb + kb, nb, TM, type, acc);
+    }
+    store_rows8(acc, t0, TM, bias, y, j0, rows, n);
+}
+
+/* All m rows of x times the half panel p (W's rows [j0, j0 + rows)); `buffer` (nb * 10 ymm)
+ * where m > GEMM8_TILE; the `bytes` from `next` prefetched meanwhile. `type` is a constant in
+ * each caller. */
+static inline __attribute__((always_inline)) void half_panel_product(const half_panel_at *p, const int type,
+                                                                     x_blocks q, int64_t m, int64_t nb,
+                                                                     __m256i *buffer, const uint16_t *bias,
+                                                                     uint16_t *y, int64_t j0, int rows,
+                                                                     int64_t n, const uint8_t *next, int64_t bytes) {
+    const int64_t tiles = (m + GEMM8_TILE - 1) / GEMM8_TILE;
+    prefetch_stream ahead = prefetch_spread(next, bytes, tiles * nb);
+    if (m <= GEMM8_TILE) {
+        switch (m) {
+        case 1: multiply_half(p, type, q, 0, 1, nb, bias, y, j0, rows, n, &ahead); break;
+        case 2: multiply_half(p, type, q, 0, 2, nb, bias, y, j0, rows, n, &ahead); break;
+        case 3: multiply_half(p, type, q, 0, 3, nb, bias, y, j0, rows, n, &ahead); break;
+        default: multiply_half(p, type, q, 0, GEMM8_TILE, nb, bias, y, j0, rows, n, &ahead); break;
+        }
+        return;
+    }
+    unpack_half(p, type, nb, buffer);
+    int64_t t0 = 0;
+    for (; m - t0 >= GEMM8_TILE; t0 += GEMM8_TILE)
+        multiply_unpacked(buffer, type, q, t0, GEMM8_TILE, nb, bias, y, j0, rows, n, &ahead);
+    switch (m - t0) {
+    case 1: multiply_unpacked(buffer, type, q, t0, 1, nb, bias, y, j0, rows, n, &ahead); break;
+    case 2: multiply_unpacked(buffer, type, q, t0, 2, nb, bias, y, j0, rows, n, &ahead); break;
+    case 3: multiply_unpacked(buffer, type, q, t0, 3, nb, bias, y, j0, rows, n, &ahead); break;
+    default: break;
+    }
+}
+
+/* y (m, n) bf16 = x @ W^T + bias: x (m, k) bf16, W of `type` in rows or (in_panels) panels,
+ * bias (n) bf16 or NULL. 1 where the type or layout does not fit, 2 where memory runs out. */
+static int gemm8_int8_bf16(const uint16_t *x, const uint8_t *w, int type, int in_panels, const uint16_t *bias,
+                           uint16_t *y, int64_t m, int64_t n, int64_t k) {
+    if (!gemm8_type(type) || row_bytes(type, k) == 0 || (in_panels && n % 16)) return 1;
+    if (m == 0 || n == 0) return 0;
+    const int64_t nb = k / QK, stride = row_bytes(type, k), halves = (n + 7) / 8;
+    x_blocks q = {malloc((size_t)(m * k)), malloc((size_t)(m * nb) * sizeof(float)),
+                  malloc((size_t)(m * nb) * sizeof(float)), malloc((size_t)(m * nb) * sizeof(int32_t))};
+    int status = 0;
+    if (q.qx == NULL || q.dx == NULL || q.dxsx == NULL || q.start == NULL) {
+        free(q.qx); free(q.dx); free(q.dxsx); free(q.start);
+        return 2;
+    }
+    quantize_x8(x, type, m, k, q);
+    #pragma omp parallel
+    {
+        __m256i *buffer = m > GEMM8_TILE ? aligned_alloc(32, (size_t)nb * 10 * sizeof(__m256i)) : NULL;
+        if (m > GEMM8_TILE && buffer == NULL) {
+            #pragma omp atomic write
+            status = 2;
+        }
+        #pragma omp for schedule(static)
+        for (int64_t h = 0; h < halves; ++h) {
+            if (m > GEMM8_TILE && buffer == NULL) continue;
+            const int64_t j0 = 8 * h;
+            const int rows = n - j0 < 8 ? (int)(n - j0) : 8;
+            half_panel_at p = {.panels = in_panels, .half = (int)(h % 2)};
+            if (in_panels) {
+                p.base = w + (j0 / 16) * 16 * stride;
+            } else {
+                p.base = w + j0 * stride;
+                for (int c = 0; c < 8; ++c) p.offset[c] = (c < rows ? c : rows - 1) * stride;
+            }
+            /* the bytes of W's rows [j0 + 16, j0 + 24), or of that half's share of its panel */
+            const int64_t ahead = j0 + 16 < n ? j0 + 16 : n;
+            const int64_t bytes = ((n - ahead < 8 ? n - ahead : 8)) * stride;
+            const uint8_t *next = w + ahead * stride;
+            switch (type) {
+            case TYPE_Q8_0: half_panel_product(&p, TYPE_Q8_0, q, m, nb, buffer, bias, y, j0, rows, n, next, bytes); break;
+            case TYPE_Q4_0: half_panel_product(&p, TYPE_Q4_0, q, m, nb, buffer, bias, y, j0, rows, n, next, bytes); break;
+            default: half_panel_product(&p, TYPE_Q4_1, q, m, nb, buffer, bias, y, j0, rows, n, next, bytes); break;
+            }
+        }
+        free(buffer);
+    }
+    free(q.qx); free(q.dx); free(q.dxsx); free(q.start);
+    return status;
+}
+
+#endif
+
+#endif  /* VLLM_CPU_GGUF_GEMV_PANELS_AVX2_H */
