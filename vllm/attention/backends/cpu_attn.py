@@ -25,6 +25,7 @@ from vllm.attention.backends.cpu_metadata_checks import check_metadata
 from vllm.attention.ops import cpu_kv_cache, cpu_paged_decode, cpu_paged_prefill
 from vllm.config import EngineConfig
 from vllm.model_executor.layers.linear import can_pack, pack_linear_weights
+from vllm.platforms.cpu import cpu_has_native_bf16_dot
 
 
 def write_to_kv_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
@@ -56,26 +57,35 @@ def _rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return x.index_select(0, index.view(-1)).view(*index.shape, *x.shape[1:])
 
 
-def _gather_cache(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-    """cache (num_blocks, block_size, KVH, D), tables (S, B) -> (S, KVH, B * block_size, D)."""
+def _gather_cache(cache: torch.Tensor, block_tables: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """cache (num_blocks, block_size, KVH, D), tables (S, B) -> (S, KVH, B * block_size, D) in dtype."""
     s, b = block_tables.shape
     block_size, kvh, d = cache.shape[1:]
     # index_select copies whole blocks as contiguous runs; advanced indexing goes element by element.
-    blocks = cache.index_select(0, block_tables.view(-1))                      # (S * B, bs, KVH, D)
+    blocks = cache.index_select(0, block_tables.view(-1)).to(dtype)           # (S * B, bs, KVH, D)
     return blocks.view(s, b * block_size, kvh, d).transpose(1, 2)
+
+
+def _group_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the torch groups compute in for a model in `dtype`. Without bf16 dot products,
+    torch's bf16 attention converts its operands to float32 as it goes, below the float32 rate,
+    and rounds each partial output to bf16 before they merge: there bf16 groups run in float32,
+    rounded to bf16 once, so a chunk after cached context differs from the same tokens computed
+    in one pass by float32 rounding only."""
+    return torch.float32 if dtype == torch.bfloat16 and not cpu_has_native_bf16_dot() else dtype
 
 
 def _masked_attention(g: AttentionGroup, query: torch.Tensor, key_cache: torch.Tensor,
                       value_cache: torch.Tensor, scale: float) -> torch.Tensor:
-    """Returns (S, Q, H, D)."""
+    """query in the group's dtype (`_group_dtype`). Returns (S, Q, H, D) in that dtype."""
     q_len = g.gather_index.shape[1]
     if g.leading_decodes:
         s = g.gather_index.shape[0]
         q = _fold(query[:s].unsqueeze(1), key_cache.shape[2])         # (S, KVH, r, D)
     else:
         q = _fold(_rows(query, g.gather_index), key_cache.shape[2])  # (S, KVH, Q * r, D)
-    k = _gather_cache(key_cache, g.block_tables)                      # (S, KVH, K, D)
-    v = _gather_cache(value_cache, g.block_tables)
+    k = _gather_cache(key_cache, g.block_tables, query.dtype)         # (S, KVH, K, D)
+    v = _gather_cache(value_cache, g.block_tables, query.dtype)
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=g.mask, scale=scale)
     return _unfold(o, q_len)
 
@@ -83,7 +93,8 @@ def _masked_attention(g: AttentionGroup, query: torch.Tensor, key_cache: torch.T
 def _split_prefill_attention(g: AttentionGroup, query: torch.Tensor, key: torch.Tensor,
                              value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                              scale: float) -> torch.Tensor:
-    """Returns (S, Q, H, D)."""
+    """query, key and value in the group's dtype (`_group_dtype`). Returns (S, Q, H, D) in that
+    dtype."""
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     q_rows = _rows(query, g.gather_index)                             # (S, Q, H, D)
     q = q_rows.transpose(1, 2)                                        # (S, H, Q, D)
@@ -93,8 +104,8 @@ def _split_prefill_attention(g: AttentionGroup, query: torch.Tensor, key: torch.
     o_chunk, lse_chunk = flash(q, k, v, 0.0, True, scale=scale)     # (S, H, Q, D), (S, H, Q)
     if g.context_bias is None and not g.exact_context:
         return o_chunk.transpose(1, 2)
-    kc = _gather_cache(key_cache, g.block_tables)                    # (S, KVH, K, D)
-    vc = _gather_cache(value_cache, g.block_tables)
+    kc = _gather_cache(key_cache, g.block_tables, query.dtype)       # (S, KVH, K, D)
+    vc = _gather_cache(value_cache, g.block_tables, query.dtype)
     if g.exact_context:
         kc, vc = kc[:, :, :g.exact_context], vc[:, :, :g.exact_context]  # (1, KVH, C, D)
         o_ctx, lse_ctx = flash(q, kc, vc, 0.0, False, scale=scale)   # (1, H, Q, D), (1, H, Q)
@@ -149,11 +160,14 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         cpu_paged_prefill.paged_prefill(query, key_cache, value_cache, prefills.block_tables,
                                         prefills.token_offsets, prefills.query_lens, prefills.context_lens,
                                         scale, prefills.sliding_window, out[:num_tokens])
+    if metadata.groups:
+        dtype = _group_dtype(query.dtype)
+        q, k, v = query.to(dtype), key.to(dtype), value.to(dtype)   # (T, H, D), (T, KVH, D) x 2
     for g in metadata.groups:
         if g.mask is not None:
-            o = _masked_attention(g, query, key_cache, value_cache, scale)
+            o = _masked_attention(g, q, key_cache, value_cache, scale).to(query.dtype)
         else:
-            o = _split_prefill_attention(g, query, key, value, key_cache, value_cache, scale)
+            o = _split_prefill_attention(g, q, k, v, key_cache, value_cache, scale).to(query.dtype)
         if g.leading_decodes:
             out[:o.shape[0]] = o.view(-1, num_heads, head_dim)
         else:
@@ -194,7 +208,7 @@ class CpuAttentionBackend(AttentionBackend):
     def build_metadata(self, batch: StepBatch) -> AttentionMetadata:
         metadata = build_attention_metadata(
             batch.spans, batch.num_decodes, batch.slot_mapping, self.block_size, self.heads_per_kv,
-            self.sliding_window, self.pad_block, self.device, self.dtype, split_prefill=True,
+            self.sliding_window, self.pad_block, self.device, _group_dtype(self.dtype), split_prefill=True,
             paged_decode=self.paged_decode, paged_prefill=self.paged_prefill)
         check_metadata(metadata, self.pad_block + 1, self.block_size)  # the C kernels trust it
         return metadata
