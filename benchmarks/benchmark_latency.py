@@ -97,7 +97,7 @@ def main(args: argparse.Namespace) -> dict:
           f"avg decode: {decode_s:.4f} s over {decode_steps:.0f} steps"
           + (f" ({1000 * decode_s / decode_steps:.2f} ms/step)" if decode_steps else ""))
 
-    dtype = engine_setup.engine_dtype_name(llm, args.dtype)
+    dtype = engine_setup.engine_dtype_name(llm, args)
     results = {
         "avg_latency": float(np.mean(latencies_arr)),
         "latencies": latencies,

@@ -105,7 +105,7 @@ def run_vllm(requests: list[dict], args: argparse.Namespace) -> dict:
         "errors": errors[:10],
         "engine_stats": stats,
         "step_composition": recorder.composition(),
-        "dtype": engine_setup.engine_dtype_name(llm, args.dtype),
+        "dtype": engine_setup.engine_dtype_name(llm, args),
     }
     if not args.no_roofline:
         extra["roofline"] = roofline.compute_roofline(
@@ -120,7 +120,7 @@ def run_hf(requests: list[dict], args: argparse.Namespace, tokenizer) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    dtype_name = engine_setup.resolve_dtype_name(args.dtype)
+    dtype_name = engine_setup.resolve_dtype_name(args)
     directory, kwargs = engine_setup.hf_model_kwargs(engine_setup.resolve_model_path(args.model))
     t0 = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=getattr(torch, dtype_name),

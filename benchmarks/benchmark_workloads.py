@@ -119,7 +119,7 @@ class HF:
         import torch
         from transformers import AutoModelForCausalLM
         directory, kwargs = engine_setup.hf_model_kwargs(engine_setup.resolve_model_path(args.model))
-        dtype = getattr(torch, engine_setup.resolve_dtype_name(args.dtype))
+        dtype = getattr(torch, engine_setup.resolve_dtype_name(args))
         self.model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, local_files_only=True,
                                                           **kwargs).eval()
 
@@ -166,7 +166,7 @@ def run(args: argparse.Namespace) -> dict:
     result: dict = {"workloads": {}, "definitions": __doc__.split("\n\n")[1]}
     w = result["workloads"]
 
-    dtype_name = engine_setup.resolve_dtype_name(args.dtype)
+    dtype_name = engine_setup.resolve_dtype_name(args)
     result["machine_roofline"] = roofline.measure_machine_roofline(dtype_name, args.roofline_seconds)
     params = roofline.model_param_counts(engine_setup.resolve_model_path(args.model))
     bytes_per_param = torch.finfo(getattr(torch, dtype_name)).bits // 8

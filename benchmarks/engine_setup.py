@@ -19,9 +19,6 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="torch.set_num_threads(N) before anything runs (default: torch's default)")
 
 
-_DTYPE_ALIASES = {"half": "float16", "float": "float32"}
-
-
 def engine_kwargs(args: argparse.Namespace, **overrides) -> dict:
     """The `LLM(...)` keyword arguments the engine flags give (plus `overrides`)."""
     from vllm.engine.arg_utils import EngineArgs
@@ -78,26 +75,24 @@ def load_hf_tokenizer(model: str | None, tokenizer: str | None = None):
     return load_tokenizer(resolve_model_source(resolve_model_path(tokenizer if tokenizer else model)))
 
 
-def default_dtype_name() -> str:
-    """The engine's `dtype="auto"` rule on CPU: bf16 where the CPU has native bf16 dot
-    products (AMX or AVX512-BF16), else fp32."""
-    from vllm.platforms.cpu import cpu_has_native_bf16_dot
+def resolve_dtype_name(args: argparse.Namespace) -> str:
+    """The dtype the engine flags make the engine run in: its own resolution of the flags
+    (dtype="auto" depends on the platform, and on CPU on whether the weights stay quantized)."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.platforms import get_platform
 
-    return "bfloat16" if cpu_has_native_bf16_dot() else "float32"
-
-
-def resolve_dtype_name(dtype: str) -> str:
-    dtype = _DTYPE_ALIASES.get(dtype, dtype)
-    return default_dtype_name() if dtype == "auto" else dtype
+    engine_args = EngineArgs.from_cli_args(args)
+    config, _, _ = engine_args.create_engine_config(get_platform(engine_args.device))
+    return str(config.model.dtype).removeprefix("torch.")
 
 
-def engine_dtype_name(llm_or_engine, requested: str) -> str:
-    """The dtype the engine actually runs in, if it says; else the engine's documented rule."""
+def engine_dtype_name(llm_or_engine, args: argparse.Namespace) -> str:
+    """The dtype the engine actually runs in, if it says; else its resolution of the flags."""
     engine = getattr(llm_or_engine, "llm_engine", llm_or_engine)
     dtype = getattr(getattr(getattr(engine, "config", None), "model", None), "dtype", None)
     if dtype is not None:
-        return str(dtype).replace("torch.", "")
-    return resolve_dtype_name(requested)
+        return str(dtype).removeprefix("torch.")
+    return resolve_dtype_name(args)
 
 
 def decode_weight_bytes(llm_or_engine) -> int | None:

@@ -111,3 +111,22 @@ def test_settings_that_do_not_apply_on_cpu_are_logged(tiny_checkpoints, caplog, 
 def test_out_of_range_values(tiny_checkpoints, field, value):
     with pytest.raises(ValueError, match=field):
         EngineArgs(model=tiny_checkpoints["llama"], **{field: value}).create_engine_config(CpuPlatform())
+
+
+@pytest.mark.parametrize("model,quantization", [("llama", None), ("llama", "int8"), ("smollm2", "gguf")])
+def test_auto_dtype_follows_the_cpu_and_the_weights(tiny_checkpoints, model, quantization):
+    """bf16 where the CPU has native bf16 dot products; else float32, but for GGUF blocks where
+    the int8 GEMM is built (they take no bf16 GEMM), as this machine's kernels promise."""
+    import torch
+
+    from tests.utils import smollm2_path
+    from vllm.model_executor.layers.quantization import cpu_gguf_gemv
+    from vllm.platforms.cpu import cpu_has_native_bf16_dot
+
+    path = smollm2_path() if model == "smollm2" else tiny_checkpoints[model]
+    bf16 = cpu_has_native_bf16_dot() or (quantization == "gguf" and cpu_gguf_gemv.gemm_available())
+    config, _, _ = EngineArgs(model=path, quantization=quantization).create_engine_config(CpuPlatform())
+    assert config.model.dtype == (torch.bfloat16 if bf16 else torch.float32)
+    explicit, _, _ = EngineArgs(model=path, quantization=quantization,
+                                dtype="float32").create_engine_config(CpuPlatform())
+    assert explicit.model.dtype == torch.float32

@@ -51,6 +51,10 @@ class Platform:
     def device(self) -> torch.device:
         return torch.device(self.device_type)
 
+    def auto_dtype(self, quantization: str | None) -> torch.dtype:
+        """The compute dtype dtype="auto" means for weights in `quantization` (None: unquantized)."""
+        return self.default_dtype
+
     def kv_cache_budget(self, gpu_memory_utilization: float, weight_bytes: int) -> int:
         """Bytes for the KV cache when the user gives no kv_cache_memory_bytes, on platforms that
         size it from device memory (`sizes_kv_cache_from_device_memory`)."""
