@@ -176,12 +176,23 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
+def matmul_peak_dtype(dtype_name: str) -> str:
+    """The dtype whose matmul peak bounds a run in `dtype_name`. bf16 on a CPU without bf16 dot
+    products has no peak of its own: torch converts its operands to float32 as it goes, far
+    below the float32 rate, and the engine's bf16 work takes float32 GEMMs or int8 products
+    there (gguf_linear.py, cpu_attn.py); the float32 FMAs bound it."""
+    from vllm.platforms.cpu import cpu_has_native_bf16_dot
+
+    if dtype_name not in ("bfloat16", "float16", "float32"):
+        dtype_name = "bfloat16"
+    return "float32" if dtype_name == "bfloat16" and not cpu_has_native_bf16_dot() else dtype_name
+
+
 def measure_machine_roofline(dtype_name: str, min_seconds: float | None = None) -> dict:
     """The two machine ceilings, measured now with the current torch thread count (each for at
     least `min_seconds`; None: its own default), and the dot-product instructions' rates beside
-    them (multiply-adds per second)."""
-    matmul = measure_matmul_flops(dtype_name if dtype_name in ("bfloat16", "float16", "float32")
-                                  else "bfloat16", min_seconds=min_seconds)
+    them (multiply-adds per second). The matmul's dtype: `matmul_peak_dtype`."""
+    matmul = measure_matmul_flops(matmul_peak_dtype(dtype_name), min_seconds=min_seconds)
     bandwidth = measure_memory_bandwidth(min_seconds=min_seconds)
     return {"matmul": matmul, "memory": bandwidth, "dot_products_macs_per_s": measure_dot_product_peaks()}
 
