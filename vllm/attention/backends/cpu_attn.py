@@ -10,7 +10,8 @@ chunks exist, to their cached keys without a causal mask (all of them precede th
 two partial softmaxes are merged through their log-sum-exp. With a sliding window the prefill
 group uses one explicit mask over the gathered cache instead. Grouped-query attention folds the
 query heads that share a KV head into the query axis wherever no causal structure is needed, so
-K/V are not repeated there.
+K/V are not repeated there. Where the CPU has no bf16 dot products, bf16 groups compute in
+float32 and round once (`_group_dtype`).
 
 Shapes are exact: a captured CPU graph treats attention as an opaque op and its token count as
 symbolic, so nothing here needs padding beyond the runner's token bucket.
