@@ -78,8 +78,8 @@ DOT_PRODUCTS = {"float32": 0, "bfloat16": 1, "int8": 2}
 
 def measure_dot_product_peaks(iterations: int = 2_000_000, reps: int = 5) -> dict[str, float]:
     """Best-of multiply-adds per second of the dot-product instructions (dot_product_peaks.c:
-    float32 FMAs, bf16 pairs, int8 quads) on every thread, by number type. Kinds this CPU lacks,
-    or all of them where the C file cannot be built, are left out."""
+    float32 FMAs, bf16 pairs, int8 quads, or AVX2's int8 pairs) on every thread, by number type.
+    Kinds this CPU lacks, or all of them where the C file cannot be built, are left out."""
     import ctypes
     from pathlib import Path
 

@@ -388,14 +388,14 @@ def test_dot_product_peaks_are_measured_for_the_instructions_this_cpu_has():
     roofline = load_module("roofline")
     peaks = roofline.measure_dot_product_peaks(iterations=20_000, reps=1)
     flags = cpu_flags()
-    expected = {name for name, needs in (("float32", {"avx512f"}), ("bfloat16", {"avx512_bf16", "avx512bw"}),
-                                         ("int8", {"avx512_vnni", "avx512bw"})) if needs <= flags}
+    # float32 FMAs and int8 products in zmm registers, or AVX2's in ymm: every x86-64-v3 CPU
+    expected = {name for name, needs in (("float32", {"avx2", "fma"}), ("bfloat16", {"avx512_bf16", "avx512bw"}),
+                                         ("int8", {"avx2"})) if needs <= flags}
     assert set(peaks) == expected
     assert all(rate > 1e9 for rate in peaks.values())  # multiply-adds per second, of every core
 
 
-@pytest.mark.skipif(not {"avx512_vnni", "avx512bw", "avx512vl"} <= cpu_flags(),
-                    reason="the int8 products need AVX512-VNNI")
+@pytest.mark.skipif("avx2" not in cpu_flags(), reason="the int8 products need AVX2")
 def test_gguf_products(tmp_path):
     out = tmp_path / "products.json"
     proc = run_script("benchmark_gguf_products.py", "--types", "Q4_1", "--rows", "1,16", "--rounds", "1",
