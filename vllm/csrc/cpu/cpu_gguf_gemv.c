@@ -333,10 +333,11 @@ int gguf_gemm_int8_bf16(const uint16_t *x, const uint8_t *w, int type, const uin
  * is built and decodes the type, from gemm_min_rows(type) rows: on the default model's shapes
  * it is ahead of the tiled product at every row count the benchmark times, and of the
  * weight-stationary int8 product from one row on panels (for Q8_0's single row, by a few
- * percent on most shapes) and from two on Q4_K's rows. Without it, the tiled product from
- * tiled_min_rows(type) rows, where it overtakes the weight-stationary one (the same
- * benchmark), and that one below. Panels are made only where the GEMM is built: only it
- * multiplies them.
+ * percent on most shapes) and from two on Q4_K's rows. AVX2's is ahead of it or level from one
+ * row on panels and on the lm_head's rows (gguf_products_epyc_zen3_avx2.json). Without it, the
+ * tiled product from tiled_min_rows(type) rows, where it overtakes the weight-stationary one
+ * (the same benchmark), and that one below. Panels are made only where the GEMM is built: only
+ * it multiplies them.
  */
 enum { PATH_FLOAT, PATH_INT8, PATH_GEMM, PATH_TILED };  /* cpu_gguf_gemv.PATHS */
 
