@@ -157,6 +157,22 @@ def test_a_q4_k_m_file_keeps_each_matrix_in_its_own_type(q4_k_m_gguf):
     assert ours == ref
 
 
+@pytest.mark.skipif(not cpu_gguf_gemv.available(), reason="the GGUF kernels need a C compiler")
+def test_auto_dtype_is_bf16_only_where_the_int8_gemm_takes_every_type(q4_k_gguf, q4_k_m_gguf):
+    """Without native bf16 dot products, dtype="auto" is bf16 for a GGUF file only where the int8
+    GEMM decodes all its types (a token's result then does not depend on its step): Q4_K with
+    AVX512-VNNI's GEMM, never Q6_K (so never a Q4_K_M file)."""
+    from vllm.platforms.cpu import cpu_has_native_bf16_dot
+
+    def dtype(path: str) -> torch.dtype:
+        config, _, _ = EngineArgs(model=path, kv_cache_memory_bytes=16 << 20).create_engine_config(CpuPlatform())
+        return config.model.dtype
+
+    native = cpu_has_native_bf16_dot()
+    assert dtype(q4_k_gguf) == (torch.bfloat16 if native or cpu_gguf_gemv.gemm_takes(Q4_K) else torch.float32)
+    assert dtype(q4_k_m_gguf) == (torch.bfloat16 if native else torch.float32)
+
+
 class _CpuWithoutQ4K(CpuPlatform):
     """The CPU platform of a build whose kernels take every supported type but Q4_K."""
 

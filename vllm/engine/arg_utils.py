@@ -64,7 +64,8 @@ class EngineArgs:
         False, "let transformers run the checkpoint's own config and tokenizer code")
     dtype: str = arg(
         "auto", "compute dtype; auto: the platform's choice (on CPU bfloat16 where it has native "
-        "bf16 dot products or GGUF blocks take its int8 GEMM, else float32; bfloat16 on Gaudi)",
+        "bf16 dot products or its int8 GEMM takes every GGUF type of the model, else float32; "
+        "bfloat16 on Gaudi)",
         choices=DTYPE_CHOICES)
     seed: int = arg(0, "seed of unseeded random sampling")
     max_model_len: int | None = arg(
@@ -251,7 +252,9 @@ class EngineArgs:
                 self.tokenizer, trust_remote_code=self.trust_remote_code,
                 revision=self.tokenizer_revision, download_dir=self.download_dir)
         hf_config = load_hf_config(source)
-        dtype = resolve_dtype(self.dtype, platform.auto_dtype(quantization))
+        quantized_types = (quantized_type_names(os.path.join(source.directory, source.gguf_file))
+                           if quantization == "gguf" else frozenset())
+        dtype = resolve_dtype(self.dtype, platform.auto_dtype(quantization, quantized_types))
 
         max_positions = getattr(hf_config, "max_position_embeddings", None)
         max_model_len = self.max_model_len if self.max_model_len is not None else max_positions

@@ -112,14 +112,16 @@ class CpuPlatform(Platform):
         self.default_dtype = torch.bfloat16 if cpu_has_native_bf16_dot() else torch.float32
         keep_freed_memory_in_process()
 
-    def auto_dtype(self, quantization):
-        # GGUF blocks, where the int8 GEMM is built (AVX2 or later), multiply x's int8 codes at
-        # every row count and never reach torch's bf16 GEMM, so bf16 is the faster choice there
-        # even without native bf16 dot products: the C layers run bf16 steps only, and bf16
-        # halves the activations' and the KV cache's bytes.
-        from vllm.model_executor.layers.quantization import cpu_gguf_gemv
+    def auto_dtype(self, quantization, quantized_types=frozenset()):
+        # GGUF blocks of types the int8 GEMM decodes here (AVX2 and later) multiply x's int8
+        # codes at every row count and never reach torch's bf16 GEMM, so bf16 is the faster
+        # choice there even without native bf16 dot products (the C layers run bf16 steps only,
+        # and bf16 halves the activations' and the KV cache's bytes), and a token's result does
+        # not depend on its step. Other types' bf16 products change with the row count there.
+        from vllm.model_executor.layers.quantization import cpu_gguf_gemv, gguf_blocks
 
-        if quantization == "gguf" and cpu_gguf_gemv.gemm_available():
+        if quantization == "gguf" and quantized_types and all(
+                cpu_gguf_gemv.gemm_takes(gguf_blocks.type_of(name)) for name in quantized_types):
             return torch.bfloat16
         return self.default_dtype
 

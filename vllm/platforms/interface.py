@@ -51,8 +51,9 @@ class Platform:
     def device(self) -> torch.device:
         return torch.device(self.device_type)
 
-    def auto_dtype(self, quantization: str | None) -> torch.dtype:
-        """The compute dtype dtype="auto" means for weights in `quantization` (None: unquantized)."""
+    def auto_dtype(self, quantization: str | None, quantized_types: frozenset[str] = frozenset()) -> torch.dtype:
+        """The compute dtype dtype="auto" means for weights in `quantization` (None: unquantized),
+        of the quantized types named (a GGUF file's, such as "Q4_1")."""
         return self.default_dtype
 
     def kv_cache_budget(self, gpu_memory_utilization: float, weight_bytes: int) -> int:

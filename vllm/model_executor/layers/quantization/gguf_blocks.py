@@ -33,6 +33,11 @@ def supported_type_names() -> list[str]:
     return [name for name, _, _ in _TYPES.values()]
 
 
+def type_of(name: str) -> int:
+    """The GGMLQuantizationType of a supported type's name ("Q4_1" -> 3)."""
+    return next(t for t, (type_name_, _, _) in _TYPES.items() if type_name_ == name)
+
+
 def is_supported(quant_type: int) -> bool:
     return quant_type in _TYPES
 
