@@ -35,6 +35,7 @@
 #include "amx.h"
 #include "bf16.h"
 #include "exp.h"
+#include "lane_sum.h"
 #include "lazy_softmax.h"
 #include "paged_cache.h"
 
@@ -121,8 +122,18 @@ static inline void softmax_tile(float scores[][TILE], int64_t n, int64_t num_hea
         for (int64_t i = 0; i < n; ++i) new_max = scores[h][i] > new_max ? scores[h][i] : new_max;
         const float rescale = exp_nonpositive(running_max[h] - new_max);
         float sum = 0.0f;
-        _Pragma("omp simd reduction(+:sum)")
-        for (int64_t i = 0; i < n; ++i) {
+        int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+        /* GCC leaves the scalar loop below scalar: AVX2 builds take 8 scores at a time. */
+        __m256 sums = _mm256_setzero_ps();
+        for (; i + 8 <= n; i += 8) {
+            const __m256 e = exp_nonpositive_x8(_mm256_sub_ps(_mm256_loadu_ps(scores[h] + i), _mm256_set1_ps(new_max)));
+            _mm256_storeu_ps(scores[h] + i, e);
+            sums = _mm256_add_ps(sums, e);
+        }
+        sum = sum_x8(sums);
+#endif
+        for (; i < n; ++i) {
             scores[h][i] = exp_nonpositive(scores[h][i] - new_max);
             sum += scores[h][i];
         }
