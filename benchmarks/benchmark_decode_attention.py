@@ -2,8 +2,8 @@
 
 One bf16 decode step (default: workload D's decodes, 4 sequences with 2050 cached keys beside 16
 with 60, SmolLM2-135M's 30 layers of 9 query and 3 KV heads of 64 dims, block size 128) on the C
-decode kernel (cpu_paged_decode.c: AMX where the CPU has it, else AVX512-BF16; `--copy` picks
-one), in two placements of the cache:
+decode kernel (cpu_paged_decode.c: AMX where the CPU has it, else AVX512-BF16, else AVX2;
+`--copy` picks one), in two placements of the cache:
   cold   every layer's blocks its own, scrambled: the step reads its keys and values from memory,
          as a real step does once the cache outgrows the last-level cache;
   warm   every layer on the first layer's blocks: after the first layer they are in the cache,
@@ -30,6 +30,7 @@ from result_files import machine_info, write_json  # noqa: E402
 from roofline import add_roofline_args, measure_memory_bandwidth  # noqa: E402
 from step_stats import mean_seconds  # noqa: E402
 from vllm.attention.ops import cpu_paged_decode  # noqa: E402
+from vllm.platforms.cpu import cpu_flags  # noqa: E402
 
 HEAD_DIM = 64
 
@@ -66,7 +67,9 @@ def main() -> int:
     if args.copy != "auto" and cpu_paged_decode.use_amx(args.copy == "amx") != (args.copy == "amx"):
         print("no AMX here", file=sys.stderr)
         return 1
-    copy = "amx" if cpu_paged_decode.use_amx(args.copy != "avx512") else "avx512"
+    # --copy avx512 means the vector copy without AMX: AVX512-BF16's, or AVX2's where that is the widest
+    vector = "avx512" if {"avx512_bf16", "avx512bw"} <= cpu_flags() else "avx2"
+    copy = "amx" if cpu_paged_decode.use_amx(args.copy != "avx512") else vector
 
     torch.manual_seed(0)
     blocks = [-(-n // args.block_size) for n in seq_lens]             # per sequence

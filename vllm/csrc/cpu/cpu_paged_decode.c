@@ -214,9 +214,11 @@ DEFINE_ATTEND(attend_bf16, uint16_t, bf16_to_float)
 DEFINE_ATTEND(attend_f32, float, f32_to_float)
 
 /* The faster copies of attend_bf16, in parts of this file: AVX512-BF16 dot products for the
- * common group sizes, and AMX tiles for the scores of all heads at once. */
+ * common group sizes, AMX tiles for the scores of all heads at once, and, where neither is
+ * built, AVX2 for head_dim 64. */
 #include "cpu_paged_decode_avx512.h"
 #include "cpu_paged_decode_amx.h"
+#include "cpu_paged_decode_avx2.h"
 
 /* attend_bf16 on the fast copy for this group and head size where there is one. */
 static inline void attend_bf16_any(const uint16_t *query, const uint16_t *key_cache,
@@ -241,6 +243,13 @@ static inline void attend_bf16_any(const uint16_t *query, const uint16_t *key_ca
     }
     FAST(1, 64) FAST(2, 64) FAST(3, 64) FAST(4, 64) FAST(1, 128) FAST(2, 128)
 #undef FAST
+#endif
+#ifdef HAVE_ATTEND_AVX2
+    if (head_dim == AVX2_HEAD_DIM) {
+        attend_bf16_avx2_d64(query, key_cache, value_cache, table, first, last, partial, num_heads, group,
+                             num_kv_heads, block_size, scale);
+        return;
+    }
 #endif
     attend_bf16(query, key_cache, value_cache, table, first, last, partial, num_heads, group,
                 head_dim, num_kv_heads, block_size, scale);

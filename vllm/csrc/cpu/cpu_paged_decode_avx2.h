@@ -1,0 +1,100 @@
+/* Part of cpu_paged_decode.c: attend_bf16's copy for head_dim 64 where AVX2 with FMA is the
+ * widest ISA with a copy (HAVE_ATTEND_AVX2: no AVX512-BF16 copies built). attend_bf16 sums
+ * each score's 64 products in one vector and then across its lanes, one score at a time;
+ * here each key's products with a head stay a vector of 8 partial sums until 8 keys' are
+ * reduced together (sum8), and the value sums take FMAs. */
+#ifndef VLLM_CPU_PAGED_DECODE_AVX2_H
+#define VLLM_CPU_PAGED_DECODE_AVX2_H
+
+#if !defined(HAVE_ATTEND_FAST) && defined(__AVX2__) && defined(__FMA__)
+#define HAVE_ATTEND_AVX2 1
+#include <immintrin.h>
+
+#define AVX2_HEAD_DIM 64
+#define AVX2_VECTORS (AVX2_HEAD_DIM / 8)
+#define AVX2_HEADS 4  /* query heads of a KV head scored per pass over the tile's keys */
+
+/* Lane i of the result = the sum of the 8 lanes of v[i]. */
+static inline __m256 sum8(const __m256 v[8]) {
+    const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    /* a: lanes 0-3 the low halves' sums of v[0..3], 4-7 their high halves'; b the same of v[4..7] */
+    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+/* A cache row's head (64 bf16) -> 8 vectors of float32. */
+static inline void load_head64(const uint16_t *row, __m256 v[AVX2_VECTORS]) {
+    for (int j = 0; j < AVX2_VECTORS; ++j) v[j] = bf16x8_to_float(row + 8 * j);
+}
+
+/* attend_bf16 (its arguments and result) for head_dim 64. */
+static void attend_bf16_avx2_d64(const uint16_t *query, const uint16_t *key_cache, const uint16_t *value_cache,
+                                 const int64_t *table, int64_t first, int64_t last, float *partial,
+                                 int64_t num_heads, int64_t group, int64_t num_kv_heads, int64_t block_size,
+                                 float scale) {
+    float q[MAX_HEADS][AVX2_HEAD_DIM] __attribute__((aligned(32)));
+    float acc[MAX_HEADS][MAX_HEAD_DIM] __attribute__((aligned(32)));
+    float scores[MAX_HEADS][TILE], running_max[MAX_HEADS], total[MAX_HEADS];
+    __m256 products[AVX2_HEADS][TILE];  /* per head of a group's chunk, 8 partial sums per key */
+    const char *key_rows[TILE], *value_rows[TILE];
+    const int64_t row_stride = num_kv_heads * AVX2_HEAD_DIM;  /* one cache row: all KV heads */
+    for (int64_t h = 0; h < num_heads; ++h) {
+        for (int64_t d = 0; d < AVX2_HEAD_DIM; ++d) {
+            q[h][d] = bf16_to_float(query[h * AVX2_HEAD_DIM + d]) * scale;
+            acc[h][d] = 0.0f;
+        }
+        running_max[h] = -INFINITY;
+        total[h] = 0.0f;
+    }
+    for (int64_t t0 = first; t0 < last; t0 += TILE) {
+        const int64_t n = tile_rows(table, t0, last, block_size, (const char *)key_cache,
+                                    (const char *)value_cache, row_stride * (int64_t)sizeof(uint16_t),
+                                    key_rows, value_rows);
+        for (int64_t g = 0; g < num_kv_heads; ++g) {
+            for (int64_t h0 = g * group; h0 < (g + 1) * group; h0 += AVX2_HEADS) {
+                const int64_t heads = (g + 1) * group - h0 < AVX2_HEADS ? (g + 1) * group - h0 : AVX2_HEADS;
+                for (int64_t i = 0; i < n; ++i) {  /* a key converted once, scored for its heads */
+                    __m256 k[AVX2_VECTORS];
+                    load_head64((const uint16_t *)key_rows[i] + g * AVX2_HEAD_DIM, k);
+                    for (int64_t c = 0; c < heads; ++c) {
+                        const float *qh = q[h0 + c];
+                        __m256 even = _mm256_mul_ps(_mm256_load_ps(qh), k[0]);
+                        __m256 odd = _mm256_mul_ps(_mm256_load_ps(qh + 8), k[1]);
+                        for (int j = 2; j < AVX2_VECTORS; j += 2) {
+                            even = _mm256_fmadd_ps(_mm256_load_ps(qh + 8 * j), k[j], even);
+                            odd = _mm256_fmadd_ps(_mm256_load_ps(qh + 8 * j + 8), k[j + 1], odd);
+                        }
+                        products[c][i] = _mm256_add_ps(even, odd);
+                    }
+                }
+                for (int64_t c = 0; c < heads; ++c) {
+                    float *out = scores[h0 + c];
+                    int64_t i = 0;
+                    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, sum8(products[c] + i));
+                    for (; i < n; ++i) {
+                        float lanes[8];
+                        _mm256_storeu_ps(lanes, products[c][i]);
+                        out[i] = ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6])) +
+                                 ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]));
+                    }
+                }
+            }
+        }
+        softmax_tile(scores, n, num_heads, running_max, total, acc, AVX2_HEAD_DIM);
+        for (int64_t g = 0; g < num_kv_heads; ++g) {
+            for (int64_t i = 0; i < n; ++i) {  /* a value converted once, summed for its heads */
+                __m256 v[AVX2_VECTORS];
+                load_head64((const uint16_t *)value_rows[i] + g * AVX2_HEAD_DIM, v);
+                for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+                    const __m256 p = _mm256_set1_ps(scores[h][i]);
+                    for (int j = 0; j < AVX2_VECTORS; ++j)
+                        _mm256_store_ps(acc[h] + 8 * j, _mm256_fmadd_ps(p, v[j], _mm256_load_ps(acc[h] + 8 * j)));
+                }
+            }
+        }
+    }
+    store_partial(partial, acc, running_max, total, num_heads, AVX2_HEAD_DIM);
+}
+#endif
+
+#endif  /* VLLM_CPU_PAGED_DECODE_AVX2_H */
