@@ -19,9 +19,9 @@
  *
  * A half of up to GEMM8_TILE rows of x multiplies each block as it is decoded; more rows take
  * the half unpacked once (its blocks' codes, D and M) into a per-thread buffer, then tiles of x.
- * Meanwhile the bytes of the half two on (the next one a thread takes from the same 16 rows or
- * panel) are prefetched: in rows, a half's 8 row streams are more than the hardware
- * prefetchers follow from memory.
+ * Meanwhile the bytes of the half two on (the same half of the next 16 rows, which a thread's
+ * static share of the halves reaches next but one) are prefetched: in rows, a half is 8
+ * streams at once, more than the hardware prefetchers may follow from memory.
  */
 #ifndef VLLM_CPU_GGUF_GEMV_PANELS_AVX2_H
 #define VLLM_CPU_GGUF_GEMV_PANELS_AVX2_H
