@@ -112,9 +112,8 @@ double peak_macs_per_s(int kind, int64_t iterations) {
     }
     if (run == 0) return 0.0;
     int threads = 1;
-    run(1);  /* the OpenMP threads started and the code paged in before the clock starts */
 #pragma omp parallel
-    run(1);
+    run(1);  /* the OpenMP threads started and the code paged in before the clock starts */
     const double start = seconds();
 #pragma omp parallel
     {

@@ -115,8 +115,9 @@ def test_out_of_range_values(tiny_checkpoints, field, value):
 
 @pytest.mark.parametrize("model,quantization", [("llama", None), ("llama", "int8"), ("smollm2", "gguf")])
 def test_auto_dtype_follows_the_cpu_and_the_weights(tiny_checkpoints, model, quantization):
-    """bf16 where the CPU has native bf16 dot products; else float32, but for GGUF blocks where
-    the int8 GEMM is built (they take no bf16 GEMM), as this machine's kernels promise."""
+    """bf16 where the CPU has native bf16 dot products; else float32, but for a GGUF file whose
+    types (SmolLM2's Q4_1 and Q8_0) the int8 GEMM built here decodes, as this machine's kernels
+    promise."""
     import torch
 
     from tests.utils import smollm2_path
@@ -124,7 +125,8 @@ def test_auto_dtype_follows_the_cpu_and_the_weights(tiny_checkpoints, model, qua
     from vllm.platforms.cpu import cpu_has_native_bf16_dot
 
     path = smollm2_path() if model == "smollm2" else tiny_checkpoints[model]
-    bf16 = cpu_has_native_bf16_dot() or (quantization == "gguf" and cpu_gguf_gemv.gemm_available())
+    gemm_takes_smollm2 = cpu_gguf_gemv.gemm_takes(3) and cpu_gguf_gemv.gemm_takes(8)  # Q4_1, Q8_0
+    bf16 = cpu_has_native_bf16_dot() or (quantization == "gguf" and gemm_takes_smollm2)
     config, _, _ = EngineArgs(model=path, quantization=quantization).create_engine_config(CpuPlatform())
     assert config.model.dtype == (torch.bfloat16 if bf16 else torch.float32)
     explicit, _, _ = EngineArgs(model=path, quantization=quantization,

@@ -170,12 +170,13 @@ class EngineArgs:
             raise ValueError(f"unknown engine argument(s) {unknown}; supported: {sorted(known)}")
         return cls(**kwargs)
 
-    def _resolve_quantization(self, platform: Platform, source: ModelSource) -> str | None:
-        """The quantization method the model runs with (None: unquantized)."""
+    def _resolve_quantization(self, platform: Platform, source: ModelSource, types: frozenset[str]) -> str | None:
+        """The quantization method the model runs with (None: unquantized); `types`: the
+        quantized tensor types of a .gguf model (quantized_type_names)."""
         if self.quantization == "none":
             return None
         if self.quantization is None:
-            return self._default_quantization(platform, source)
+            return self._default_quantization(platform, source, types)
         if self.quantization not in platform.supported_quantization:
             supported = ", ".join(map(repr, platform.supported_quantization)) or "none, unquantized weights only"
             raise ValueError(f"quantization={self.quantization!r} is not supported yet on "
@@ -189,13 +190,10 @@ class EngineArgs:
                              f"tensor_parallel_size={self.tensor_parallel_size}")
         return self.quantization
 
-    def _default_quantization(self, platform: Platform, source: ModelSource) -> str | None:
+    def _default_quantization(self, platform: Platform, source: ModelSource, types: frozenset[str]) -> str | None:
         """gguf for a .gguf file whose quantized types this platform's kernels all take, on one
         rank (as vLLM runs GGUF models); else the tensors are dequantized when loaded."""
-        if source.gguf_file is None:
-            return None
-        types = quantized_type_names(os.path.join(source.directory, source.gguf_file))
-        if not types:
+        if source.gguf_file is None or not types:
             return None
         missing = sorted(types - platform.gguf_kernel_types())
         if missing or self.tensor_parallel_size != 1:
@@ -245,16 +243,17 @@ class EngineArgs:
 
         source = resolve_model_source(self.model, trust_remote_code=self.trust_remote_code,
                                       revision=self.revision, download_dir=self.download_dir)
-        quantization = self._resolve_quantization(platform, source)
+        quantized_types = (quantized_type_names(os.path.join(source.directory, source.gguf_file))
+                           if source.gguf_file is not None else frozenset())
+        quantization = self._resolve_quantization(platform, source, quantized_types)
         tokenizer_source = source
         if self.tokenizer is not None:
             tokenizer_source = resolve_model_source(
                 self.tokenizer, trust_remote_code=self.trust_remote_code,
                 revision=self.tokenizer_revision, download_dir=self.download_dir)
         hf_config = load_hf_config(source)
-        quantized_types = (quantized_type_names(os.path.join(source.directory, source.gguf_file))
-                           if quantization == "gguf" else frozenset())
-        dtype = resolve_dtype(self.dtype, platform.auto_dtype(quantization, quantized_types))
+        dtype = resolve_dtype(self.dtype, platform.auto_dtype(
+            quantization, quantized_types if quantization == "gguf" else frozenset()))
 
         max_positions = getattr(hf_config, "max_position_embeddings", None)
         max_model_len = self.max_model_len if self.max_model_len is not None else max_positions

@@ -19,8 +19,8 @@
  *                      dot products); gguf_int8_supported() says.
  * and, for bf16 x of any number of rows, two products made for many rows (below): the int8
  * GEMM (the int8 product's arithmetic on 16-row panels of W unpacked once per call: AVX512-VNNI,
- * or where AVX2 is the widest, its pair products on 8-row halves of the panels) and a tiled product (W dequantized to bf16 panel by panel for the tile GEMM of
- * cpu_tile_gemm.c). gguf_product_bf16 chooses among them by the shape (gguf_product_path); the
+ * or where AVX2 is the widest, its pair products on 8-row halves of the panels) and a tiled
+ * product (W dequantized to bf16 panel by panel for the tile GEMM of cpu_tile_gemm.c). gguf_product_bf16 chooses among them by the shape (gguf_product_path); the
  * C decoder layers (llama_cpu_layers.c) call it through one entry point per type and layout.
  *
  * Layouts (contiguous): x (m, k) float32 or bf16; W n rows of whole blocks; y (m, n) in x's

@@ -81,7 +81,8 @@ static int64_t row_bytes(int type, int64_t k) {
  * the int8 GEMM reads from its rows, or Q6_K). */
 static inline int panel_type(int type) { return type == TYPE_Q8_0 || type == TYPE_Q4_0 || type == TYPE_Q4_1; }
 
-/* The types the int8 GEMM decodes: the panels' types, and Q4_K from its rows. */
+/* The types the AVX512-VNNI int8 GEMM decodes: the panels' types, and Q4_K from its rows (the
+ * AVX2 one's: gemm8_type). */
 static inline int gemm_type(int type) { return panel_type(type) || type == TYPE_Q4_K; }
 
 /* Panels: code vectors of 64 bytes per block of 16 rows, where a panel's block holds its 16

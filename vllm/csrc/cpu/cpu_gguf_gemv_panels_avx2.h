@@ -282,7 +282,7 @@ static int gemm8_int8_bf16(const uint16_t *x, const uint8_t *w, int type, int in
             }
             /* the bytes of W's rows [j0 + 16, j0 + 24), or of that half's share of its panel */
             const int64_t ahead = j0 + 16 < n ? j0 + 16 : n;
-            const int64_t bytes = ((n - ahead < 8 ? n - ahead : 8)) * stride;
+            const int64_t bytes = (n - ahead < 8 ? n - ahead : 8) * stride;
             const uint8_t *next = w + ahead * stride;
             switch (type) {
             case TYPE_Q8_0: half_panel_product(&p, TYPE_Q8_0, q, m, nb, buffer, bias, y, j0, rows, n, next, bytes); break;

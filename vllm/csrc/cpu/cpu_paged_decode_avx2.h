@@ -69,13 +69,16 @@ static void attend_bf16_avx2_d64(const uint16_t *query, const uint16_t *key_cach
                 }
                 for (int64_t c = 0; c < heads; ++c) {
                     float *out = scores[h0 + c];
-                    int64_t i = 0;
-                    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, sum8(products[c] + i));
-                    for (; i < n; ++i) {
-                        float lanes[8];
-                        _mm256_storeu_ps(lanes, products[c][i]);
-                        out[i] = ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6])) +
-                                 ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]));
+                    for (int64_t i = 0; i < n; i += 8) {  /* a short last group: its keys' sums alone */
+                        if (n - i >= 8) {
+                            _mm256_storeu_ps(out + i, sum8(products[c] + i));
+                            continue;
+                        }
+                        __m256 last[8];
+                        float sums[8];
+                        for (int j = 0; j < 8; ++j) last[j] = i + j < n ? products[c][i + j] : _mm256_setzero_ps();
+                        _mm256_storeu_ps(sums, sum8(last));
+                        memcpy(out + i, sums, (size_t)(n - i) * sizeof *sums);
                     }
                 }
             }
