@@ -3,11 +3,12 @@
 One bf16 prefill chunk (default: 512 queries after 1536 cached keys, SmolLM2-135M's 9 query and
 3 KV heads of 64 dims, block size 128) attended by the backend's two CPU paths, alternated in
 one process: the C kernel that reads the paged cache in place (cpu_paged_prefill.c: AMX tiles
-where the CPU has them, else AVX512-BF16; `--copy` picks one) and the grouped torch path it
-replaces (gather of the context blocks, two flash-attention calls, a log-sum-exp merge). Each
-is reported as milliseconds (median and best of the rounds), TFLOP/s (4 x head_dim x heads x
-the causal query-key pairs) and the fraction of this machine's bf16 matmul peak, measured in
-the same run (torch.matmul 2048^3).
+where the CPU has them, else AVX512-BF16, else float32 FMAs on AVX2; `--copy` picks one) and
+the grouped torch path it replaces (gather of the context blocks, two flash-attention calls, a
+log-sum-exp merge). Each is reported as milliseconds (median and best of the rounds), TFLOP/s
+(4 x head_dim x heads x the causal query-key pairs) and the fraction of this machine's matmul
+peak, measured in the same run (torch.matmul 2048^3, in bf16 where the CPU has bf16 dot
+products, else in float32: roofline.matmul_peak_dtype).
 
     PYTHONPATH=$PWD python benchmarks/benchmark_prefill_attention.py \
         [--output-json benchmarks/results/prefill_attention.json]
@@ -24,13 +25,14 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [_HERE, os.path.dirname(_HERE)]  # the helper modules beside it, vllm of this checkout
 
 from result_files import machine_info, write_json  # noqa: E402
-from roofline import measure_matmul_flops  # noqa: E402
+from roofline import matmul_peak_dtype, measure_matmul_flops  # noqa: E402
 from step_stats import mean_seconds  # noqa: E402
 from vllm.attention.backends.abstract import SeqSpan  # noqa: E402
 from vllm.attention.backends.cpu_attn import paged_attention  # noqa: E402
 from vllm.attention.backends.cpu_metadata import build_attention_metadata  # noqa: E402
 from vllm.attention.ops import cpu_paged_prefill  # noqa: E402
 from vllm.core.block_manager import kv_slots  # noqa: E402
+from vllm.platforms.cpu import cpu_flags  # noqa: E402
 
 HEAD_DIM = 64
 
@@ -53,12 +55,15 @@ def main() -> int:
         torch.set_num_threads(args.threads)
     device, dtype = torch.device("cpu"), torch.bfloat16
     if not cpu_paged_prefill.is_available(device, dtype, args.heads, args.kv_heads, HEAD_DIM, args.block_size):
-        print("the prefill kernel is not available here (no C compiler or no AVX512-BF16)", file=sys.stderr)
+        print("the prefill kernel is not available here (no C compiler, or neither AVX2 nor AVX512-BF16)",
+              file=sys.stderr)
         return 1
     if args.copy != "auto" and cpu_paged_prefill.use_amx(args.copy == "amx") != (args.copy == "amx"):
         print("no AMX here", file=sys.stderr)
         return 1
-    copy = "amx" if cpu_paged_prefill.use_amx(args.copy != "avx512") else "avx512"
+    # --copy avx512 means the vector copy without AMX: AVX512-BF16's, or AVX2's where that is the widest
+    vector = "avx512" if {"avx512_bf16", "avx512bw", "avx512dq"} <= cpu_flags() else "avx2"
+    copy = "amx" if cpu_paged_prefill.use_amx(args.copy != "avx512") else vector
 
     torch.manual_seed(0)
     keys = args.context + args.queries
@@ -85,14 +90,15 @@ def main() -> int:
                for name, meta in paths.items()}
     max_difference = (outputs["kernel"].float() - outputs["torch"].float()).abs().max().item()
 
-    peak = measure_matmul_flops("bfloat16")["flops_per_s"]
+    peak_dtype = matmul_peak_dtype("bfloat16")
+    peak = measure_matmul_flops(peak_dtype)["flops_per_s"]
     flops = 4 * HEAD_DIM * args.heads * sum(args.context + i + 1 for i in range(args.queries))
     seconds = {name: [] for name in paths}
     for _ in range(args.rounds):
         for name, meta in paths.items():
             seconds[name].append(mean_seconds(
                 lambda: paged_attention(query, key, value, key_cache, value_cache, meta, scale), args.repeats))
-    peak = max(peak, measure_matmul_flops("bfloat16")["flops_per_s"])  # before and after: the better
+    peak = max(peak, measure_matmul_flops(peak_dtype)["flops_per_s"])  # before and after: the better
 
     results = {}
     for name, times in seconds.items():
@@ -102,10 +108,11 @@ def main() -> int:
         print(f"{name:7s} {1e3 * median:8.2f} ms median ({1e3 * min(times):.2f} best)  "
               f"{flops / median / 1e12:.3f} TFLOP/s = {flops / median / peak:.2f} of the matmul peak")
     speedup = statistics.median(seconds["torch"]) / statistics.median(seconds["kernel"])
-    print(f"kernel copy {copy}: {speedup:.2f}x the torch path; bf16 matmul peak {peak / 1e12:.3f} TFLOP/s; "
+    print(f"kernel copy {copy}: {speedup:.2f}x the torch path; {peak_dtype} matmul peak {peak / 1e12:.3f} TFLOP/s; "
           f"largest difference {max_difference:.4f}")
     if args.output_json:
         write_json({"args": vars(args), "kernel_copy": copy, "flops": flops, "matmul_peak_flops_per_s": peak,
+                    "matmul_peak_dtype": peak_dtype,
                     "paths": results, "kernel_speedup_over_torch": speedup,
                     "max_abs_difference": max_difference, "machine": machine_info()}, args.output_json)
     return 0

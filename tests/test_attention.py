@@ -75,8 +75,13 @@ def test_mixed_batch_matches_reference(seed, block_size, heads, sliding_window):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.skipif(not (shutil.which("cc") and {"avx512_bf16", "avx512bw"} <= cpu_flags()),
-                    reason="both C kernels: a C compiler and AVX512-BF16")
+def _prefill_isa() -> bool:
+    """Whether this CPU has an ISA the prefill kernel has a copy for: AVX512-BF16, or AVX2 and FMA."""
+    return {"avx512_bf16", "avx512bw", "avx512dq"} <= cpu_flags() or {"avx2", "fma"} <= cpu_flags()
+
+
+@pytest.mark.skipif(not (shutil.which("cc") and _prefill_isa()),
+                    reason="both C kernels: a C compiler and AVX2 or AVX512-BF16")
 def test_with_both_kernels_each_query_goes_to_the_kernel_of_its_positions_role():
     """Prompt positions to the prefill kernel and generated ones to the decode kernel, whatever
     the span's role in the step: a prompt's last token alone (a one-token span among the
@@ -286,8 +291,8 @@ def _reference_on_one_thread(*args) -> torch.Tensor:
 
 
 def _prefill_kernel_built() -> bool:
-    """The prefill kernel must build wherever a C compiler and AVX512-BF16 are present."""
-    if shutil.which("cc") is None or not {"avx512_bf16", "avx512bw", "avx512dq"} <= cpu_flags():
+    """The prefill kernel must build wherever a C compiler and one of its ISAs are present."""
+    if shutil.which("cc") is None or not _prefill_isa():
         return False
     assert cpu_paged_prefill.is_available(torch.device("cpu"), torch.bfloat16, 9, 3, 64, 128)
     return True
@@ -299,7 +304,7 @@ def prefill_copies(request):
     yield from _on_copy(cpu_paged_prefill, request.param)
 
 
-@pytest.mark.skipif(not _prefill_kernel_built(), reason="the prefill kernel needs a C compiler and AVX512-BF16")
+@pytest.mark.skipif(not _prefill_kernel_built(), reason="the prefill kernel needs a C compiler and AVX2 or AVX512-BF16")
 @pytest.mark.parametrize("block_size", [16, 128])
 @pytest.mark.parametrize("sliding_window", [None, 40])
 @pytest.mark.parametrize("heads", [(9, 3), (4, 4), (8, 1), (16, 2)], ids=lambda h: "q{}-kv{}".format(*h))
@@ -345,7 +350,7 @@ def test_paged_prefill_kernel_matches_reference(block_size, sliding_window, head
     assert got[offset:].eq(0).all()  # bucket padding
 
 
-@pytest.mark.skipif(not _prefill_kernel_built(), reason="the prefill kernel needs a C compiler and AVX512-BF16")
+@pytest.mark.skipif(not _prefill_kernel_built(), reason="the prefill kernel needs a C compiler and AVX2 or AVX512-BF16")
 @pytest.mark.parametrize("queries,context,heads,block_size,sliding_window", [
     (1, 0, (9, 3), 16, None), (1, 300, (4, 2), 128, None), (16, 0, (4, 2), 16, None),
     (17, 111, (9, 3), 128, None), (64, 64, (9, 3), 16, 96), (100, 900, (4, 2), 16, 96),

@@ -4,8 +4,8 @@ The kernels are built with `-march=native` and choose their code paths by the co
 macros, so a build for an older ISA is what an older CPU gets. VLLM_CPU_ISA=avx2 builds them for
 x86-64-v3 (AVX2 and FMA, no AVX-512) as an AVX2-only server would, and hides the later
 extensions from the engine's choices; the engine must then report every AVX-512 kernel
-unavailable and still give transformers' tokens. On this CPU, each kernel must be available
-exactly where its ISA is.
+unavailable (the prefill kernel runs its AVX2 copy) and still give transformers' tokens. On
+this CPU, each kernel must be available exactly where its ISA is.
 """
 
 import json
@@ -74,7 +74,8 @@ def _check_tokens(result: dict, path: str) -> None:
 def test_avx2_only_build_falls_back(tiny_checkpoints, avx2_env):
     path = tiny_checkpoints["llama"]
     result = _probe(path, avx2_env)
-    assert result["gemv_rows"] == 0 and result["tile_gemm_rows"] == 0 and not result["paged_prefill"]
+    # The AVX512 products fall back; prefill attention has a float32 copy for AVX2.
+    assert result["gemv_rows"] == 0 and result["tile_gemm_rows"] == 0 and result["paged_prefill"]
     _check_tokens(result, path)
 
 
@@ -85,7 +86,7 @@ def test_native_build_offers_what_the_cpu_has(tiny_checkpoints, tmp_path):
     assert (result["gemv_rows"] > 0) == ({"avx512_bf16", "avx512bw"} <= flags)
     # The tile GEMM's AVX512-BF16 copy, or its AMX one (which CPUs with AMX have beside it).
     assert (result["tile_gemm_rows"] > 0) == ({"avx512_bf16", "avx512bw"} <= flags or "amx_bf16" in flags)
-    assert result["paged_prefill"] == ({"avx512_bf16", "avx512bw", "avx512dq"} <= flags)
+    assert result["paged_prefill"] == ({"avx512_bf16", "avx512bw", "avx512dq"} <= flags or {"avx2", "fma"} <= flags)
     _check_tokens(result, path)
 
 

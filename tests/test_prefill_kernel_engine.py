@@ -19,7 +19,7 @@ def checkpoint_and_llm(request, tokenizer_dir, tmp_path_factory) -> tuple[str, L
     llm = LLM(path, dtype="bfloat16", max_model_len=512, block_size=16, num_gpu_blocks_override=256,
               enforce_eager=True, enable_chunked_prefill=True, max_num_batched_tokens=64)
     if not llm.llm_engine.runner.attn_backend.paged_prefill:
-        pytest.skip("the C prefill kernel needs a C compiler and AVX512-BF16")
+        pytest.skip("the C prefill kernel needs a C compiler and AVX2 or AVX512-BF16")
     return path, llm
 
 

@@ -1,10 +1,11 @@
 """The C prefill-attention kernel (cpu_paged_prefill.c), built on first use (vllm/platforms/c_build.py).
 
 Prefill chunks attend to their cached context and to their own keys in one pass that reads
-the paged cache in place, on AMX tiles where the CPU has them and on AVX512-BF16 dot products
-elsewhere. It takes bf16 with head_dim 64 and a block size that is a multiple of 16; elsewhere
-(and where it cannot be built, the CPU lacks AVX512-BF16, or VLLM_CPU_C_KERNELS=0), prefills
-keep the gather + flash-attention path in vllm/attention/backends/cpu_attn.py.
+the paged cache in place, on AMX tiles where the CPU has them, on AVX512-BF16 dot products
+elsewhere, and in float32 on FMAs where AVX2 is the widest ISA. It takes bf16 with head_dim 64
+and a block size that is a multiple of 16; elsewhere (and where it cannot be built, the CPU
+lacks AVX2, or VLLM_CPU_C_KERNELS=0), prefills keep the gather + flash-attention path in
+vllm/attention/backends/cpu_attn.py.
 """
 
 import ctypes

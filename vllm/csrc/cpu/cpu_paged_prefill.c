@@ -17,7 +17,8 @@
  * dot products (cpu_paged_prefill_avx512.h) for CPUs without AMX; the CPU's ISA, as the
  * compiler sees it, decides which exist, and AMX runs where both do (paged_prefill_use_amx).
  * Q^T and the output rows go through transposes in registers (transpose_16x16) rather than
- * through memory.
+ * through memory. Where AVX2 is the widest ISA built, cpu_paged_prefill_avx2.h has the same
+ * task in float32 FMAs, 16 keys a step, on keys and values converted once per call.
  *
  * Layouts: query (num_tokens, num_heads, 64) with rows query_stride elements apart (q inside a
  * rotated q|k row), out (num_tokens, num_heads, 64) contiguous; caches (num_blocks, block_size,
@@ -54,13 +55,54 @@ struct prefill {
     float scale;
 };
 
-#if defined(VLLM_HAVE_LAZY_SOFTMAX)  /* AVX512-BF16 (and maybe AMX) */
-
-int paged_prefill_supported(void) { return 1; }
+/* A kernel exists: AVX512-BF16 (and maybe AMX), or float32 on AVX2 FMAs. */
+#if defined(VLLM_HAVE_LAZY_SOFTMAX) || (defined(__AVX2__) && defined(__FMA__))
+#define HAVE_PAGED_PREFILL 1
 
 struct task {
     int64_t seq, head, first_query;
 };
+
+/* A call's tasks, and its sequences' steps of keys, one per `keys` keys from key 0. */
+struct task_list {
+    int64_t num_tasks, num_steps;
+    int64_t *first_step;  /* (num_seqs + 1): each sequence's first step; the last, num_steps */
+    int64_t *step_seq;    /* (num_steps): each step's sequence */
+    struct task *tasks;   /* per sequence, its last queries first (they see the most keys) */
+};
+
+static void free_tasks(struct task_list *l) { free(l->first_step), free(l->step_seq), free(l->tasks); }
+
+/* The tasks of `per_task` queries and every head for each sequence; 0 where memory runs out. */
+static int list_tasks(const struct prefill *a, int64_t num_seqs, int64_t per_task, int64_t keys, struct task_list *l) {
+    const int64_t *query_lens = a->query_lens, *context_lens = a->context_lens;
+    *l = (struct task_list){0, 0, malloc((size_t)(num_seqs + 1) * sizeof(int64_t)), NULL, NULL};
+    if (!l->first_step) return 0;
+    l->first_step[0] = 0;
+    for (int64_t s = 0; s < num_seqs; ++s) {
+        l->first_step[s + 1] = l->first_step[s] + (context_lens[s] + query_lens[s] + keys - 1) / keys;
+        l->num_tasks += (query_lens[s] + per_task - 1) / per_task * a->num_heads;
+    }
+    l->num_steps = l->first_step[num_seqs];
+    l->step_seq = malloc((size_t)(l->num_steps > 0 ? l->num_steps : 1) * sizeof(int64_t));
+    l->tasks = malloc((size_t)(l->num_tasks > 0 ? l->num_tasks : 1) * sizeof(struct task));
+    if (!l->step_seq || !l->tasks) {
+        free_tasks(l);
+        return 0;
+    }
+    for (int64_t s = 0; s < num_seqs; ++s)
+        for (int64_t i = l->first_step[s]; i < l->first_step[s + 1]; ++i) l->step_seq[i] = s;
+    int64_t n = 0;
+    for (int64_t s = 0; s < num_seqs; ++s)
+        for (int64_t q0 = (query_lens[s] - 1) / per_task * per_task; q0 >= 0; q0 -= per_task)
+            for (int64_t h = 0; h < a->num_heads; ++h) l->tasks[n++] = (struct task){s, h, q0};
+    return 1;
+}
+#endif
+
+#if defined(VLLM_HAVE_LAZY_SOFTMAX)  /* AVX512-BF16 (and maybe AMX) */
+
+int paged_prefill_supported(void) { return 1; }
 
 /* The position of a task's last query: the last key any of its queries sees. */
 static inline int64_t task_last_key(const struct prefill *a, const struct task *t) {
@@ -192,10 +234,7 @@ static inline void store_output(const struct prefill *a, const struct task *t, c
 
 /* Every chunk of the call: V^T packed per step of KEYS keys, then tasks, longest first. */
 static int attend_prefills(const struct prefill *a, int64_t num_seqs) {
-    const int64_t *query_lens = a->query_lens, *context_lens = a->context_lens;
-    const int64_t num_heads = a->num_heads, num_kv_heads = a->num_kv_heads;
-    int64_t *first_step = malloc((size_t)(num_seqs + 1) * sizeof *first_step);
-    if (!first_step) return 2;
+    const int64_t num_kv_heads = a->num_kv_heads;
 #ifdef HAVE_PREFILL_AMX
     const int tiles = amx_ready;  /* then each thread configures its tiles, and releases them */
     void (*attend_task)(const struct prefill *, const struct task *, const uint16_t *) =
@@ -205,49 +244,43 @@ static int attend_prefills(const struct prefill *a, int64_t num_seqs) {
     void (*attend_task)(const struct prefill *, const struct task *, const uint16_t *) = attend_task_avx512;
     const int64_t per_task = AVX512_TASK_QUERIES;
 #endif
-    int64_t num_tasks = 0;
-    first_step[0] = 0;
-    for (int64_t s = 0; s < num_seqs; ++s) {
-        first_step[s + 1] = first_step[s] + (context_lens[s] + query_lens[s] + KEYS - 1) / KEYS;
-        num_tasks += (query_lens[s] + per_task - 1) / per_task * num_heads;
-    }
-    const int64_t num_steps = first_step[num_seqs];
-    int64_t *step_seq = malloc((size_t)(num_steps > 0 ? num_steps : 1) * sizeof *step_seq);
-    struct task *tasks = malloc((size_t)(num_tasks > 0 ? num_tasks : 1) * sizeof *tasks);
-    uint16_t *vt = aligned_alloc(64, (size_t)((num_steps > 0 ? num_steps : 1) * num_kv_heads * VT_STEP) * 2);
-    if (!step_seq || !tasks || !vt) {
-        free(first_step), free(step_seq), free(tasks), free(vt);
+    struct task_list list;
+    if (!list_tasks(a, num_seqs, per_task, KEYS, &list)) return 2;
+    uint16_t *vt = aligned_alloc(64, (size_t)((list.num_steps > 0 ? list.num_steps : 1) * num_kv_heads * VT_STEP) * 2);
+    if (!vt) {
+        free_tasks(&list);
         return 2;
     }
-    for (int64_t s = 0; s < num_seqs; ++s)
-        for (int64_t i = first_step[s]; i < first_step[s + 1]; ++i) step_seq[i] = s;
-    int64_t n = 0;
-    for (int64_t s = 0; s < num_seqs; ++s)
-        for (int64_t q0 = (query_lens[s] - 1) / per_task * per_task; q0 >= 0; q0 -= per_task)
-            for (int64_t h = 0; h < num_heads; ++h) tasks[n++] = (struct task){s, h, q0};
     #pragma omp parallel
     {
         #pragma omp for schedule(static)
-        for (int64_t i = 0; i < num_steps; ++i) {
-            const int64_t s = step_seq[i];
-            pack_values(a, s, i - first_step[s], context_lens[s] + query_lens[s],
+        for (int64_t i = 0; i < list.num_steps; ++i) {
+            const int64_t s = list.step_seq[i];
+            pack_values(a, s, i - list.first_step[s], a->context_lens[s] + a->query_lens[s],
                         vt + i * num_kv_heads * VT_STEP);
         }
 #ifdef HAVE_PREFILL_AMX
         if (tiles) amx_configure_full_tiles();
 #endif
         #pragma omp for schedule(dynamic, 1)
-        for (int64_t i = 0; i < num_tasks; ++i)
-            attend_task(a, &tasks[i], vt + first_step[tasks[i].seq] * num_kv_heads * VT_STEP);
+        for (int64_t i = 0; i < list.num_tasks; ++i)
+            attend_task(a, &list.tasks[i], vt + list.first_step[list.tasks[i].seq] * num_kv_heads * VT_STEP);
 #ifdef HAVE_PREFILL_AMX
         if (tiles) _tile_release();
 #endif
     }
-    free(first_step), free(step_seq), free(tasks), free(vt);
+    free(vt), free_tasks(&list);
     return 0;
 }
 
-#else  /* no AVX512-BF16 here: prefills keep torch's flash attention */
+#elif defined(HAVE_PAGED_PREFILL)  /* float32 on AVX2 FMAs */
+
+int paged_prefill_supported(void) { return 1; }
+int paged_prefill_use_amx(int enable) { (void)enable; return 0; }
+
+#include "cpu_paged_prefill_avx2.h"
+
+#else  /* neither AVX512-BF16 nor AVX2 here: prefills keep torch's flash attention */
 
 int paged_prefill_supported(void) { return 0; }
 int paged_prefill_use_amx(int enable) { (void)enable; return 0; }
@@ -265,7 +298,7 @@ int paged_prefill_bf16(const uint16_t *query, const uint16_t *key_cache, const u
     const struct prefill a = {query, key_cache, value_cache, block_tables, token_offsets, query_lens,
                               context_lens, out, query_stride, num_heads, num_kv_heads, block_size,
                               max_blocks, window, scale};
-#if defined(VLLM_HAVE_LAZY_SOFTMAX)
+#ifdef HAVE_PAGED_PREFILL
     return attend_prefills(&a, num_seqs);
 #else
     (void)a;
