@@ -38,7 +38,7 @@ def _on_attention_copy(kernel, available: bool, copy: str):
     """Runs an attention kernel module on its `copy`, "amx" or "avx512", skipping where this CPU
     has no such copy; back to AMX-where-present afterwards."""
     if not available:
-        pytest.skip(f"no {kernel.__name__} here (it needs AVX512-BF16)")
+        pytest.skip(f"no {kernel.__name__} here (no C compiler, or no ISA it has a copy for)")
     if kernel.use_amx(copy == "amx") != (copy == "amx"):
         pytest.skip(f"no {copy} copy of {kernel.__name__} here")
     yield copy
