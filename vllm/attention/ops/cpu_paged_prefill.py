@@ -32,8 +32,9 @@ def is_available(device: torch.device, dtype: torch.dtype, num_heads: int, num_k
 
 
 def use_amx(enabled: bool) -> bool:
-    """Lets prefills take the AMX copy (the default where it runs) or not, the AVX512-BF16 copy
-    that CPUs without AMX use (for tests and comparisons); returns whether AMX is now in use."""
+    """Lets prefills take the AMX copy (the default where it runs) or not, the vector copy that
+    CPUs without AMX use, AVX512-BF16's or AVX2's (for tests and comparisons); returns whether
+    AMX is now in use."""
     lib = _LIBRARY.get()
     assert lib is not None, "call is_available() first"
     return bool(lib.paged_prefill_use_amx(int(enabled)))

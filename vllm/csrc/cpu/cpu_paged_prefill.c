@@ -98,23 +98,34 @@ static int list_tasks(const struct prefill *a, int64_t num_seqs, int64_t per_tas
             for (int64_t h = 0; h < a->num_heads; ++h) l->tasks[n++] = (struct task){s, h, q0};
     return 1;
 }
-#endif
 
-#if defined(VLLM_HAVE_LAZY_SOFTMAX)  /* AVX512-BF16 (and maybe AMX) */
-
-int paged_prefill_supported(void) { return 1; }
-
-/* The position of a task's last query: the last key any of its queries sees. */
+/* The position of the last of the QUERIES queries from t's first: the last key any of them sees. */
 static inline int64_t task_last_key(const struct prefill *a, const struct task *t) {
     const int64_t left = a->query_lens[t->seq] - t->first_query;
     return a->context_lens[t->seq] + t->first_query + (left < QUERIES ? left : QUERIES) - 1;
 }
 
-/* The first key of the first step of queries from position `first` on: a multiple of KEYS at
- * or before the earliest key in the window of any of them. */
-static inline int64_t first_key(int64_t first, int64_t window) {
-    return window > 0 && first - window + 1 > 0 ? (first - window + 1) / KEYS * KEYS : 0;
+/* The first key of the first step (of `keys` keys) of queries from position `first` on: a
+ * multiple of `keys` at or before the earliest key in the window of any of them. */
+static inline int64_t first_key(int64_t first, int64_t window, int64_t keys) {
+    return window > 0 && first - window + 1 > 0 ? (first - window + 1) / keys * keys : 0;
 }
+
+/* How a copy of the kernel runs a call: tasks of per_task queries; each sequence's steps of
+ * `keys` keys prepared once per call, step_bytes each (prepare: step `step` of sequence `seq`,
+ * which has num_keys keys), for its tasks to read (attend: from the sequence's first step);
+ * tiles: AMX's, which each thread configures for its tasks. */
+struct prefill_copy {
+    int64_t per_task, keys, step_bytes;
+    void (*prepare)(const struct prefill *a, int64_t seq, int64_t step, int64_t num_keys, void *out);
+    void (*attend)(const struct prefill *a, const struct task *t, const void *steps);
+    int tiles;
+};
+#endif
+
+#if defined(VLLM_HAVE_LAZY_SOFTMAX)  /* AVX512-BF16 (and maybe AMX) */
+
+int paged_prefill_supported(void) { return 1; }
 
 /* Which of the queries at positions first .. first + 15 see keys k0 .. k0 + KEYS - 1 (lane q of
  * seen[j]: query first + q, key k0 + j): all, unless the step reaches the diagonal or the
@@ -232,45 +243,25 @@ static inline void store_output(const struct prefill *a, const struct task *t, c
 #include "cpu_paged_prefill_amx.h"
 #include "cpu_paged_prefill_avx512.h"
 
-/* Every chunk of the call: V^T packed per step of KEYS keys, then tasks, longest first. */
-static int attend_prefills(const struct prefill *a, int64_t num_seqs) {
-    const int64_t num_kv_heads = a->num_kv_heads;
+static void pack_step(const struct prefill *a, int64_t seq, int64_t step, int64_t num_keys, void *out) {
+    pack_values(a, seq, step, num_keys, out);
+}
+
+static void attend_avx512(const struct prefill *a, const struct task *t, const void *vt) {
+    attend_task_avx512(a, t, vt);
+}
+
 #ifdef HAVE_PREFILL_AMX
-    const int tiles = amx_ready;  /* then each thread configures its tiles, and releases them */
-    void (*attend_task)(const struct prefill *, const struct task *, const uint16_t *) =
-        tiles ? attend_task_amx : attend_task_avx512;
-    const int64_t per_task = tiles ? QUERIES : AVX512_TASK_QUERIES;
-#else
-    void (*attend_task)(const struct prefill *, const struct task *, const uint16_t *) = attend_task_avx512;
-    const int64_t per_task = AVX512_TASK_QUERIES;
+static void attend_amx(const struct prefill *a, const struct task *t, const void *vt) { attend_task_amx(a, t, vt); }
 #endif
-    struct task_list list;
-    if (!list_tasks(a, num_seqs, per_task, KEYS, &list)) return 2;
-    uint16_t *vt = aligned_alloc(64, (size_t)((list.num_steps > 0 ? list.num_steps : 1) * num_kv_heads * VT_STEP) * 2);
-    if (!vt) {
-        free_tasks(&list);
-        return 2;
-    }
-    #pragma omp parallel
-    {
-        #pragma omp for schedule(static)
-        for (int64_t i = 0; i < list.num_steps; ++i) {
-            const int64_t s = list.step_seq[i];
-            pack_values(a, s, i - list.first_step[s], a->context_lens[s] + a->query_lens[s],
-                        vt + i * num_kv_heads * VT_STEP);
-        }
+
+/* V^T packed per step of KEYS keys; tasks on AMX tiles where they are ready, else AVX512-BF16's. */
+static struct prefill_copy choose_copy(const struct prefill *a) {
+    const int64_t step_bytes = a->num_kv_heads * VT_STEP * (int64_t)sizeof(uint16_t);
 #ifdef HAVE_PREFILL_AMX
-        if (tiles) amx_configure_full_tiles();
+    if (amx_ready) return (struct prefill_copy){QUERIES, KEYS, step_bytes, pack_step, attend_amx, 1};
 #endif
-        #pragma omp for schedule(dynamic, 1)
-        for (int64_t i = 0; i < list.num_tasks; ++i)
-            attend_task(a, &list.tasks[i], vt + list.first_step[list.tasks[i].seq] * num_kv_heads * VT_STEP);
-#ifdef HAVE_PREFILL_AMX
-        if (tiles) _tile_release();
-#endif
-    }
-    free(vt), free_tasks(&list);
-    return 0;
+    return (struct prefill_copy){AVX512_TASK_QUERIES, KEYS, step_bytes, pack_step, attend_avx512, 0};
 }
 
 #elif defined(HAVE_PAGED_PREFILL)  /* float32 on AVX2 FMAs */
@@ -285,6 +276,39 @@ int paged_prefill_use_amx(int enable) { (void)enable; return 0; }
 int paged_prefill_supported(void) { return 0; }
 int paged_prefill_use_amx(int enable) { (void)enable; return 0; }
 
+#endif
+
+#ifdef HAVE_PAGED_PREFILL
+/* Every chunk of the call: its steps prepared, then its tasks, longest first. */
+static int attend_prefills(const struct prefill *a, int64_t num_seqs) {
+    const struct prefill_copy c = choose_copy(a);
+    struct task_list list;
+    if (!list_tasks(a, num_seqs, c.per_task, c.keys, &list)) return 2;
+    uint8_t *steps = aligned_alloc(64, (size_t)((list.num_steps > 0 ? list.num_steps : 1) * c.step_bytes));
+    if (!steps) {
+        free_tasks(&list);
+        return 2;
+    }
+    #pragma omp parallel
+    {
+        #pragma omp for schedule(static)
+        for (int64_t i = 0; i < list.num_steps; ++i) {
+            const int64_t s = list.step_seq[i];
+            c.prepare(a, s, i - list.first_step[s], a->context_lens[s] + a->query_lens[s], steps + i * c.step_bytes);
+        }
+#ifdef HAVE_PREFILL_AMX
+        if (c.tiles) amx_configure_full_tiles();
+#endif
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < list.num_tasks; ++i)
+            c.attend(a, &list.tasks[i], steps + list.first_step[list.tasks[i].seq] * c.step_bytes);
+#ifdef HAVE_PREFILL_AMX
+        if (c.tiles) _tile_release();
+#endif
+    }
+    free(steps), free_tasks(&list);
+    return 0;
+}
 #endif
 
 int paged_prefill_bf16(const uint16_t *query, const uint16_t *key_cache, const uint16_t *value_cache,

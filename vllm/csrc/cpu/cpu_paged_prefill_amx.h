@@ -152,7 +152,7 @@ static void attend_task_amx(const struct prefill *a, const struct task *t, const
     _tile_loadd(6, qt[0], 64);
     _tile_loadd(7, qt[16], 64);
 
-    const int64_t begin = first_key(first, window);
+    const int64_t begin = first_key(first, window, KEYS);
     struct lazy_softmax st = lazy_softmax_start(a->scale);
     float s[2][KEYS][QUERIES] __attribute__((aligned(64)));  /* this step's scores, the next's */
     uint32_t pt[2][KEYS / 2][QUERIES] __attribute__((aligned(64)));  /* this step's P^T, the last's */

@@ -23,11 +23,14 @@
 #define AVX2_KEYS 16                         /* keys per softmax step, from a multiple of 16: one cache block */
 #define AVX2_STEP (AVX2_KEYS * HEAD_DIM)     /* float32 elements of K (or V) per step and KV head */
 
-/* Keys and values [step, step + 1) * AVX2_KEYS of one sequence, all KV heads, as float32 rows
- * (kf, vf: (KVH, AVX2_KEYS, 64)); keys past num_keys are zero. */
-static void convert_step(const struct prefill *a, int64_t seq, int64_t step, int64_t num_keys, float *kf, float *vf) {
+/* A prepared step, per sequence: (2, KVH, AVX2_KEYS, 64) float32, its keys' rows then its values'. */
+
+/* Keys and values [step, step + 1) * AVX2_KEYS of one sequence, all KV heads, as a prepared step
+ * of float32 rows; keys past num_keys are zero. */
+static void convert_step(const struct prefill *a, int64_t seq, int64_t step, int64_t num_keys, void *out) {
     const int64_t *table = a->block_tables + seq * a->max_blocks;
     const int64_t kvh_count = a->num_kv_heads, row = kvh_count * HEAD_DIM;
+    float *kf = out, *vf = kf + kvh_count * AVX2_STEP;
     for (int64_t j = 0; j < AVX2_KEYS; ++j) {
         const int64_t key = step * AVX2_KEYS + j;
         const uint16_t *k_row = NULL, *v_row = NULL;
@@ -147,13 +150,13 @@ static inline void softmax_step(struct avx2_task *b, int64_t k0, const __m256i p
     }
 }
 
-/* Queries first_query .. + 15 of head `head` of one sequence; kf, vf: the sequence's steps' keys
- * and values as convert_step leaves them (per step, (KVH, AVX2_KEYS, 64)). */
-static void attend_task_avx2(const struct prefill *a, const struct task *t, const float *kf, const float *vf) {
+/* Queries first_query .. + 15 of head `head` of one sequence; steps: the sequence's steps as
+ * convert_step leaves them. */
+static void attend_task_avx2(const struct prefill *a, const struct task *t, const void *steps) {
     const int64_t kvh_count = a->num_kv_heads, kvh = t->head / (a->num_heads / kvh_count);
     const int64_t left = a->query_lens[t->seq] - t->first_query, nq = left < QUERIES ? left : QUERIES;
-    const int64_t first = a->context_lens[t->seq] + t->first_query, last = first + nq - 1;
-    const int64_t from = a->window > 0 && first - a->window + 1 > 0 ? (first - a->window + 1) / AVX2_KEYS * AVX2_KEYS : 0;
+    const int64_t first = a->context_lens[t->seq] + t->first_query, last = task_last_key(a, t);
+    const int64_t from = first_key(first, a->window, AVX2_KEYS);
     const uint16_t *queries = a->query + (a->token_offsets[t->seq] + t->first_query) * a->query_stride +
                               t->head * HEAD_DIM;
     struct avx2_task b;
@@ -168,10 +171,10 @@ static void attend_task_avx2(const struct prefill *a, const struct task *t, cons
         b.total[half] = _mm256_setzero_ps();
     }
     for (int64_t k0 = from; k0 <= last; k0 += AVX2_KEYS) {
-        const int64_t at = (k0 / AVX2_KEYS * kvh_count + kvh) * AVX2_STEP;
-        score_step(&b, kf + at);
+        const float *keys = (const float *)steps + (k0 / AVX2_KEYS * 2 * kvh_count + kvh) * AVX2_STEP;
+        score_step(&b, keys);
         softmax_step(&b, k0, position, a->window, a->scale);
-        add_step_values(&b, vf + at);
+        add_step_values(&b, keys + kvh_count * AVX2_STEP);
     }
     float total[QUERIES] __attribute__((aligned(32)));
     _mm256_store_ps(total, b.total[0]);
@@ -187,33 +190,10 @@ static void attend_task_avx2(const struct prefill *a, const struct task *t, cons
     }
 }
 
-/* Every chunk of the call: its steps' keys and values converted, then tasks, longest first. */
-static int attend_prefills(const struct prefill *a, int64_t num_seqs) {
-    const int64_t kvh_count = a->num_kv_heads;
-    struct task_list list;
-    if (!list_tasks(a, num_seqs, QUERIES, AVX2_KEYS, &list)) return 2;
-    const size_t floats = (size_t)(list.num_steps > 0 ? list.num_steps : 1) * kvh_count * AVX2_STEP;
-    float *kf = aligned_alloc(32, floats * sizeof(float)), *vf = aligned_alloc(32, floats * sizeof(float));
-    if (!kf || !vf) {
-        free(kf), free(vf), free_tasks(&list);
-        return 2;
-    }
-    #pragma omp parallel
-    {
-        #pragma omp for schedule(static)
-        for (int64_t i = 0; i < list.num_steps; ++i) {
-            const int64_t s = list.step_seq[i];
-            convert_step(a, s, i - list.first_step[s], a->context_lens[s] + a->query_lens[s],
-                         kf + i * kvh_count * AVX2_STEP, vf + i * kvh_count * AVX2_STEP);
-        }
-        #pragma omp for schedule(dynamic, 1)
-        for (int64_t i = 0; i < list.num_tasks; ++i) {
-            const int64_t offset = list.first_step[list.tasks[i].seq] * kvh_count * AVX2_STEP;
-            attend_task_avx2(a, &list.tasks[i], kf + offset, vf + offset);
-        }
-    }
-    free(kf), free(vf), free_tasks(&list);
-    return 0;
+/* Keys and values converted per step of AVX2_KEYS keys; tasks of QUERIES queries. */
+static struct prefill_copy choose_copy(const struct prefill *a) {
+    const int64_t step_bytes = 2 * a->num_kv_heads * AVX2_STEP * (int64_t)sizeof(float);
+    return (struct prefill_copy){QUERIES, AVX2_KEYS, step_bytes, convert_step, attend_task_avx2, 0};
 }
 
 #endif  /* VLLM_CPU_PAGED_PREFILL_AVX2_H */

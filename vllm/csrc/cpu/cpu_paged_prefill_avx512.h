@@ -113,7 +113,7 @@ static void start_block(const struct prefill *a, const struct task *t, int64_t f
     b->t = (struct task){t->seq, t->head, first_query};
     b->first = a->context_lens[t->seq] + first_query;
     b->last = task_last_key(a, &b->t);
-    b->from = first_key(b->first, a->window);
+    b->from = first_key(b->first, a->window, KEYS);
     pack_queries(a, &b->t, b->qt);
     for (int d = 0; d < HEAD_DIM; ++d) _mm512_store_ps(b->o[d], _mm512_setzero_ps());
     b->st = lazy_softmax_start(a->scale);
