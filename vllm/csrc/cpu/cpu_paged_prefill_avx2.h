@@ -23,10 +23,8 @@
 #define AVX2_KEYS 16                         /* keys per softmax step, from a multiple of 16: one cache block */
 #define AVX2_STEP (AVX2_KEYS * HEAD_DIM)     /* float32 elements of K (or V) per step and KV head */
 
-/* A prepared step, per sequence: (2, KVH, AVX2_KEYS, 64) float32, its keys' rows then its values'. */
-
-/* Keys and values [step, step + 1) * AVX2_KEYS of one sequence, all KV heads, as a prepared step
- * of float32 rows; keys past num_keys are zero. */
+/* Keys and values [step, step + 1) * AVX2_KEYS of one sequence, all KV heads, as a prepared step:
+ * (2, KVH, AVX2_KEYS, 64) float32, the keys' rows then the values'; keys past num_keys are zero. */
 static void convert_step(const struct prefill *a, int64_t seq, int64_t step, int64_t num_keys, void *out) {
     const int64_t *table = a->block_tables + seq * a->max_blocks;
     const int64_t kvh_count = a->num_kv_heads, row = kvh_count * HEAD_DIM;
