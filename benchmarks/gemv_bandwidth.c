@@ -19,8 +19,9 @@
 
 #define PREFETCH_BYTES (8 * 1024)
 
-typedef int (*gemv_fn)(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
-                       int64_t m, int64_t n, int64_t k);
+/* A GEMV of the engine's calling convention (vllm/model_executor/layers/cpu_product.py), its
+ * pointers in the kernel's element type: bf16 or float32. */
+typedef int (*gemv_fn)(const void *x, const void *w, const void *bias, void *y, int64_t m, int64_t n, int64_t k);
 
 static double seconds(void) {
     struct timespec t;
@@ -83,7 +84,7 @@ double read_seconds(const uint16_t *const *weights, const int64_t *rows, const i
 }
 
 /* Seconds for y = x @ W^T on each of the `count` matrices in turn (x: m rows). */
-double gemv_seconds(gemv_fn gemv, const uint16_t *x, uint16_t *y, const uint16_t *const *weights,
+double gemv_seconds(gemv_fn gemv, const void *x, void *y, const void *const *weights,
                     const int64_t *rows, const int64_t *cols, int64_t count, int64_t m) {
     const double start = seconds();
     for (int64_t i = 0; i < count; ++i)

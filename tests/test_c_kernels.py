@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from tests.utils import on_tile_gemm_copy
 from vllm.model_executor.layers import cpu_gemv, cpu_layer_ops, cpu_tile_gemm
+from vllm.model_executor.layers.linear import Linear, can_pack
 from vllm.platforms import c_build
 from vllm.platforms.c_library import CFunction, CLibrary
 from vllm.platforms.cpu import cpu_flags
@@ -153,6 +154,69 @@ def test_gemv_rows_past_whole_blocks(rows, n, threads):
         torch.set_num_threads(before)
     want = F.linear(x.float(), weight.float(), bias.float())
     torch.testing.assert_close(got.float(), want, rtol=2 ** -8, atol=1e-3)
+
+
+@needs_cc
+def test_float32_gemv_is_built_where_the_cpu_has_avx2_and_fma():
+    assert cpu_gemv.max_rows(torch.float32) == (4 if {"avx2", "fma"} <= cpu_flags() else 0)
+
+
+needs_float32_gemv = pytest.mark.skipif(cpu_gemv.max_rows(torch.float32) == 0, reason="the CPU lacks AVX2 with FMA")
+
+
+@needs_cc
+@needs_float32_gemv
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("shape", [(576, 960), (1536, 576), (70, 100), (5, 7)])  # in, out; 70, 5: tails
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_float32_gemv_matches_float64_linear(rows, shape, with_bias):
+    torch.manual_seed(rows)
+    k, n = shape
+    x, weight = torch.randn(rows, k, dtype=torch.float64), torch.randn(n, k, dtype=torch.float64)
+    bias = torch.randn(n, dtype=torch.float64) if with_bias else None
+    got = cpu_gemv.gemv(x.float(), weight.float(), None if bias is None else bias.float())
+    want = F.linear(x.float().double(), weight.float().double(), bias)
+    assert got.dtype == torch.float32 and got.shape == (rows, n)
+    # k float32 roundings of sums of magnitude ~sqrt(k), against exact products of the same inputs
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=k * 2 ** -22)
+
+
+@needs_cc
+@needs_float32_gemv
+@pytest.mark.parametrize("n", [1, 3, 5, 13, 4103])  # W rows: below, between and past whole blocks of 3 and 4
+@pytest.mark.parametrize("threads", [1, 2])
+def test_float32_gemv_bits_do_not_depend_on_the_rows_beside_them(n, threads):
+    """An output is the same bits whatever the row count (blocks of 4 W rows up to 2 rows of x, of
+    3 from 3 on), whichever thread and block (or the rows after the blocks) took its W row; k = 47:
+    5 steps of 8 and a masked tail."""
+    torch.manual_seed(n)
+    x, weight, bias = torch.randn(4, 47), torch.randn(n, 47), torch.randn(n)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        together = [cpu_gemv.gemv(x[:rows], weight, bias) for rows in range(1, 5)]
+    finally:
+        torch.set_num_threads(before)
+    alone = torch.cat([cpu_gemv.gemv(x[i:i + 1], weight, bias) for i in range(4)])
+    for rows, got in enumerate(together, start=1):
+        assert torch.equal(got, alone[:rows]), rows
+    torch.testing.assert_close(alone, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+
+
+@needs_cc
+@needs_float32_gemv
+def test_packed_float32_linear_takes_decode_rows_to_the_gemv():
+    torch.manual_seed(0)
+    layer = Linear(47, 13, dtype=torch.float32)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(13, 47))
+        layer.bias.copy_(torch.randn(13))
+    assert can_pack(torch.float32)
+    layer.pack()
+    x = torch.randn(5, 47)
+    with torch.no_grad():
+        assert torch.equal(layer(x[:4]), cpu_gemv.gemv(x[:4], layer.weight, layer.bias))
+        assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))  # past the GEMV's rows
 
 
 @needs_cc

@@ -33,6 +33,7 @@ MAX_TOKENS = 12
 # Prints which kernels this build offers and greedy tokens of a chunked run in float32 and bf16.
 _PROBE = textwrap.dedent("""
     import json, sys
+    import torch
     from tests.utils import random_prompts
     from vllm import LLM, SamplingParams
     from vllm.attention.ops import cpu_paged_prefill
@@ -45,7 +46,8 @@ _PROBE = textwrap.dedent("""
         llm = LLM(path, dtype=dtype, max_model_len=256, max_num_batched_tokens=32, block_size=16)
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
         tokens[dtype] = [list(o.outputs[0].token_ids) for o in outs]
-    print(json.dumps({"gemv_rows": cpu_gemv.max_rows(), "tile_gemm_rows": cpu_tile_gemm.max_rows(),
+    print(json.dumps({"gemv_rows": cpu_gemv.max_rows(), "gemv_f32_rows": cpu_gemv.max_rows(torch.float32),
+                      "tile_gemm_rows": cpu_tile_gemm.max_rows(),
                       "paged_prefill": cpu_paged_prefill.kernel_address() is not None, "tokens": tokens}))
 """)
 
@@ -74,8 +76,9 @@ def _check_tokens(result: dict, path: str) -> None:
 def test_avx2_only_build_falls_back(tiny_checkpoints, avx2_env):
     path = tiny_checkpoints["llama"]
     result = _probe(path, avx2_env)
-    # The AVX512 products fall back; prefill attention has a float32 copy for AVX2.
+    # The AVX512 products fall back; prefill attention and the float32 GEMV have copies for AVX2.
     assert result["gemv_rows"] == 0 and result["tile_gemm_rows"] == 0 and result["paged_prefill"]
+    assert result["gemv_f32_rows"] == 4
     _check_tokens(result, path)
 
 
@@ -84,6 +87,7 @@ def test_native_build_offers_what_the_cpu_has(tiny_checkpoints, tmp_path):
     path = tiny_checkpoints["llama"]
     result = _probe(path, dict(os.environ, VLLM_CPU_C_KERNELS="1"))
     assert (result["gemv_rows"] > 0) == ({"avx512_bf16", "avx512bw"} <= flags)
+    assert (result["gemv_f32_rows"] > 0) == ({"avx2", "fma"} <= flags)
     # The tile GEMM's AVX512-BF16 copy, or its AMX one (which CPUs with AMX have beside it).
     assert (result["tile_gemm_rows"] > 0) == ({"avx512_bf16", "avx512bw"} <= flags or "amx_bf16" in flags)
     assert result["paged_prefill"] == ({"avx512_bf16", "avx512bw", "avx512dq"} <= flags or {"avx2", "fma"} <= flags)

@@ -181,7 +181,8 @@ class CpuAttentionBackend(AttentionBackend):
 
     For bf16 it also prepares the model: linear weights packed for the C GEMV and tile GEMM, the
     element-wise C ops turned on, and, where the decode kernel builds, the decoder layers in C
-    for the eager steps whose attention the kernels take whole.
+    for the eager steps whose attention the kernels take whole. For float32, decode rows of the
+    linear layers go to the C float32 GEMV.
     """
 
     def __init__(self, config: EngineConfig, sliding_window: int | None, device: torch.device) -> None:
@@ -195,6 +196,8 @@ class CpuAttentionBackend(AttentionBackend):
         if not can_pack(self.dtype):
             return
         pack_linear_weights(model)
+        if self.dtype != torch.bfloat16:
+            return  # the element-wise C ops and the C layers are bf16's
         for module in model.modules():
             if hasattr(module, "c_kernels"):
                 module.c_kernels = True

@@ -1,4 +1,5 @@
-"""Linear layer with packed weight copies for decodes and prefill chunks on CPU (bf16).
+"""Linear layer with packed weight copies for decodes and prefill chunks on CPU (bf16), and C
+decode rows for float32.
 
 Up to PACKED_MAX_ROWS rows (decodes, the lm_head's sampled rows, prefill chunks of the default
 budget) the tile GEMM (cpu_tile_gemm.c: on AMX tiles, or on AVX512-BF16 dot products where
@@ -9,7 +10,8 @@ instead on a C GEMV that reads the plain weight (`gemv_rows`). Above PACKED_MAX_
 is bound by compute, x no longer fits in L2 beside the tiles, and oneDNN's GEMM on the plain
 weight is the better kernel. On CPUs with neither AMX nor AVX512-BF16 a oneDNN-blocked copy
 takes the tile copy's place: oneDNN reads its own blocked layout without the reordering a plain
-weight needs.
+weight needs. A float32 layer keeps its weight as it is: `pack()` only sends its decode rows
+to the C float32 GEMV, and the rest to F.linear.
 
 Inside a captured graph the packed copies (the oneDNN one an opaque MKLDNN tensor) cannot be
 traced, so there the layer calls the `vllm::packed_linear` custom op on the plain weight; the
@@ -38,6 +40,10 @@ _TILED_BY_WEIGHT: dict[int, torch.Tensor] = {}
 
 
 def can_pack(dtype: torch.dtype) -> bool:
+    """Whether `Linear.pack()` gives layers of this dtype their C kernels: bf16 with oneDNN, or
+    float32 where its GEMV is built."""
+    if dtype == torch.float32:
+        return cpu_gemv.max_rows(dtype) > 0
     return dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
 
 
@@ -59,7 +65,7 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
     tiled = _tile_copy(rows, weight)
     if tiled is not None:
         return cpu_tile_gemm.gemm(x, tiled, bias)
-    if 0 < rows <= cpu_gemv.max_rows():
+    if 0 < rows <= cpu_gemv.max_rows(x.dtype):
         return cpu_gemv.gemv(x, weight, bias)  # decode rows: weight-bandwidth bound
     if 0 < rows <= PACKED_MAX_ROWS:
         packed = _PACKED_BY_WEIGHT.get(weight.data_ptr())
@@ -95,6 +101,9 @@ class Linear(nn.Linear):
 
     def pack(self) -> None:
         assert can_pack(self.weight.dtype) and self.weight.device.type == "cpu"
+        self.packed = True
+        if self.weight.dtype == torch.float32:
+            return  # the float32 GEMV reads the weight as it is
         key = self.weight.data_ptr()
         self.tiled = cpu_tile_gemm.pack(self.weight)  # None: no tile GEMM here, or the shape does not fit
         if self.tiled is not None:
@@ -105,7 +114,6 @@ class Linear(nn.Linear):
             # the C kernels do not take stay on F.linear.
             _PACKED_BY_WEIGHT[key] = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1)
             weakref.finalize(self.weight, _PACKED_BY_WEIGHT.pop, key, None)
-        self.packed = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, in) -> (T, out)
         return self.matmul(x, self.bias)
@@ -158,13 +166,14 @@ def silu_mul_linear(layer: Linear, x: torch.Tensor) -> torch.Tensor | None:
 
 
 def pack_linear_weights(model: nn.Module) -> None:
-    """Packs every `Linear` of a loaded CPU bf16 model (weights must not change afterwards):
-    dense weights get their copy for the C kernels, weights of GGUF blocks are regrouped into
-    the int8 GEMM's panels where it takes them (a tied lm_head's with its embedding)."""
+    """Packs every `Linear` of a loaded CPU model whose dtype `can_pack` (weights must not change
+    afterwards): dense weights get their path to the C kernels, and in a bf16 model weights of
+    GGUF blocks are regrouped into the int8 GEMM's panels where it takes them (a tied lm_head's
+    with its embedding; float32 products read rows)."""
     for module in model.modules():
         if not isinstance(module, Linear):
             continue
-        if module.quantized:
-            gguf_linear.to_panels(module.weight)
-        else:
+        if not module.quantized:
             module.pack()
+        elif module.weight.dense_dtype == torch.bfloat16:
+            gguf_linear.to_panels(module.weight)
