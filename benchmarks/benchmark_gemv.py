@@ -8,9 +8,10 @@ Llama-shaped model in order (by default SmolLM2-135M's: hidden 576, intermediate
 and 3 KV heads of 64, 30 layers, ~212 MB of bf16, far more than the caches hold), then the
 lm_head alone; the table gives the best of --repeats passes of each as GB/s, and the GEMV's and
 F.linear's as fractions of the faster read's (plain, or prefetching into L2 as the bf16 GEMV
-does), for 1 to 4 rows of x.
+does), for 1 to 4 rows of x (bf16), or 1 to 128 (float32: past the few rows that are bound by
+the weights' bytes, where the float32 kernel hands over to F.linear).
 
-    python benchmarks/benchmark_gemv.py [--dtype float32] [--threads 1] [--output-json benchmarks/results/gemv.json]
+    python benchmarks/benchmark_gemv.py [--dtype float32] [--rows 1,2,4] [--threads 1] [--output-json F]
 """
 
 import argparse
@@ -51,6 +52,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=20, help="passes of each; the best counts")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                         help="the weights' and x's dtype, and so the kernel timed")
+    parser.add_argument("--rows", default=None,
+                        help="comma-separated row counts of x (default: 1-4 for bf16, 1, 2, 4 ... 64 and 128 for float32)")
     for name, default in (("hidden", 576), ("intermediate", 1536), ("heads", 9), ("kv-heads", 3),
                           ("head-dim", 64), ("layers", 30), ("vocab", 49152)):
         parser.add_argument(f"--{name}", type=int, default=default)
@@ -68,14 +71,21 @@ def main() -> int:
     if lib is None:
         print("the benchmark's C could not be built", file=sys.stderr)
         return 1
-    rows_max = cpu_gemv.max_rows(dtype)
-    results = {"dtype": args.dtype, "threads": torch.get_num_threads(), "GB_per_s": {}, "gemv_over_read": {},
+    if args.rows is not None:
+        row_counts = [int(r) for r in args.rows.split(",")]
+    else:
+        row_counts = [1, 2, 3, 4] if dtype == torch.bfloat16 else [1, 2, 4, 8, 16, 32, 48, 64, 128]
+    if dtype == torch.bfloat16 and not all(1 <= m <= cpu_gemv.max_rows() for m in row_counts):
+        parser.error(f"--rows: the bf16 GEMV takes 1 to {cpu_gemv.max_rows()} rows")
+    if not all(m >= 1 for m in row_counts):
+        parser.error("--rows: row counts are at least 1")
+    rows_max = max(row_counts)
+    results = {"dtype": args.dtype, "rows": row_counts, "threads": torch.get_num_threads(), "GB_per_s": {}, "gemv_over_read": {},
                "linear_over_read": {}}
     print(f"{args.dtype}, {torch.get_num_threads()} thread(s); GB/s, best of {args.repeats}; the GEMV's and "
           "F.linear's as fractions of the faster read")
     print(f"{'matrices':10s}{'MB':>8s}{'read':>8s}{'read+pf':>9s}" +
-          "".join(f"{f'gemv x{m}':>16s}" for m in range(1, rows_max + 1)) +
-          "".join(f"{f'linear x{m}':>16s}" for m in range(1, rows_max + 1)))
+          "".join(f"{f'{kind} x{m}':>16s}" for kind in ("gemv", "linear") for m in row_counts))
     for name, weights in _matrices(args, dtype).items():
         count = len(weights)
         pointers = (_ptr * count)(*[w.data_ptr() for w in weights])
@@ -90,10 +100,10 @@ def main() -> int:
         runs = {key: lambda prefetch=prefetch: lib.read_seconds(pointers, rows, read_cols, count, prefetch,
                                                                 ctypes.byref(checksum))
                 for key, prefetch in (("read", 0), ("read_prefetch", 1))}
-        for m in range(1, rows_max + 1):
+        for m in row_counts:
             runs[f"gemv_x{m}"] = lambda m=m: lib.gemv_seconds(gemv, x.data_ptr(), y.data_ptr(), pointers,
                                                                rows, cols, count, m)
-        for m in range(1, rows_max + 1):
+        for m in row_counts:
             x_by_k = {k: x[:m, :k].contiguous() for k in set(cols)}
             runs[f"linear_x{m}"] = lambda x_by_k=x_by_k: _linear_seconds(x_by_k, weights)
         # In turns, so that a load that comes and goes slows each of them alike.
@@ -108,7 +118,7 @@ def main() -> int:
             results[f"{kind}_over_read"][name] = {key: v / read for key, v in speeds.items() if key.startswith(kind)}
         print(f"{name:10s}{nbytes / 1e6:8.1f}{speeds['read']:8.1f}{speeds['read_prefetch']:9.1f}" +
               "".join(f"{speeds[f'{kind}_x{m}']:8.1f} ({speeds[f'{kind}_x{m}'] / read:.2f})"
-                      for kind in ("gemv", "linear") for m in range(1, rows_max + 1)))
+                      for kind in ("gemv", "linear") for m in row_counts))
     results.update(args=result_files.args_dict(args), machine=result_files.machine_info())
     result_files.save_results(results, args.output_json, False, "gemv")
     return 0

@@ -158,7 +158,7 @@ def test_gemv_rows_past_whole_blocks(rows, n, threads):
 
 @needs_cc
 def test_float32_gemv_is_built_where_the_cpu_has_avx2_and_fma():
-    assert cpu_gemv.max_rows(torch.float32) == (4 if {"avx2", "fma"} <= cpu_flags() else 0)
+    assert cpu_gemv.max_rows(torch.float32) == (cpu_gemv.F32_MAX_ROWS if {"avx2", "fma"} <= cpu_flags() else 0)
 
 
 needs_float32_gemv = pytest.mark.skipif(cpu_gemv.max_rows(torch.float32) == 0, reason="the CPU lacks AVX2 with FMA")
@@ -166,7 +166,7 @@ needs_float32_gemv = pytest.mark.skipif(cpu_gemv.max_rows(torch.float32) == 0, r
 
 @needs_cc
 @needs_float32_gemv
-@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 48])  # 7: a group of 4 and one of 3
 @pytest.mark.parametrize("shape", [(576, 960), (1536, 576), (70, 100), (5, 7)])  # in, out; 70, 5: tails
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_float32_gemv_matches_float64_linear(rows, shape, with_bias):
@@ -187,17 +187,17 @@ def test_float32_gemv_matches_float64_linear(rows, shape, with_bias):
 @pytest.mark.parametrize("threads", [1, 2])
 def test_float32_gemv_bits_do_not_depend_on_the_rows_beside_them(n, threads):
     """An output is the same bits whatever the row count (blocks of 4 W rows up to 2 rows of x, of
-    3 from 3 on), whichever thread and block (or the rows after the blocks) took its W row; k = 47:
-    5 steps of 8 and a masked tail."""
+    3 from 3 on; x's rows in groups of 4 and the rest), whichever thread and block (or the rows
+    after the blocks) took its W row; k = 47: 5 steps of 8 and a masked tail."""
     torch.manual_seed(n)
-    x, weight, bias = torch.randn(4, 47), torch.randn(n, 47), torch.randn(n)
+    x, weight, bias = torch.randn(9, 47), torch.randn(n, 47), torch.randn(n)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        together = [cpu_gemv.gemv(x[:rows], weight, bias) for rows in range(1, 5)]
+        together = [cpu_gemv.gemv(x[:rows], weight, bias) for rows in range(1, 10)]
     finally:
         torch.set_num_threads(before)
-    alone = torch.cat([cpu_gemv.gemv(x[i:i + 1], weight, bias) for i in range(4)])
+    alone = torch.cat([cpu_gemv.gemv(x[i:i + 1], weight, bias) for i in range(9)])
     for rows, got in enumerate(together, start=1):
         assert torch.equal(got, alone[:rows]), rows
     torch.testing.assert_close(alone, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
@@ -213,9 +213,10 @@ def test_packed_float32_linear_takes_decode_rows_to_the_gemv():
         layer.bias.copy_(torch.randn(13))
     assert can_pack(torch.float32)
     layer.pack()
-    x = torch.randn(5, 47)
+    rows = cpu_gemv.max_rows(torch.float32)
+    x = torch.randn(rows + 1, 47)
     with torch.no_grad():
-        assert torch.equal(layer(x[:4]), cpu_gemv.gemv(x[:4], layer.weight, layer.bias))
+        assert torch.equal(layer(x[:rows]), cpu_gemv.gemv(x[:rows], layer.weight, layer.bias))
         assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))  # past the GEMV's rows
 
 

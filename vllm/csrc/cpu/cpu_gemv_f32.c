@@ -1,16 +1,17 @@
 /*
- * y = x @ W^T + bias for a few rows of x (decodes), float32 in and out, on any CPU with AVX2
+ * y = x @ W^T + bias for the rows of a decode batch, float32 in and out, on any CPU with AVX2
  * and FMA: the float32 twin of cpu_gemv.c's bf16 GEMV, for models that run in float32 (the
  * default for unquantized weights where the CPU has no bf16 dot products).
  *
- * A decode's product reads every weight once per row of x, so it is bound by the weights'
- * bytes; BLAS libraries' float32 GEMV may not come near that bound on every CPU they meet
+ * A product of a few rows reads every weight once per row of x, so it is bound by the weights'
+ * bytes, and a few dozen rows are still far from a GEMM's blocking; BLAS libraries' float32
+ * GEMV and small GEMMs may come near neither bound on every CPU they meet
  * (benchmarks/benchmark_gemv.py --dtype float32 compares this kernel with F.linear and a plain
  * read). The walk is cpu_gemv.c's: each thread streams its own contiguous range of W's rows in
- * blocks, and each 8 floats of the block's rows meet every row of x, with a float32
- * accumulator of 8 lanes per (x row, W row) pair. M (the rows
- * of x) and R (the rows of a block) are compile-time constants in each copy, so the
- * accumulators stay in registers: 4 rows of W per block for up to 2 rows of x, 3 for 3 or 4.
+ * blocks, and each 8 floats of the block's rows meet the rows of x in groups of GROUP, with a
+ * float32 accumulator of 8 lanes per (x row, W row) pair; the block stays in L1 while the
+ * groups pass. A group's size M and the block's R are compile-time constants in each copy, so
+ * the accumulators stay in registers: 4 rows of W per block for up to 2 rows of x, else 3.
  *
  * Every output is reduced the same way (sum_lanes4 and sum_x8 add the lanes in one order), so
  * an output's bits depend on neither the number of rows of x, nor which block or thread took
@@ -20,8 +21,8 @@
  */
 #include <stdint.h>
 
-#define MAX_ROWS 4
-#define MAX_BLOCK 4
+#define GROUP 4      /* rows of x per pass over a block of W */
+#define MAX_BLOCK 4  /* rows of W per block */
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -31,7 +32,7 @@
 
 /* W rows per block for M rows of x: up to 12 accumulators beside the block's loads, and enough
  * rows that x's loads do not outnumber W's. */
-static inline int block_rows(int M) { return M <= 2 ? MAX_BLOCK : 3; }
+static inline int64_t block_rows(int M) { return M <= 2 ? MAX_BLOCK : 3; }
 
 /* The 8-lane sums of a, b, c, d, each added in sum_x8's order, as the 4 lanes of one vector. */
 static inline __m128 sum_lanes4(__m256 a, __m256 b, __m256 c, __m256 d) {
@@ -54,16 +55,16 @@ static inline __m256i tail_mask(int64_t count) {
  * on rows it does not read, or past W: prefetches are hints and never fault.) */
 static inline __attribute__((always_inline)) void gemv_block(
         const float *x, const float *w, const float *bias, float *y, int64_t n, int64_t k, int64_t j,
-        const int M, const int R) {
+        int prefetch, const int M, const int R) {
     const float *wj = w + j * k, *next = wj + R * k;
-    __m256 acc[MAX_ROWS][MAX_BLOCK];
+    __m256 acc[GROUP][MAX_BLOCK];
     for (int m = 0; m < M; ++m)
         for (int r = 0; r < R; ++r) acc[m][r] = _mm256_setzero_ps();
     int64_t i = 0;
     for (; i + 8 <= k; i += 8) {
         __m256 b[MAX_BLOCK];
         for (int r = 0; r < R; ++r) {
-            if (i % 16 == 0) _mm_prefetch((const char *)(next + r * k + i), _MM_HINT_T0);  /* a line: 16 floats */
+            if (prefetch && i % 16 == 0) _mm_prefetch((const char *)(next + r * k + i), _MM_HINT_T0);  /* a line: 16 floats */
             b[r] = _mm256_loadu_ps(wj + r * k + i);
         }
         for (int m = 0; m < M; ++m) {
@@ -88,45 +89,47 @@ static inline __attribute__((always_inline)) void gemv_block(
     }
 }
 
-/* One thread's rows [begin, end) of W: blocks of R rows, then the rows left over. */
-static inline __attribute__((always_inline)) void gemv_rows(
-        const float *x, const float *w, const float *bias, float *y, int64_t n, int64_t k, int64_t begin,
-        int64_t end, const int M) {
-    const int R = block_rows(M);
+/* y[:, j:j+R] for all m rows of x: the block meets them in groups of GROUP (then the rest) while
+ * its rows are in L1 (only the first group prefetches the next block). R is a constant where
+ * this is inlined. */
+static inline __attribute__((always_inline)) void block_product(
+        const float *x, const float *w, const float *bias, float *y, int64_t m, int64_t n, int64_t k,
+        int64_t j, const int R) {
+    int64_t t = 0;
+    for (; t + GROUP <= m; t += GROUP) gemv_block(x + t * k, w, bias, y + t * n, n, k, j, t == 0, GROUP, R);
+    switch (m - t) {
+    case 1: gemv_block(x + t * k, w, bias, y + t * n, n, k, j, t == 0, 1, R); break;
+    case 2: gemv_block(x + t * k, w, bias, y + t * n, n, k, j, t == 0, 2, R); break;
+    case 3: gemv_block(x + t * k, w, bias, y + t * n, n, k, j, t == 0, 3, R); break;
+    default: break;
+    }
+}
+
+/* Rows [begin, end) of W times all m rows of x: blocks of R rows, then the rows left over. */
+static inline __attribute__((always_inline)) void thread_rows(
+        const float *x, const float *w, const float *bias, float *y, int64_t m, int64_t n, int64_t k,
+        int64_t begin, int64_t end, const int R) {
     int64_t j = begin;
-    for (; j + R <= end; j += R) gemv_block(x, w, bias, y, n, k, j, M, R);
-    for (; j < end; ++j) gemv_block(x, w, bias, y, n, k, j, M, 1);
+    for (; j + R <= end; j += R) block_product(x, w, bias, y, m, n, k, j, R);
+    for (; j < end; ++j) block_product(x, w, bias, y, m, n, k, j, 1);
 }
 
-#define DEFINE_GEMV(M)                                                                             \
-static void gemv_##M(const float *x, const float *w, const float *bias, float *y, int64_t n,      \
-                     int64_t k) {                                                                 \
-    _Pragma("omp parallel")                                                                       \
-    {                                                                                             \
-        /* Each thread a contiguous range of whole blocks; the last one also the rows past them. */ \
-        const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();                  \
-        const int64_t R = block_rows(M), blocks = n / R;                                          \
-        const int64_t begin = blocks * t / threads * R;                                           \
-        const int64_t end = t == threads - 1 ? n : blocks * (t + 1) / threads * R;                \
-        gemv_rows(x, w, bias, y, n, k, begin, end, M);                                            \
-    }                                                                                             \
-}
-
-DEFINE_GEMV(1)
-DEFINE_GEMV(2)
-DEFINE_GEMV(3)
-DEFINE_GEMV(4)
-
-int gemv_f32_supported(void) { return MAX_ROWS; }
+int gemv_f32_supported(void) { return 1; }
 
 int gemv_f32(const float *x, const float *w, const float *bias, float *y, int64_t m, int64_t n, int64_t k) {
-    switch (m) {
-    case 1: gemv_1(x, w, bias, y, n, k); return 0;
-    case 2: gemv_2(x, w, bias, y, n, k); return 0;
-    case 3: gemv_3(x, w, bias, y, n, k); return 0;
-    case 4: gemv_4(x, w, bias, y, n, k); return 0;
-    default: return 1;
+    if (m < 1) return 1;
+    const int64_t rows = block_rows(m < GROUP ? (int)m : GROUP);
+    #pragma omp parallel
+    {
+        /* Each thread a contiguous range of whole blocks; the last one also the rows past them.
+         * R is a literal in each call, so that it stays a constant in the outlined region. */
+        const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num(), blocks = n / rows;
+        const int64_t begin = blocks * t / threads * rows;
+        const int64_t end = t == threads - 1 ? n : blocks * (t + 1) / threads * rows;
+        if (rows == 4) thread_rows(x, w, bias, y, m, n, k, begin, end, 4);
+        else thread_rows(x, w, bias, y, m, n, k, begin, end, 3);
     }
+    return 0;
 }
 
 #else  /* no AVX2 with FMA: the caller keeps F.linear */

@@ -1,5 +1,6 @@
 """The C GEMVs for decode rows, built on first use (vllm/platforms/c_build.py): bf16 on
-AVX512-BF16 dot products (cpu_gemv.c), float32 on AVX2 with FMA (cpu_gemv_f32.c).
+AVX512-BF16 dot products (cpu_gemv.c), up to 4 rows; float32 on AVX2 with FMA (cpu_gemv_f32.c),
+up to F32_MAX_ROWS.
 
 Where one cannot be built, the CPU lacks its ISA, or VLLM_CPU_C_KERNELS=0, linear layers of its
 dtype keep oneDNN (bf16) or F.linear (float32) for every row count.
@@ -17,13 +18,18 @@ _LIBRARY = CLibrary(KERNEL_SOURCES / "cpu_gemv.c", "linear layers use oneDNN for
 _F32_LIBRARY = CLibrary(KERNEL_SOURCES / "cpu_gemv_f32.c", "float32 linear layers use F.linear for decode rows too",
                         {"gemv_f32": PRODUCT}, supported="gemv_f32_supported")
 
+# Where the float32 kernel hands over to F.linear: on an AMD EPYC (Zen 3) it was ahead of MKL's
+# up to 32 rows, level at 48 and 64, and behind at 128 (benchmarks/results/gemv_f32_epyc_zen3_avx2.json,
+# benchmark_gemv.py --dtype float32).
+F32_MAX_ROWS = 48
+
 
 @functools.cache
 def max_rows(dtype: torch.dtype = torch.bfloat16) -> int:
     """Largest row count the kernel for `dtype` takes (0: not available); builds it on the first call."""
     if dtype == torch.float32:
         lib = _F32_LIBRARY.get()
-        return 0 if lib is None else lib.gemv_f32_supported()
+        return F32_MAX_ROWS if lib is not None and lib.gemv_f32_supported() else 0
     lib = _LIBRARY.get() if dtype == torch.bfloat16 else None
     return 0 if lib is None else lib.gemv_supported()
 
