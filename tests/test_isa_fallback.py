@@ -116,7 +116,8 @@ def test_vllm_cpu_isa_avx2_hides_the_later_extensions_and_builds_for_x86_64_v3(m
 
 # The tests of the kernels and of the engine's token-level results, run as on an AVX2-only CPU.
 AVX2_ONLY_TESTS = ["tests/test_attention.py", "tests/test_c_kernels.py", "tests/test_gguf_kernels.py",
-                   "tests/test_fused_layers.py", "tests/test_step_checks.py", "tests/test_batch_invariance.py",
+                   "tests/test_fused_layers.py", "tests/test_fused_layers_f32.py", "tests/test_step_checks.py",
+                   "tests/test_batch_invariance.py",
                    "tests/test_prefill_kernel_engine.py", "tests/test_tiny_models_vs_hf.py",
                    "tests/test_chunked_prefill_demo.py", "tests/test_engine_args.py",
                    "tests/test_gguf_fused_layers.py::test_layer_products_are_those_the_isa_has",

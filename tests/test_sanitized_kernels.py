@@ -22,7 +22,7 @@ from vllm.platforms.cpu import cpu_flags
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = ["tests/test_c_kernels.py", "tests/test_attention.py", "tests/test_step_checks.py",
-         "tests/test_gguf_kernels.py", "tests/test_fused_layers.py",
+         "tests/test_gguf_kernels.py", "tests/test_fused_layers.py", "tests/test_fused_layers_f32.py",
          # The fused layers of one model; the tile GEMMs without a bias (the main suite adds one).
          "-k", "(not test_fused_layers or llama) and not (test_tile_gemm and True)"]
 

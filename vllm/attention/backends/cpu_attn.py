@@ -182,7 +182,7 @@ class CpuAttentionBackend(AttentionBackend):
     For bf16 it also prepares the model: linear weights packed for the C GEMV and tile GEMM, the
     element-wise C ops turned on, and, where the decode kernel builds, the decoder layers in C
     for the eager steps whose attention the kernels take whole. For float32, decode rows of the
-    linear layers go to the C float32 GEMV.
+    linear layers go to the C float32 GEMV, and steps of decodes to the decoder layers in C.
     """
 
     def __init__(self, config: EngineConfig, sliding_window: int | None, device: torch.device) -> None:
@@ -196,11 +196,10 @@ class CpuAttentionBackend(AttentionBackend):
         if not can_pack(self.dtype):
             return
         pack_linear_weights(model)
-        if self.dtype != torch.bfloat16:
-            return  # the element-wise C ops and the C layers are bf16's
-        for module in model.modules():
-            if hasattr(module, "c_kernels"):
-                module.c_kernels = True
+        if self.dtype == torch.bfloat16:  # the element-wise C ops are bf16's
+            for module in model.modules():
+                if hasattr(module, "c_kernels"):
+                    module.c_kernels = True
         # Steps of only decodes take the C layers in graph mode too (nothing for a graph to
         # remove); their metadata must then carry the decodes for the paged kernel.
         if self.paged_decode and hasattr(model, "enable_fused_layers"):

@@ -1,5 +1,5 @@
 /* The element-wise steps of a Llama decoder layer on bf16 rows, rounded where torch's eager
- * bf16 ops round, for the C kernels beside it. */
+ * bf16 ops round, and on float32 rows, for the C kernels beside it. */
 #ifndef VLLM_LAYER_OPS_H
 #define VLLM_LAYER_OPS_H
 
@@ -43,6 +43,8 @@ typedef __m512 lanes_ps;
 #define fmadd_lanes _mm512_fmadd_ps
 #define set1_lanes _mm512_set1_ps
 #define sum_lanes _mm512_reduce_add_ps
+#define loadf_lanes _mm512_loadu_ps
+#define storef_lanes _mm512_storeu_ps
 
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -70,6 +72,8 @@ typedef __m256 lanes_ps;
 #define fmadd_lanes _mm256_fmadd_ps
 #define set1_lanes _mm256_set1_ps
 #define sum_lanes sum_x8
+#define loadf_lanes _mm256_loadu_ps
+#define storef_lanes _mm256_storeu_ps
 #endif
 
 /* Each step below has a loop over the widest lanes built (LANES: 16 with AVX-512 BF16, 8 with
@@ -152,6 +156,54 @@ static inline void silu_mul_row(const uint16_t *gate_up, uint16_t *out, int64_t 
 #endif
     for (; i < n; ++i)
         out[i] = round_bf16(mul_bf16(round_bf16(silu(bf16_to_float(gate_up[i]))), gate_up[n + i]));
+}
+
+/* The same steps on float32 rows, as torch's eager float32 ops compute them: no roundings between
+ * the products and sums, the norm's sum of squares in another order, SiLU's exp within float32's
+ * rounding. */
+
+static inline void rms_norm_row_f32(const float *x, const float *w, float *y, int64_t n, float eps) {
+    float sum = 0.0f;
+    int64_t i = 0;
+#ifdef LANES
+    lanes_ps squares = set1_lanes(0.0f);
+    for (; i + LANES <= n; i += LANES) {
+        const lanes_ps v = loadf_lanes(x + i);
+        squares = fmadd_lanes(v, v, squares);
+    }
+    sum = sum_lanes(squares);
+#endif
+    for (; i < n; ++i) sum += x[i] * x[i];
+    const float inv = 1.0f / sqrtf(sum / (float)n + eps);
+    i = 0;
+#ifdef LANES
+    for (; i + LANES <= n; i += LANES)
+        storef_lanes(y + i, mul_lanes(loadf_lanes(w + i), mul_lanes(loadf_lanes(x + i), set1_lanes(inv))));
+#endif
+    for (; i < n; ++i) y[i] = w[i] * (x[i] * inv);
+}
+
+/* x * cos + roll(x, D/2) * signed_sin: two products, then their sum. */
+static inline void rotate_f32(const float *x, const float *cos, const float *sin, float *y, int64_t d) {
+    const int64_t half = d / 2;
+    for (int64_t i = 0; i < d; ++i) {
+        const float partner = i < half ? x[i + half] : x[i - half];
+        const float a = x[i] * cos[i], b = partner * sin[i];
+        y[i] = a + b;
+    }
+}
+
+static inline void add_into_f32(float *hidden, const float *delta, int64_t count) {
+    for (int64_t i = 0; i < count; ++i) hidden[i] += delta[i];
+}
+
+static inline void silu_mul_row_f32(const float *gate_up, float *out, int64_t n) {
+    int64_t i = 0;
+#ifdef LANES
+    for (; i + LANES <= n; i += LANES)
+        storef_lanes(out + i, mul_lanes(silu_lanes(loadf_lanes(gate_up + i)), loadf_lanes(gate_up + n + i)));
+#endif
+    for (; i < n; ++i) out[i] = silu(gate_up[i]) * gate_up[n + i];
 }
 
 #endif

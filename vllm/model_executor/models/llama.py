@@ -191,7 +191,7 @@ class LlamaForCausalLM(nn.Module):
         self.model.kv_caches = list(kv_caches)
 
     def enable_fused_layers(self) -> FusedLayers | None:
-        """CPU, bf16: from now on eager steps that the C kernels take run their layers in C
+        """CPU, bf16 or float32: from now on eager steps that the C kernels take run their layers in C
         (llama_cpu_layers.py), where the kernels build here. Call once the weights are loaded
         (and packed); returns the C path. None with tensor parallelism: the C layers have no all-reduce, so
         sharded layers run op by op."""

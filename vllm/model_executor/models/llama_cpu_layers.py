@@ -1,5 +1,5 @@
 """The C path of a Llama model's decoder layers for bf16 steps on CPU (llama_cpu_layers.c), on
-bf16 weights or on weights kept in GGUF blocks.
+bf16 weights or on weights kept in GGUF blocks, and for float32 steps on float32 weights.
 
 A batch-1 decode step on CPU is bound by reading the weights, but run op by op its layers
 also spend time between the GEMVs: norms, rotary, residual adds, the cache write and attention,
@@ -21,9 +21,14 @@ tile GEMM for more rows). Each weight has its own product, so a model whose weig
 type (llama.cpp's Q4_K_M files: Q6_K beside Q4_K, and bf16 where stacked tensors differ) runs
 here too.
 
+A float32 model's layers are the same C code on float32 rows (llama_layers_f32), its products
+the float32 GEMV (cpu_gemv_f32.c) up to its rows, its attention the float32 decode kernel:
+steps of decodes only (there is no float32 prefill kernel), in float32 throughout, as torch's
+float32 ops compute them.
+
 Built through `LlamaForCausalLM.enable_fused_layers`, which the CPU model runner calls for bf16
-models when the kernels are available; with VLLM_CPU_C_KERNELS=0 or without a compiler the
-op-by-op path runs every step. Captured graphs keep the torch layers.
+and float32 models when the kernels are available; with VLLM_CPU_C_KERNELS=0 or without a
+compiler the op-by-op path runs every step. Captured graphs keep the torch layers.
 """
 
 import ctypes
@@ -73,11 +78,13 @@ class _Step(ctypes.Structure):
                 ("attend_prefills", _ptr)]
 
 
+_LAYERS = CFunction([ctypes.POINTER(_Layer), _i64, _ptr, ctypes.c_float, ctypes.POINTER(_Step), _ptr,
+                     ctypes.POINTER(_ptr), ctypes.POINTER(_ptr), _ptr])
 _LIBRARY = CLibrary(KERNEL_SOURCES / "llama_cpu_layers.c", "the layers run op by op", {
-    "llama_layers": CFunction([ctypes.POINTER(_Layer), _i64, _ptr, ctypes.c_float, ctypes.POINTER(_Step), _ptr,
-                               ctypes.POINTER(_ptr), ctypes.POINTER(_ptr), _ptr]),
+    "llama_layers": _LAYERS, "llama_layers_f32": _LAYERS,
     "llama_layer_workspace": CFunction([ctypes.POINTER(_Layer), _i64], _i64),
 })
+_LAYERS_BY_DTYPE = {torch.bfloat16: "llama_layers", torch.float32: "llama_layers_f32"}
 
 
 def _tiles(linear: torch.nn.Module) -> torch.Tensor | None:
@@ -94,17 +101,23 @@ def _linears(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def _product(linear: torch.nn.Module) -> _Product | None:
-    """A linear layer's product. bf16 weights: the GEMV (cpu_gemv.c) up to its rows, the tile
+    """A linear layer's product. float32 weights: the float32 GEMV (cpu_gemv_f32.c) up to its
+    rows. bf16 weights: the GEMV (cpu_gemv.c) up to its rows, the tile
     GEMM above on the weight's tile copy (Linear.pack; without one, up to the GEMV's rows only).
     GGUF blocks: their type's product (cpu_gguf_gemv.c) for every row count, as the op-by-op
     layers use it: up to PACKED_MAX_ROWS where it has a product for many rows (int8 GEMM or
     tiled) for the weight's shape, else up to gguf_linear.GEMV_MAX_ROWS (larger steps stay op
     by op). None where the kernel is not built here."""
     if linear.quantized:
+        if linear.weight.dense_dtype != torch.bfloat16:
+            return None  # GGUF products take bf16 rows
         gemv = cpu_gguf_gemv.layer_product_address(linear.weight.quant_type)
         batched = cpu_gguf_gemv.batched_fits(linear.weight.quant_type, linear.weight.shape[0],
                                              linear.weight.in_features)
         return None if gemv is None else _Product(gemv, PACKED_MAX_ROWS if batched else gguf_linear.GEMV_MAX_ROWS)
+    if linear.weight.dtype == torch.float32:
+        gemv = cpu_gemv.kernel_address(torch.float32)
+        return None if gemv is None else _Product(gemv, cpu_gemv.max_rows(torch.float32))
     gemv, tile_gemm = cpu_gemv.kernel_address(), cpu_tile_gemm.kernel_address()
     if gemv is None:
         return None
@@ -122,18 +135,21 @@ class FusedLayers:
 
     def __init__(self, model: torch.nn.Module, lib: ctypes.CDLL, products: list[_Product], attend_decodes: int,
                  attend_prefills: int | None) -> None:
+        dtype = model.norm.weight.dtype  # the steps' rows, caches and dense weights
         self._lib = lib
+        self._layers_fn = getattr(lib, _LAYERS_BY_DTYPE[dtype])
         self._attend_decodes, self._attend_prefills = attend_decodes, attend_prefills
         self.takes_prefills = attend_prefills is not None  # else only steps of decodes
         linears = _linears(model)
-        self._tile_gemm_silu_mul = cpu_tile_gemm.kernel_address(silu_mul=True)
+        # bf16's tile GEMM, with SiLU-and-multiply as its epilogue
+        self._tile_gemm_silu_mul = cpu_tile_gemm.kernel_address(silu_mul=True) if dtype == torch.bfloat16 else None
         self.max_tokens = min(p.max_rows for p in products)
         layers = []
         for index, layer in enumerate(model.layers):
             attn, mlp = layer.self_attn, layer.mlp
             for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-                # bf16 rows, or rows of GGUF blocks that the product reads whole
-                assert linear.weight.dtype == (torch.uint8 if linear.quantized else torch.bfloat16)
+                # rows in the model's dtype, or rows of GGUF blocks that the product reads whole
+                assert linear.weight.dtype == (torch.uint8 if linear.quantized else dtype)
                 assert linear.weight.is_contiguous()
                 # The C layer reads one bias value per output row of the weight.
                 if linear.bias is not None and linear.bias.shape != linear.weight.shape[:1]:
@@ -154,7 +170,7 @@ class FusedLayers:
         # The rotary tables, read at each token's position, and the final norm: (P, D) and (hidden,).
         cos, sin, norm = model.rotary.cos, model.rotary.signed_sin, model.norm.weight
         assert cos.shape == sin.shape and cos.shape[1] == model.layers[0].self_attn.head_dim
-        assert cos.dtype == sin.dtype == norm.dtype == torch.bfloat16
+        assert cos.dtype == sin.dtype == norm.dtype == dtype
         assert cos.is_contiguous() and sin.is_contiguous() and norm.is_contiguous()
         self._rotary_rows = cos.shape[0]
         self._cos, self._sin, self._norm = cos.data_ptr(), sin.data_ptr(), norm.data_ptr()
@@ -164,26 +180,28 @@ class FusedLayers:
         self._keys = self._values = None
         # Keeps the pointed-to weights, tile copies and rotary tables alive.
         self._tensors = list(model.parameters()) + [_tiles(m) for m in linears] + [cos, sin]
-        self._workspace = torch.empty(0, dtype=torch.bfloat16)  # grown to the largest step's need
+        self._workspace = torch.empty(0, dtype=dtype)  # grown to the largest step's need
 
     @classmethod
     def build(cls, model: torch.nn.Module) -> "FusedLayers | None":
         """For a loaded bf16 `LlamaModel` on CPU, its products' weights bf16 or GGUF blocks of any
-        types (each weight its own product); None where the decode kernels or a weight's
-        product cannot be built here (without the prefill kernel, only steps of decodes). Steps
-        carry prefill chunks for the prefill kernel only where it takes the model's shapes
-        (cpu_paged_prefill.is_available)."""
-        if model.norm.weight.dtype != torch.bfloat16:
+        types (each weight its own product), or a float32 one on float32 weights; None where the
+        decode kernels or a weight's product cannot be built here (without the prefill kernel,
+        only steps of decodes: always so in float32). Steps carry prefill chunks for the prefill
+        kernel only where it takes the model's shapes (cpu_paged_prefill.is_available)."""
+        dtype = model.norm.weight.dtype
+        if dtype not in _LAYERS_BY_DTYPE:
             return None
         attn = model.layers[0].self_attn
-        if not cpu_paged_decode.is_available(torch.device("cpu"), torch.bfloat16, attn.num_heads,
+        if not cpu_paged_decode.is_available(torch.device("cpu"), dtype, attn.num_heads,
                                              attn.num_kv_heads, attn.head_dim):
             return None
         products = [_product(linear) for linear in _linears(model)]
-        lib, attend_decodes = _LIBRARY.get(), cpu_paged_decode.kernel_address(torch.bfloat16)
+        lib, attend_decodes = _LIBRARY.get(), cpu_paged_decode.kernel_address(dtype)
         if lib is None or None in products or attend_decodes is None:
             return None
-        return cls(model, lib, products, attend_decodes, cpu_paged_prefill.kernel_address())
+        attend_prefills = cpu_paged_prefill.kernel_address() if dtype == torch.bfloat16 else None
+        return cls(model, lib, products, attend_decodes, attend_prefills)
 
     def accepts(self, metadata: AttentionMetadata, num_tokens: int) -> bool:
         """Whether the C kernels take all of the step: its attention (no groups, no padding) and
@@ -222,10 +240,10 @@ class FusedLayers:
             step.prefill_max_blocks = prefills.block_tables.shape[1]
         need = self._lib.llama_layer_workspace(self._layers, num_tokens)
         if self._workspace.numel() < need:
-            self._workspace = torch.empty(need, dtype=torch.bfloat16)
+            self._workspace = torch.empty(need, dtype=self._workspace.dtype)
         if kv_caches is not self._caches:
             self._bind(kv_caches)
-        status = self._lib.llama_layers(self._layers, len(self._layers), self._norm, self._eps,
+        status = self._layers_fn(self._layers, len(self._layers), self._norm, self._eps,
                                         ctypes.byref(step), hidden.data_ptr(), self._keys, self._values,
                                         self._workspace.data_ptr())
         if status == _BAD_POSITION:  # as the op-by-op path's lookup in the tables would raise it
