@@ -53,7 +53,8 @@ def main() -> int:
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                         help="the weights' and x's dtype, and so the kernel timed")
     parser.add_argument("--rows", default=None,
-                        help="comma-separated row counts of x (default: 1-4 for bf16, 1, 2, 4 ... 64 and 128 for float32)")
+                        help="comma-separated row counts of x (default: 1-4 for bf16, "
+                             "1, 2, 4 ... 64 and 128 for float32)")
     for name, default in (("hidden", 576), ("intermediate", 1536), ("heads", 9), ("kv-heads", 3),
                           ("head-dim", 64), ("layers", 30), ("vocab", 49152)):
         parser.add_argument(f"--{name}", type=int, default=default)
@@ -74,14 +75,16 @@ def main() -> int:
     if args.rows is not None:
         row_counts = [int(r) for r in args.rows.split(",")]
     else:
-        row_counts = [1, 2, 3, 4] if dtype == torch.bfloat16 else [1, 2, 4, 8, 16, 32, 48, 64, 128]
+        row_counts = [1, 2, 3, 4]
+        if dtype == torch.float32:
+            row_counts = [1, 2, 4, 8, 16, 32, 48, 64, 128]
     if dtype == torch.bfloat16 and not all(1 <= m <= cpu_gemv.max_rows() for m in row_counts):
         parser.error(f"--rows: the bf16 GEMV takes 1 to {cpu_gemv.max_rows()} rows")
     if not all(m >= 1 for m in row_counts):
         parser.error("--rows: row counts are at least 1")
     rows_max = max(row_counts)
-    results = {"dtype": args.dtype, "rows": row_counts, "threads": torch.get_num_threads(), "GB_per_s": {}, "gemv_over_read": {},
-               "linear_over_read": {}}
+    results = {"dtype": args.dtype, "rows": row_counts, "threads": torch.get_num_threads(), "GB_per_s": {},
+               "gemv_over_read": {}, "linear_over_read": {}}
     print(f"{args.dtype}, {torch.get_num_threads()} thread(s); GB/s, best of {args.repeats}; the GEMV's and "
           "F.linear's as fractions of the faster read")
     print(f"{'matrices':10s}{'MB':>8s}{'read':>8s}{'read+pf':>9s}" +

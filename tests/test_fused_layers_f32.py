@@ -12,7 +12,6 @@ from vllm.attention.backends.abstract import SeqSpan
 from vllm.attention.backends.cpu_metadata import build_attention_metadata
 from vllm.forward_context import ForwardContext, forward_context
 from vllm.model_executor.layers import cpu_gemv
-from vllm.model_executor.models.llama_cpu_layers import FusedLayers
 
 BLOCK = 16
 
