@@ -10,8 +10,8 @@ SETUP_STAMP := $(VENV)/.installed
 # (pytest-xdist): most of them wait on a subprocess, a server or Python, which leaves a core
 # idle, and two workers of several threads would fight over the cores at every barrier.
 THREAD_TESTS := tests/test_c_kernels.py tests/test_gguf_kernels.py tests/test_attention.py \
-	tests/test_fused_layers.py tests/test_gguf_fused_layers.py tests/test_cpu_threads.py \
-	tests/test_batch_invariance.py tests/test_sanitized_kernels.py
+	tests/test_fused_layers.py tests/test_fused_layers_f32.py tests/test_gguf_fused_layers.py \
+	tests/test_cpu_threads.py tests/test_batch_invariance.py tests/test_sanitized_kernels.py
 
 setup: $(SETUP_STAMP)
 
