@@ -64,7 +64,8 @@ static inline __attribute__((always_inline)) void gemv_block(
     for (; i + 8 <= k; i += 8) {
         __m256 b[MAX_BLOCK];
         for (int r = 0; r < R; ++r) {
-            if (prefetch && i % 16 == 0) _mm_prefetch((const char *)(next + r * k + i), _MM_HINT_T0);  /* a line: 16 floats */
+            if (prefetch && i % 16 == 0)  /* a line: 16 floats */
+                _mm_prefetch((const char *)(next + r * k + i), _MM_HINT_T0);
             b[r] = _mm256_loadu_ps(wj + r * k + i);
         }
         for (int m = 0; m < M; ++m) {

@@ -1,6 +1,6 @@
 /*
- * One Llama-family decoder layer for a bf16 step on CPU (decodes, prefill chunks or both), in
- * one call.
+ * One Llama-family decoder layer for a bf16 step on CPU (decodes, prefill chunks or both), or a
+ * float32 step of decodes, in one call.
  *
  * At batch 1 a layer's time should be the GEMV kernel streaming its weights; run as torch ops,
  * the norms, rotary, residual adds, cache write and attention between the four GEMVs each pay a
@@ -14,7 +14,10 @@
  *
  * Every intermediate is rounded to bf16 where the torch layer rounds it (eager bf16 ops), so
  * the two paths differ only in the order of a norm's float32 sum and in the exp of SiLU (both
- * within float32's rounding, so a bf16 result moves by one unit at most, and rarely).
+ * within float32's rounding, so a bf16 result moves by one unit at most, and rarely). A float32
+ * step (llama_layers_f32) is the same code on float32 rows, its products cpu_gemv_f32.c's, its
+ * attention the float32 decode kernel's; it differs from torch's float32 layers in the same two
+ * places.
  *
  *   hidden += o_proj(attention(rope(q), rope(k) -> cache, v -> cache))   q, k, v = qkv(norm(hidden))
  *   hidden += down(silu(gate) * up)                                      gate, up = gate_up(norm(hidden))
