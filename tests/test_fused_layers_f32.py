@@ -6,14 +6,11 @@ import random
 import pytest
 import torch
 
+from tests.test_fused_layers import BLOCK, _assert_fused_matches_op_by_op, _step
 from tests.utils import random_prompts, smollm2_path, tokens_op_by_op_then_fused
 from vllm import LLM, SamplingParams
-from vllm.attention.backends.abstract import SeqSpan
-from vllm.attention.backends.cpu_metadata import build_attention_metadata
-from vllm.forward_context import ForwardContext, forward_context
 from vllm.model_executor.layers import cpu_gemv
 
-BLOCK = 16
 
 pytestmark = pytest.mark.skipif(cpu_gemv.max_rows(torch.float32) == 0,
                                 reason="the float32 GEMV, and so the float32 C layers, need AVX2 with FMA")
@@ -23,26 +20,6 @@ pytestmark = pytest.mark.skipif(cpu_gemv.max_rows(torch.float32) == 0,
 def f32_llm(request, tiny_checkpoints) -> LLM:
     return LLM(tiny_checkpoints[request.param], dtype="float32", max_model_len=512, block_size=BLOCK,
                num_gpu_blocks_override=512, enforce_eager=True)
-
-
-def _step(runner, contexts: list[int], query_lens: list[int], rng: random.Random):
-    """Metadata and positions for one sequence per context length, each with its query_len new
-    tokens (1: a decode, the decodes first), on distinct random blocks."""
-    blocks = list(range(1, runner.cache.kv_caches[0][0].shape[0]))
-    rng.shuffle(blocks)
-    spans, slots, positions = [], [], []
-    for ctx, query_len in zip(contexts, query_lens, strict=True):
-        table = [blocks.pop() for _ in range((ctx + query_len - 1) // BLOCK + 1)]
-        spans.append(SeqSpan(len(positions), query_len, ctx, table, None))
-        for pos in range(ctx, ctx + query_len):
-            positions.append(pos)
-            slots.append(table[pos // BLOCK] * BLOCK + pos % BLOCK)
-    decodes = sum(q == 1 for q in query_lens)
-    metadata = build_attention_metadata(spans, decodes, slots, BLOCK, runner.attn_backend.heads_per_kv,
-                                        runner.attn_backend.sliding_window, runner.cache.pad_block,
-                                        torch.device("cpu"), torch.float32, split_prefill=True, paged_decode=True,
-                                        paged_prefill=runner.attn_backend.paged_prefill)
-    return metadata, torch.tensor(positions)
 
 
 def test_float32_models_take_the_c_layers_for_steps_of_decodes(f32_llm):
@@ -57,44 +34,16 @@ def test_float32_decode_steps_match_op_by_op(f32_llm, contexts):
     """The same hidden states and cache writes within float32's rounding (a norm's sum and SiLU's
     exp in another order), for 1-48 decodes at contexts that cross blocks and (Mistral) the
     sliding window of 96; past keys are random."""
-    runner = f32_llm.llm_engine.runner
-    model, fused = runner.model.model, runner.attn_backend.fused_layers
-    rng = random.Random(len(contexts))
-    metadata, positions = _step(runner, contexts, [1] * len(contexts), rng)
-    assert fused.accepts(metadata, positions.shape[0])
-    ids = torch.tensor([rng.randrange(100, 1000) for _ in range(positions.shape[0])])
-    caches = runner.cache.kv_caches
-    for k, v in caches:
-        k.normal_()
-        v.normal_()
-    before = [(k.clone(), v.clone()) for k, v in caches]
-    results = []
-    try:
-        with torch.inference_mode(), forward_context(ForwardContext(metadata, runner.attn_backend)):
-            for use_fused in (False, True):
-                for (k, v), (k0, v0) in zip(caches, before):
-                    k.copy_(k0)
-                    v.copy_(v0)
-                model.fused_layers = fused if use_fused else None
-                hidden = model(ids, positions)                                   # (T, hidden)
-                results.append((hidden, [(k.clone(), v.clone()) for k, v in caches]))
-    finally:
-        model.fused_layers = fused
-    (ref, ref_caches), (got, got_caches) = results
-    assert got.dtype == torch.float32
-    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
-    for (k, v), (rk, rv) in zip(got_caches, ref_caches):
-        torch.testing.assert_close(k, rk, rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(v, rv, rtol=1e-4, atol=1e-4)
+    _assert_fused_matches_op_by_op(f32_llm.llm_engine.runner, contexts, [], random.Random(len(contexts)))
 
 
 def test_float32_steps_with_prefills_or_past_the_gemv_rows_stay_op_by_op(f32_llm):
     runner = f32_llm.llm_engine.runner
     fused = runner.attn_backend.fused_layers
-    metadata, positions = _step(runner, [5, 0], [1, 9], random.Random(0))
+    metadata, positions = _step(runner, [5], [(9, 0)], random.Random(0))
     assert not fused.accepts(metadata, positions.shape[0])
     rows = fused.max_tokens + 1
-    metadata, positions = _step(runner, [3] * rows, [1] * rows, random.Random(1))
+    metadata, positions = _step(runner, [3] * rows, [], random.Random(1))
     assert not fused.accepts(metadata, positions.shape[0])
     assert not runner.attn_backend.runs_eagerly(rows, rows)
 
