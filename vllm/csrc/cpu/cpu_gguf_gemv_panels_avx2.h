@@ -38,6 +38,11 @@
 #define HAVE_GGUF_GEMM_AVX2 1
 #define GEMM8_TILE 4  /* rows of x per pass over a half panel: their sums stay in registers */
 
+/* An empty asm that may have changed v, as the compiler must assume: the additions into a sum
+ * stay in their written order. Reassociated into a tree, as GCC does, they would keep all of a
+ * row's products live at once, more than AVX2's 16 vector registers hold, and spill. */
+#define KEEP_IN_ORDER(v) __asm__("" : "+x"(v))
+
 /* The types this GEMM decodes (in rows, or in panels). */
 static inline int gemm8_type(int type) { return panel_type(type); }
 
@@ -135,6 +140,7 @@ static inline __attribute__((always_inline)) void tile_block8(const __m256i *u, 
                 const __m256i xg = _mm256_set1_epi32(((const int32_t *)(q.qx + (xb + t * nb) * QK))[g]);
                 const __m256i pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(xg, u[g]));
                 dot[t] = _mm256_add_epi32(dot[t], _mm256_madd_epi16(pairs, ones));
+                KEEP_IN_ORDER(dot[t]);
             }
         }
     } else {
@@ -144,9 +150,12 @@ static inline __attribute__((always_inline)) void tile_block8(const __m256i *u, 
             for (int t = 0; t < TM; ++t) {
                 const __m256i xg = _mm256_set1_epi32(((const int32_t *)(q.qx + (xb + t * nb) * QK))[g]);
                 pairs[t] = _mm256_add_epi16(pairs[t], _mm256_maddubs_epi16(u[g], xg));
+                KEEP_IN_ORDER(pairs[t]);
             }
-        for (int t = 0; t < TM; ++t)
-            dot[t] = _mm256_add_epi32(_mm256_madd_epi16(pairs[t], ones), _mm256_set1_epi32(q.start[xb + t * nb]));
+        for (int t = 0; t < TM; ++t) {
+            dot[t] = _mm256_madd_epi16(pairs[t], ones);
+            if (type == TYPE_Q4_0) dot[t] = _mm256_add_epi32(dot[t], _mm256_set1_epi32(q.start[xb + t * nb]));
+        }
     }
     for (int t = 0; t < TM; ++t) {
         const int64_t b = xb + t * nb;
@@ -200,6 +209,36 @@ static inline void unpack_half(const half_panel_at *p, const int type, int64_t n
     }
 }
 
+/* tile_block8 for 4-bit codes unpacked (unpack_half's block b: 8 code vectors, then D and M),
+ * each code vector read where it multiplies: only the TM sums and accumulators stay in
+ * registers, where tile_block8 holds all 8 code vectors as well. */
+static inline __attribute__((always_inline)) void tile_block4_unpacked(const __m256i *b, x_blocks q, int64_t xb,
+                                                                       int64_t nb, const int TM, const int type,
+                                                                       __m256 *acc) {
+    const int32_t *xd[GEMM8_TILE];  /* row t's codes of the block, as dwords */
+    __m256i pairs[GEMM8_TILE];
+    for (int t = 0; t < TM; ++t) {
+        xd[t] = (const int32_t *)(q.qx + (xb + t * nb) * QK);
+        pairs[t] = _mm256_setzero_si256();
+    }
+    for (int g = 0; g < 8; ++g) {
+        const __m256i u = _mm256_load_si256(b + g);
+        for (int t = 0; t < TM; ++t) {
+            pairs[t] = _mm256_add_epi16(pairs[t], _mm256_maddubs_epi16(u, _mm256_set1_epi32(xd[t][g])));
+            KEEP_IN_ORDER(pairs[t]);
+        }
+    }
+    const __m256i ones = _mm256_set1_epi16(1);
+    const __m256 D = _mm256_castsi256_ps(b[8]), M = _mm256_castsi256_ps(b[9]);
+    for (int t = 0; t < TM; ++t) {  /* tile_block8's float32 steps */
+        const int64_t xi = xb + t * nb;
+        __m256i dot = _mm256_madd_epi16(pairs[t], ones);
+        if (type == TYPE_Q4_0) dot = _mm256_add_epi32(dot, _mm256_set1_epi32(q.start[xi]));
+        acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(q.dx[xi])), D, acc[t]);
+        if (type == TYPE_Q4_1) acc[t] = _mm256_fmadd_ps(M, _mm256_set1_ps(q.dxsx[xi]), acc[t]);
+    }
+}
+
 /* Rows [t0, t0 + TM) of x times an unpacked half panel. */
 static inline __attribute__((always_inline)) void multiply_unpacked(const __m256i *buffer, const int type, x_blocks q,
                                                                     int64_t t0, const int TM, int64_t nb,
@@ -210,7 +249,10 @@ static inline __attribute__((always_inline)) void multiply_unpacked(const __m256
     for (int64_t kb = 0; kb < nb; ++kb) {
         prefetch_step(ahead);
         const __m256i *b = buffer + 10 * kb;
-        tile_block8(b, _mm256_castsi256_ps(b[8]), _mm256_castsi256_ps(b[9]), q, t0 * nb + kb, nb, TM, type, acc);
+        if (type == TYPE_Q8_0)
+            tile_block8(b, _mm256_castsi256_ps(b[8]), _mm256_castsi256_ps(b[9]), q, t0 * nb + kb, nb, TM, type, acc);
+        else
+            tile_block4_unpacked(b, q, t0 * nb + kb, nb, TM, type, acc);
     }
     store_rows8(acc, t0, TM, bias, y, j0, rows, n);
 }
