@@ -139,13 +139,16 @@ def test_int8_product_is_exact_at_the_extreme_codes():
     assert np.allclose(y.numpy(), want, rtol=2.0 ** -20, atol=0)
 
 
-# (tokens, output rows, K): up to a tile of 8 rows each block multiplied as it is decoded (1, 5,
-# 8); past it, pairs of unpacked panels take tiles of 6, 4, 2 and 1 rows (16 = 6 + 6 + 4, 17,
-# 20 = 6 + 6 + 6 + 2, 40) and an odd last panel tiles of 8, 4, 2 and 1 (31 = 8 + 8 + 8 + 4 + 2 +
-# 1); 16-row panels: one partial, a pair with a partial second (20), a pair and a partial third
-# (33), a pair and a whole third (48), several.
+# (tokens, output rows, K). AVX512-VNNI: up to a tile of 8 rows each block multiplied as it is
+# decoded (1, 5, 8); past it, pairs of unpacked panels take tiles of 6, 4, 2 and 1 rows (16 =
+# 6 + 6 + 4, 17, 20 = 6 + 6 + 6 + 2, 40) and an odd last panel tiles of 8, 4, 2 and 1 (31 = 8 +
+# 8 + 8 + 4 + 2 + 1); 16-row panels: one partial, a pair with a partial second (20), a pair and
+# a partial third (33), a pair and a whole third (48), several. AVX2: up to 4 rows decoded as
+# they multiply (1); past it, both 8-row halves of 16 output rows unpacked take tiles of 3 rows
+# and the rest (5 = 3 + 2, 16 = 5 * 3 + 1), and a last lone half tiles of 4 and the rest (31 =
+# 7 * 4 + 3); 16 output rows: whole, 1 or 4 or 7 rows of a lone half, a partial second half (29).
 GEMM_SHAPES = [(1, 16, 32), (5, 17, 96), (8, 33, 160), (16, 48, 576), (17, 33, 160), (20, 20, 96), (31, 7, 64),
-               (40, 80, 1536)]
+               (40, 80, 1536), (16, 29, 96)]
 # The types the int8 GEMM decodes (Q4_K from its rows, K rounded up to whole super-blocks), and
 # those of them that panels hold (32-weight blocks one after another).
 GEMM_TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q4_K"]

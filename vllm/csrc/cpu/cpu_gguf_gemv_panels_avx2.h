@@ -17,11 +17,13 @@
  * int16 before one vpmaddwd. Q8_0's codes are signed: their magnitudes (at most 128) multiply x
  * with their signs, and each pair (at most 32512) widens to int32 at once.
  *
- * A half of up to GEMM8_TILE rows of x multiplies each block as it is decoded; more rows take
- * the half unpacked once (its blocks' codes, D and M) into a per-thread buffer, then tiles of x.
- * Meanwhile the bytes of the half two on (the same half of the next 16 rows, which a thread's
- * static share of the halves reaches next but one) are prefetched: in rows, a half is 8
- * streams at once, more than the hardware prefetchers may follow from memory.
+ * A thread takes 16 output rows at a time, its two halves. Up to GEMM8_TILE rows of x multiply
+ * each block of a half as it is decoded; more rows take the halves unpacked once (their blocks'
+ * codes, D and M) into a per-thread buffer, then tiles of x: for 4-bit codes both halves at
+ * once, each dword of x broadcast for the two, which is most of the many-row GEMM's gain over
+ * one half at a time. Meanwhile the bytes of the next 16 rows, which a thread's static share
+ * reaches next, are prefetched: in rows, a half is 8 streams at once, more than the hardware
+ * prefetchers may follow from memory.
  */
 #ifndef VLLM_CPU_GGUF_GEMV_PANELS_AVX2_H
 #define VLLM_CPU_GGUF_GEMV_PANELS_AVX2_H
@@ -37,6 +39,7 @@
 #if !defined(HAVE_GGUF_GEMM) && defined(HAVE_GGUF_INT8_ROWS) && defined(__FMA__) && defined(__F16C__)
 #define HAVE_GGUF_GEMM_AVX2 1
 #define GEMM8_TILE 4  /* rows of x per pass over a half panel: their sums stay in registers */
+#define PAIR_TILE 3   /* the same over two unpacked halves side by side */
 
 /* An empty asm that may have changed v, as the compiler must assume: the additions into a sum
  * stay in their written order. Reassociated into a tree, as GCC does, they would keep all of a
@@ -209,82 +212,124 @@ static inline void unpack_half(const half_panel_at *p, const int type, int64_t n
     }
 }
 
-/* tile_block8 for 4-bit codes unpacked (unpack_half's block b: 8 code vectors, then D and M),
- * each code vector read where it multiplies: only the TM sums and accumulators stay in
- * registers, where tile_block8 holds all 8 code vectors as well. */
-static inline __attribute__((always_inline)) void tile_block4_unpacked(const __m256i *b, x_blocks q, int64_t xb,
+/* tile_block8 for 4-bit codes, over H unpacked half panels side by side (unpack_half's block b
+ * of each, half_stride apart: 8 code vectors, then D and M; acc[i] half i's). Each code vector
+ * is read where it multiplies, and each dword of x broadcast once for all H halves: only the
+ * sums and accumulators stay in registers, H * TM of each. */
+static inline __attribute__((always_inline)) void tile_block4_unpacked(const __m256i *b, int64_t half_stride,
+                                                                       const int H, x_blocks q, int64_t xb,
                                                                        int64_t nb, const int TM, const int type,
-                                                                       __m256 *acc) {
+                                                                       __m256 acc[][GEMM8_TILE]) {
     const int32_t *xd[GEMM8_TILE];  /* row t's codes of the block, as dwords */
-    __m256i pairs[GEMM8_TILE];
+    __m256i pairs[2][GEMM8_TILE];
     for (int t = 0; t < TM; ++t) {
         xd[t] = (const int32_t *)(q.qx + (xb + t * nb) * QK);
-        pairs[t] = _mm256_setzero_si256();
+        for (int i = 0; i < H; ++i) pairs[i][t] = _mm256_setzero_si256();
     }
     for (int g = 0; g < 8; ++g) {
-        const __m256i u = _mm256_load_si256(b + g);
+        __m256i u[2];
+        for (int i = 0; i < H; ++i) u[i] = _mm256_load_si256(b + i * half_stride + g);
         for (int t = 0; t < TM; ++t) {
-            pairs[t] = _mm256_add_epi16(pairs[t], _mm256_maddubs_epi16(u, _mm256_set1_epi32(xd[t][g])));
-            KEEP_IN_ORDER(pairs[t]);
+            const __m256i xg = _mm256_set1_epi32(xd[t][g]);
+            for (int i = 0; i < H; ++i) {
+                pairs[i][t] = _mm256_add_epi16(pairs[i][t], _mm256_maddubs_epi16(u[i], xg));
+                KEEP_IN_ORDER(pairs[i][t]);
+            }
         }
     }
     const __m256i ones = _mm256_set1_epi16(1);
-    const __m256 D = _mm256_castsi256_ps(b[8]), M = _mm256_castsi256_ps(b[9]);
     for (int t = 0; t < TM; ++t) {  /* tile_block8's float32 steps */
         const int64_t xi = xb + t * nb;
-        __m256i dot = _mm256_madd_epi16(pairs[t], ones);
-        if (type == TYPE_Q4_0) dot = _mm256_add_epi32(dot, _mm256_set1_epi32(q.start[xi]));
-        acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(q.dx[xi])), D, acc[t]);
-        if (type == TYPE_Q4_1) acc[t] = _mm256_fmadd_ps(M, _mm256_set1_ps(q.dxsx[xi]), acc[t]);
+        const __m256 dx = _mm256_set1_ps(q.dx[xi]), dxsx = _mm256_set1_ps(q.dxsx[xi]);
+        for (int i = 0; i < H; ++i) {
+            const __m256i *bi = b + i * half_stride;
+            __m256i dot = _mm256_madd_epi16(pairs[i][t], ones);
+            if (type == TYPE_Q4_0) dot = _mm256_add_epi32(dot, _mm256_set1_epi32(q.start[xi]));
+            acc[i][t] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(dot), dx), _mm256_castsi256_ps(bi[8]), acc[i][t]);
+            if (type == TYPE_Q4_1) acc[i][t] = _mm256_fmadd_ps(_mm256_castsi256_ps(bi[9]), dxsx, acc[i][t]);
+        }
     }
 }
 
-/* Rows [t0, t0 + TM) of x times an unpacked half panel. */
-static inline __attribute__((always_inline)) void multiply_unpacked(const __m256i *buffer, const int type, x_blocks q,
-                                                                    int64_t t0, const int TM, int64_t nb,
+/* Rows [t0, t0 + TM) of x times H unpacked half panels (H = 1 for Q8_0), half i's blocks from
+ * buffer + i * 10 * nb and its rows[i] output rows from j0 + 8 i. */
+static inline __attribute__((always_inline)) void multiply_unpacked(const __m256i *buffer, const int H, const int type,
+                                                                    x_blocks q, int64_t t0, const int TM, int64_t nb,
                                                                     const uint16_t *bias, uint16_t *y, int64_t j0,
-                                                                    int rows, int64_t n, prefetch_stream *ahead) {
-    __m256 acc[GEMM8_TILE];
-    for (int t = 0; t < TM; ++t) acc[t] = _mm256_setzero_ps();
+                                                                    const int rows[2], int64_t n,
+                                                                    prefetch_stream *ahead) {
+    __m256 acc[2][GEMM8_TILE];
+    for (int i = 0; i < H; ++i)
+        for (int t = 0; t < TM; ++t) acc[i][t] = _mm256_setzero_ps();
     for (int64_t kb = 0; kb < nb; ++kb) {
         prefetch_step(ahead);
         const __m256i *b = buffer + 10 * kb;
         if (type == TYPE_Q8_0)
-            tile_block8(b, _mm256_castsi256_ps(b[8]), _mm256_castsi256_ps(b[9]), q, t0 * nb + kb, nb, TM, type, acc);
+            tile_block8(b, _mm256_castsi256_ps(b[8]), _mm256_castsi256_ps(b[9]), q, t0 * nb + kb, nb, TM, type, acc[0]);
         else
-            tile_block4_unpacked(b, q, t0 * nb + kb, nb, TM, type, acc);
+            tile_block4_unpacked(b, 10 * nb, H, q, t0 * nb + kb, nb, TM, type, acc);
     }
-    store_rows8(acc, t0, TM, bias, y, j0, rows, n);
+    for (int i = 0; i < H; ++i) store_rows8(acc[i], t0, TM, bias, y, j0 + 8 * i, rows[i], n);
 }
 
-/* All m rows of x times the half panel p (W's rows [j0, j0 + rows)); `buffer` (nb * 10 ymm)
- * where m > GEMM8_TILE; the `bytes` from `next` prefetched meanwhile. `type` is a constant in
- * each caller. */
-static inline __attribute__((always_inline)) void half_panel_product(const half_panel_at *p, const int type,
-                                                                     x_blocks q, int64_t m, int64_t nb,
-                                                                     __m256i *buffer, const uint16_t *bias,
-                                                                     uint16_t *y, int64_t j0, int rows,
-                                                                     int64_t n, const uint8_t *next, int64_t bytes) {
-    const int64_t tiles = (m + GEMM8_TILE - 1) / GEMM8_TILE;
-    prefetch_stream ahead = prefetch_spread(next, bytes, tiles * nb);
+/* Rows [t0, m) of x times H unpacked half panels, in tiles of TM rows then one of the rest. */
+static inline __attribute__((always_inline)) void multiply_unpacked_rows(const __m256i *buffer, const int H,
+                                                                         const int type, x_blocks q, int64_t t0,
+                                                                         int64_t m, const int TM, int64_t nb,
+                                                                         const uint16_t *bias, uint16_t *y,
+                                                                         int64_t j0, const int rows[2], int64_t n,
+                                                                         prefetch_stream *ahead) {
+    for (; m - t0 >= TM; t0 += TM) multiply_unpacked(buffer, H, type, q, t0, TM, nb, bias, y, j0, rows, n, ahead);
+    switch (m - t0) {
+    case 1: multiply_unpacked(buffer, H, type, q, t0, 1, nb, bias, y, j0, rows, n, ahead); break;
+    case 2: multiply_unpacked(buffer, H, type, q, t0, 2, nb, bias, y, j0, rows, n, ahead); break;
+    case 3: multiply_unpacked(buffer, H, type, q, t0, 3, nb, bias, y, j0, rows, n, ahead); break;
+    default: break;
+    }
+}
+
+/* W's rows [first, first + count) as bytes to prefetch: none past W's n rows. */
+static inline prefetch_stream rows_ahead(const uint8_t *w, int64_t stride, int64_t first, int64_t count, int64_t n,
+                                         int64_t steps) {
+    const int64_t rows = first >= n ? 0 : n - first < count ? n - first : count;
+    return prefetch_spread(w + (first < n ? first : n) * stride, rows * stride, steps);
+}
+
+/* All m rows of x times W's rows [j0, j0 + 16) (fewer at W's end): its halves p[i] (H of them,
+ * rows[i] rows each), the bytes of W's next 16 rows (in rows or in their panel) prefetched
+ * meanwhile, each half's share by the half that multiplies. Up to
+ * GEMM8_TILE rows of x multiply each half's blocks as they are decoded. More unpack the halves
+ * into `buffer` (nb * 20 ymm): then tiles of PAIR_TILE rows multiply both halves of 4-bit
+ * codes at once, and tiles of GEMM8_TILE one half of Q8_0 (or the last half of W's rows).
+ * `type` is a constant in each caller. */
+static inline __attribute__((always_inline)) void rows16_product(const half_panel_at p[2], const int H,
+                                                                 const int type, x_blocks q, int64_t m, int64_t nb,
+                                                                 __m256i *buffer, const uint16_t *bias, uint16_t *y,
+                                                                 int64_t j0, const int rows[2], int64_t n,
+                                                                 const uint8_t *w, int64_t stride) {
     if (m <= GEMM8_TILE) {
-        switch (m) {
-        case 1: multiply_half(p, type, q, 0, 1, nb, bias, y, j0, rows, n, &ahead); break;
-        case 2: multiply_half(p, type, q, 0, 2, nb, bias, y, j0, rows, n, &ahead); break;
-        case 3: multiply_half(p, type, q, 0, 3, nb, bias, y, j0, rows, n, &ahead); break;
-        default: multiply_half(p, type, q, 0, GEMM8_TILE, nb, bias, y, j0, rows, n, &ahead); break;
+        for (int i = 0; i < H; ++i) {
+            prefetch_stream ahead = rows_ahead(w, stride, j0 + 16 + 8 * i, 8, n, nb);
+            switch (m) {
+            case 1: multiply_half(&p[i], type, q, 0, 1, nb, bias, y, j0 + 8 * i, rows[i], n, &ahead); break;
+            case 2: multiply_half(&p[i], type, q, 0, 2, nb, bias, y, j0 + 8 * i, rows[i], n, &ahead); break;
+            case 3: multiply_half(&p[i], type, q, 0, 3, nb, bias, y, j0 + 8 * i, rows[i], n, &ahead); break;
+            default: multiply_half(&p[i], type, q, 0, GEMM8_TILE, nb, bias, y, j0 + 8 * i, rows[i], n, &ahead); break;
+            }
         }
         return;
     }
-    unpack_half(p, type, nb, buffer);
-    int64_t t0 = 0;
-    for (; m - t0 >= GEMM8_TILE; t0 += GEMM8_TILE)
-        multiply_unpacked(buffer, type, q, t0, GEMM8_TILE, nb, bias, y, j0, rows, n, &ahead);
-    switch (m - t0) {
-    case 1: multiply_unpacked(buffer, type, q, t0, 1, nb, bias, y, j0, rows, n, &ahead); break;
-    case 2: multiply_unpacked(buffer, type, q, t0, 2, nb, bias, y, j0, rows, n, &ahead); break;
-    case 3: multiply_unpacked(buffer, type, q, t0, 3, nb, bias, y, j0, rows, n, &ahead); break;
-    default: break;
+    if (type != TYPE_Q8_0 && H == 2) {
+        prefetch_stream ahead = rows_ahead(w, stride, j0 + 16, 16, n, (m + PAIR_TILE - 1) / PAIR_TILE * nb);
+        unpack_half(&p[0], type, nb, buffer);
+        unpack_half(&p[1], type, nb, buffer + 10 * nb);
+        multiply_unpacked_rows(buffer, 2, type, q, 0, m, PAIR_TILE, nb, bias, y, j0, rows, n, &ahead);
+        return;
+    }
+    for (int i = 0; i < H; ++i) {
+        prefetch_stream ahead = rows_ahead(w, stride, j0 + 16 + 8 * i, 8, n, (m + GEMM8_TILE - 1) / GEMM8_TILE * nb);
+        unpack_half(&p[i], type, nb, buffer);
+        multiply_unpacked_rows(buffer, 1, type, q, 0, m, GEMM8_TILE, nb, bias, y, j0 + 8 * i, &rows[i], n, &ahead);
     }
 }
 
@@ -294,7 +339,7 @@ static int gemm8_int8_bf16(const uint16_t *x, const uint8_t *w, int type, int in
                            uint16_t *y, int64_t m, int64_t n, int64_t k) {
     if (!gemm8_type(type) || row_bytes(type, k) == 0 || (in_panels && n % 16)) return 1;
     if (m == 0 || n == 0) return 0;
-    const int64_t nb = k / QK, stride = row_bytes(type, k), halves = (n + 7) / 8;
+    const int64_t nb = k / QK, stride = row_bytes(type, k), groups = (n + 15) / 16;
     x_blocks q = {malloc((size_t)(m * k)), malloc((size_t)(m * nb) * sizeof(float)),
                   malloc((size_t)(m * nb) * sizeof(float)), malloc((size_t)(m * nb) * sizeof(int32_t))};
     int status = 0;
@@ -305,31 +350,33 @@ static int gemm8_int8_bf16(const uint16_t *x, const uint8_t *w, int type, int in
     quantize_x8(x, type, m, k, q);
     #pragma omp parallel
     {
-        __m256i *buffer = m > GEMM8_TILE ? aligned_alloc(32, (size_t)nb * 10 * sizeof(__m256i)) : NULL;
+        __m256i *buffer = m > GEMM8_TILE ? aligned_alloc(32, (size_t)nb * 20 * sizeof(__m256i)) : NULL;
         if (m > GEMM8_TILE && buffer == NULL) {
             #pragma omp atomic write
             status = 2;
         }
         #pragma omp for schedule(static)
-        for (int64_t h = 0; h < halves; ++h) {
+        for (int64_t g = 0; g < groups; ++g) {
             if (m > GEMM8_TILE && buffer == NULL) continue;
-            const int64_t j0 = 8 * h;
-            const int rows = n - j0 < 8 ? (int)(n - j0) : 8;
-            half_panel_at p = {.panels = in_panels, .half = (int)(h % 2)};
-            if (in_panels) {
-                p.base = w + (j0 / 16) * 16 * stride;
-            } else {
-                p.base = w + j0 * stride;
-                for (int c = 0; c < 8; ++c) p.offset[c] = (c < rows ? c : rows - 1) * stride;
+            const int64_t j0 = 16 * g;
+            const int H = n - j0 > 8 ? 2 : 1;
+            half_panel_at p[2];
+            int rows[2];
+            for (int i = 0; i < H; ++i) {
+                const int64_t first = j0 + 8 * i;
+                rows[i] = n - first < 8 ? (int)(n - first) : 8;
+                p[i] = (half_panel_at){.panels = in_panels, .half = i};
+                if (in_panels) {
+                    p[i].base = w + j0 * stride;
+                } else {
+                    p[i].base = w + first * stride;
+                    for (int c = 0; c < 8; ++c) p[i].offset[c] = (c < rows[i] ? c : rows[i] - 1) * stride;
+                }
             }
-            /* the bytes of W's rows [j0 + 16, j0 + 24), or of that half's share of its panel */
-            const int64_t ahead = j0 + 16 < n ? j0 + 16 : n;
-            const int64_t bytes = (n - ahead < 8 ? n - ahead : 8) * stride;
-            const uint8_t *next = w + ahead * stride;
             switch (type) {
-            case TYPE_Q8_0: half_panel_product(&p, TYPE_Q8_0, q, m, nb, buffer, bias, y, j0, rows, n, next, bytes); break;
-            case TYPE_Q4_0: half_panel_product(&p, TYPE_Q4_0, q, m, nb, buffer, bias, y, j0, rows, n, next, bytes); break;
-            default: half_panel_product(&p, TYPE_Q4_1, q, m, nb, buffer, bias, y, j0, rows, n, next, bytes); break;
+            case TYPE_Q8_0: rows16_product(p, H, TYPE_Q8_0, q, m, nb, buffer, bias, y, j0, rows, n, w, stride); break;
+            case TYPE_Q4_0: rows16_product(p, H, TYPE_Q4_0, q, m, nb, buffer, bias, y, j0, rows, n, w, stride); break;
+            default: rows16_product(p, H, TYPE_Q4_1, q, m, nb, buffer, bias, y, j0, rows, n, w, stride); break;
             }
         }
         free(buffer);
