@@ -215,7 +215,7 @@ def test_panels_are_the_rows_regrouped(name):
     assert torch.equal(cpu_gguf_gemv.dequantize(panels, quant_type | PANELS, k, torch.bfloat16, ids),
                        cpu_gguf_gemv.dequantize(data, quant_type, k, torch.bfloat16, ids))
     bias = torch.randn(n, generator=torch.Generator().manual_seed(1)).bfloat16()
-    for m in (1, 2, 3, 16, 17, 40):
+    for m in (1, 2, 3, 4, 16, 17, 40):
         x = _x(m, k, torch.bfloat16, seed=m)
         assert cpu_gguf_gemv.product_path(quant_type | PANELS, m, n, k) == "gemm"
         assert torch.equal(cpu_gguf_gemv.product(x, panels, quant_type | PANELS, bias),

@@ -18,10 +18,10 @@
  * with their signs, and each pair (at most 32512) widens to int32 at once.
  *
  * A thread takes 16 output rows at a time, its two halves. Up to GEMM8_TILE rows of x multiply
- * each block of a half as it is decoded; more rows take the halves unpacked once (their blocks'
- * codes, D and M) into a per-thread buffer, then tiles of x: for 4-bit codes both halves at
- * once, each dword of x broadcast for the two, which is most of the many-row GEMM's gain over
- * one half at a time. Meanwhile the bytes of the next 16 rows, which a thread's static share
+ * each block as it is decoded; more rows take the halves unpacked once (their blocks' codes, D
+ * and M) into a per-thread buffer, then tiles of x. 4-bit codes take both halves at once, each
+ * dword of x broadcast for the two (from panels where few rows decode as they go): fewer
+ * broadcasts, and two independent sums per row of x. Meanwhile the bytes of the next 16 rows, which a thread's static share
  * reaches next, are prefetched: in rows, a half is 8 streams at once, more than the hardware
  * prefetchers may follow from memory.
  */
@@ -202,6 +202,62 @@ static inline __attribute__((always_inline)) void multiply_half(const half_panel
     store_rows8(acc, t0, TM, bias, y, j0, rows, n);
 }
 
+/* multiply_half over both halves of a panel of 4-bit codes (its first block at base) at once:
+ * each dword of x broadcast once for the two, and two sums per row of x to add into instead of
+ * one chain. */
+static inline __attribute__((always_inline)) void multiply_panel(const uint8_t *base, const int type, x_blocks q,
+                                                                 const int TM, int64_t nb, const uint16_t *bias,
+                                                                 uint16_t *y, int64_t j0, int64_t n,
+                                                                 prefetch_stream *ahead) {
+    const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    __m256 acc[2][GEMM8_TILE];
+    for (int i = 0; i < 2; ++i)
+        for (int t = 0; t < TM; ++t) acc[i][t] = _mm256_setzero_ps();
+    for (int64_t kb = 0; kb < nb; ++kb) {
+        prefetch_step(ahead);
+        const uint8_t *at = base + kb * 16 * block_bytes(type);
+        const int32_t *xd[GEMM8_TILE];  /* row t's codes of the block, as dwords */
+        __m256i pairs[2][GEMM8_TILE];
+        for (int t = 0; t < TM; ++t) {
+            xd[t] = (const int32_t *)(q.qx + (t * nb + kb) * QK);
+            pairs[0][t] = pairs[1][t] = _mm256_setzero_si256();
+        }
+        for (int g = 0; g < 4; ++g) {  /* code dword g of each row: codes 4g.. low, 16 + 4g.. high */
+            __m256i xl[GEMM8_TILE], xh[GEMM8_TILE];
+            for (int t = 0; t < TM; ++t) {
+                xl[t] = _mm256_set1_epi32(xd[t][g]);
+                xh[t] = _mm256_set1_epi32(xd[t][g + 4]);
+            }
+            for (int i = 0; i < 2; ++i) {
+                const __m256i codes = _mm256_loadu_si256((const __m256i *)(at + 64 * g + 32 * i));
+                const __m256i lo = _mm256_and_si256(codes, low);
+                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(codes, 4), low);
+                for (int t = 0; t < TM; ++t) {
+                    pairs[i][t] = _mm256_add_epi16(pairs[i][t], _mm256_maddubs_epi16(lo, xl[t]));
+                    KEEP_IN_ORDER(pairs[i][t]);
+                    pairs[i][t] = _mm256_add_epi16(pairs[i][t], _mm256_maddubs_epi16(hi, xh[t]));
+                    KEEP_IN_ORDER(pairs[i][t]);
+                }
+            }
+        }
+        for (int t = 0; t < TM; ++t) {  /* tile_block8's float32 steps */
+            const int64_t xi = t * nb + kb;
+            const __m256 dx = _mm256_set1_ps(q.dx[xi]), dxsx = _mm256_set1_ps(q.dxsx[xi]);
+            for (int i = 0; i < 2; ++i) {
+                const __m256 D = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(at + panel_d_at(type) + 16 * i)));
+                __m256i dot = _mm256_madd_epi16(pairs[i][t], ones);
+                if (type == TYPE_Q4_0) dot = _mm256_add_epi32(dot, _mm256_set1_epi32(q.start[xi]));
+                acc[i][t] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(dot), dx), D, acc[i][t]);
+                if (type == TYPE_Q4_1) {
+                    const __m256 M = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(at + panel_m_at(type) + 16 * i)));
+                    acc[i][t] = _mm256_fmadd_ps(M, dxsx, acc[i][t]);
+                }
+            }
+        }
+    }
+    for (int i = 0; i < 2; ++i) store_rows8(acc[i], 0, TM, bias, y, j0 + 8 * i, 8, n);
+}
+
 /* A half panel unpacked: per block, 8 code vectors, then D and M (buffer: nb * 10 ymm). */
 static inline void unpack_half(const half_panel_at *p, const int type, int64_t nb, __m256i *buffer) {
     for (int64_t kb = 0; kb < nb; ++kb) {
@@ -298,7 +354,8 @@ static inline prefetch_stream rows_ahead(const uint8_t *w, int64_t stride, int64
 /* All m rows of x times W's rows [j0, j0 + 16) (fewer at W's end): its halves p[i] (H of them,
  * rows[i] rows each), the bytes of W's next 16 rows (in rows or in their panel) prefetched
  * meanwhile, each half's share by the half that multiplies. Up to
- * GEMM8_TILE rows of x multiply each half's blocks as they are decoded. More unpack the halves
+ * GEMM8_TILE rows of x multiply each block as it is decoded (of a panel of 4-bit codes, both
+ * halves at once; else half after half). More unpack the halves
  * into `buffer` (nb * 20 ymm): then tiles of PAIR_TILE rows multiply both halves of 4-bit
  * codes at once, and tiles of GEMM8_TILE one half of Q8_0 (or the last half of W's rows).
  * `type` is a constant in each caller. */
@@ -307,6 +364,16 @@ static inline __attribute__((always_inline)) void rows16_product(const half_pane
                                                                  __m256i *buffer, const uint16_t *bias, uint16_t *y,
                                                                  int64_t j0, const int rows[2], int64_t n,
                                                                  const uint8_t *w, int64_t stride) {
+    if (m <= GEMM8_TILE && type != TYPE_Q8_0 && H == 2 && p[0].panels) {
+        prefetch_stream ahead = rows_ahead(w, stride, j0 + 16, 16, n, nb);
+        switch (m) {
+        case 1: multiply_panel(p[0].base, type, q, 1, nb, bias, y, j0, n, &ahead); break;
+        case 2: multiply_panel(p[0].base, type, q, 2, nb, bias, y, j0, n, &ahead); break;
+        case 3: multiply_panel(p[0].base, type, q, 3, nb, bias, y, j0, n, &ahead); break;
+        default: multiply_panel(p[0].base, type, q, GEMM8_TILE, nb, bias, y, j0, n, &ahead); break;
+        }
+        return;
+    }
     if (m <= GEMM8_TILE) {
         for (int i = 0; i < H; ++i) {
             prefetch_stream ahead = rows_ahead(w, stride, j0 + 16 + 8 * i, 8, n, nb);
