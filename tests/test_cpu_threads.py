@@ -170,7 +170,7 @@ def test_the_cpu_worker_adapts_unless_the_user_fixed_the_count(monkeypatch, tiny
     clock.advance(1.0, others=1.0, own=1.0)
     seen = []
     run = worker.runner.execute_model
-    worker.runner.execute_model = lambda step: (seen.append(torch.get_num_threads()), run(step))[1]
+    worker.runner.execute_model = lambda step, **kw: (seen.append(torch.get_num_threads()), run(step, **kw))[1]
     try:
         llm.generate(["hello"], SamplingParams(max_tokens=2), use_tqdm=False)
     finally:
@@ -181,3 +181,38 @@ def test_the_cpu_worker_adapts_unless_the_user_fixed_the_count(monkeypatch, tiny
     fixed = LLM(tiny_checkpoints["llama"], dtype="float32", max_model_len=128, block_size=16,
               num_gpu_blocks_override=64)
     assert fixed.llm_engine.model_executor.worker.threads is None
+
+
+def test_graph_steps_run_eagerly_while_a_thread_is_given_up(monkeypatch, tiny_checkpoints):
+    """Captured graphs hold the thread count they were captured at (dynamo guards it, and after
+    warm-up nothing may compile): while the governor has dropped a thread, steps run eagerly,
+    with the same tokens, and no step fails."""
+    import torch._dynamo
+
+    from vllm import LLM, SamplingParams
+
+    if torch.get_num_threads() < 2:
+        pytest.skip("one thread: nothing to adapt")
+    monkeypatch.setenv("VLLM_CPU_ADAPTIVE_THREADS", "1")
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    torch._dynamo.reset()
+    llm = LLM(tiny_checkpoints["llama"], dtype="float32", max_model_len=128, block_size=16,
+              num_gpu_blocks_override=64, enforce_eager=False)
+    engine, worker = llm.llm_engine, llm.llm_engine.model_executor.worker
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = [{"prompt_token_ids": list(range(10, 10 + n))} for n in (3, 17, 40)]
+    alone = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    eager_before = engine.graph_stats.eager_steps
+    clock = FakeClock()
+    worker.threads._read_times, worker.threads._clock, worker.threads._last = clock, clock.wall, clock()
+    clock.advance(1.0, others=1.0, own=1.0)  # another process busy on a core: one thread given up
+    try:
+        llm.reset_prefix_cache()
+        shared = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        torch.set_num_threads(worker.threads.max_threads)
+    assert worker.threads.threads < worker.threads.max_threads
+    assert [o.outputs[0].finish_reason for o in shared] == ["length"] * 3
+    assert [o.outputs[0].token_ids for o in shared] == alone
+    assert engine.graph_stats.eager_steps > eager_before
+    assert engine.graph_stats.compiles_after_warmup == 0

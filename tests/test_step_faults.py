@@ -95,11 +95,11 @@ class Fault:
     def __enter__(self) -> "Fault":
         runner, execute = self.runner, self.runner.execute_model
 
-        def execute_model(step):
+        def execute_model(step, **kwargs):
             self._armed = len(self.failed_steps) < self.times and self._aimed(step)
             if self._armed:
                 self.failed_steps.append({s.request_id for s in step.scheduled})
-            return execute(step)
+            return execute(step, **kwargs)
 
         def sample(*args):
             sample_fn(*args)  # seeded generators have drawn: a retry must draw the same again
@@ -214,11 +214,11 @@ def test_interrupted_generate_leaves_the_engine_usable(llm, reference):
     runner = llm.llm_engine.runner
     execute, calls = runner.execute_model, [0]
 
-    def interrupted(step):
+    def interrupted(step, **kwargs):
         calls[0] += 1
         if calls[0] == 4:
             raise KeyboardInterrupt
-        return execute(step)
+        return execute(step, **kwargs)
 
     runner.execute_model = interrupted
     try:
@@ -237,11 +237,11 @@ def test_an_interrupted_step_is_taken_back_and_the_loop_can_go_on(llm, reference
     runner = engine.runner
     execute, calls = runner.execute_model, [0]
 
-    def interrupted(step):
+    def interrupted(step, **kwargs):
         calls[0] += 1
         if calls[0] in (2, 5):  # the middle of the prompt, then a decode
             raise KeyboardInterrupt
-        return execute(step)
+        return execute(step, **kwargs)
 
     engine.add_request("ctrl-c", prompts[TARGET], params[TARGET])
     done = {}

@@ -123,6 +123,13 @@ class ThreadGovernor:
             self._step_thread = threading.get_ident()
 
 
+    @property
+    def at_full_width(self) -> bool:
+        """Whether steps run on all the threads the worker had when it warmed up, and so when it
+        captured its graphs (torch's thread count is part of the state their guards check)."""
+        return self.threads == self.max_threads
+
+
 def adaptive_threads_enabled() -> bool:
     """Off when the user fixed the count (OMP_NUM_THREADS) or turned it off."""
     return "OMP_NUM_THREADS" not in os.environ and os.environ.get("VLLM_CPU_ADAPTIVE_THREADS", "1") != "0"

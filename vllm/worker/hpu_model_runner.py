@@ -239,8 +239,9 @@ class HPUModelRunner:
     # ---------------------------------------------------------------- the step
 
     @torch.inference_mode()
-    def execute_model(self, step: SchedulerOutput) -> ModelRunnerOutput:
-        """Runs the step; samples for each request whose chunk reached its end (and its forks)."""
+    def execute_model(self, step: SchedulerOutput, eager: bool = False) -> ModelRunnerOutput:
+        """Runs the step (without the captured graphs if `eager`); samples for each request whose
+        chunk reached its end (and its forks)."""
         check_step(step, self.cache.num_blocks, self.cache.block_size)
         for request_id in step.finished_request_ids:
             self._generators.pop(request_id, None)
@@ -249,7 +250,7 @@ class HPUModelRunner:
         if step.is_empty:
             return ModelRunnerOutput()
         num_tokens = step.num_batched_tokens
-        if self.attn_backend.runs_eagerly(step.num_decodes, num_tokens):
+        if eager or self.attn_backend.runs_eagerly(step.num_decodes, num_tokens):
             self.graph_stats.eager_steps += 1
             bucket = None
         else:

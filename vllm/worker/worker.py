@@ -58,7 +58,11 @@ class Worker:
         """Runs the step on this rank's shard; the sampled output on rank 0, None elsewhere."""
         if self.threads is not None:
             self.threads.before_step()
-        output = self.runner.execute_model(step)
+        # A captured graph runs at the thread count it was captured at: dynamo guards torch's
+        # thread count, and after warm-up a graph may not compile again. While the governor has
+        # given threads up, steps run eagerly.
+        eager = self.threads is not None and not self.threads.at_full_width
+        output = self.runner.execute_model(step, eager=eager)
         return output if self.rank == 0 else None
 
     def shutdown(self) -> None:
