@@ -269,6 +269,28 @@ def test_workloads(tiny_checkpoints, tmp_path):
     assert bad.returncode != 0 and "unknown workloads" in bad.stderr
 
 
+def test_ab_alternates_two_checkouts(tiny_checkpoints, tmp_path):
+    """This checkout against itself as the base: each workload in every round on both workers,
+    the medians and speedups from those figures; bad arguments are refused by name."""
+    out = tmp_path / "ab.json"
+    proc = run_script("benchmark_ab.py", "--base", REPO, "--model", tiny_checkpoints["llama"], "--scale", "0.02",
+                      "--rounds", "2", "--max-model-len", "256", "--block-size", "16", "--enforce-eager",
+                      "--kv-cache-memory-bytes", str(32 * 1024**2), "--output-json", str(out))
+    check_ok(proc)
+    result = json.loads(out.read_text())
+    assert set(result["workloads"]) == {"A", "B", "C"}
+    for name, w in result["workloads"].items():
+        assert len(w["this"]) == len(w["base"]) == 2 and min(w["this"] + w["base"]) > 0
+        this, base = w["median_this"], w["median_base"]
+        assert this == pytest.approx(sum(w["this"]) / 2) and base == pytest.approx(sum(w["base"]) / 2)
+        assert w["speedup_this_over_base"] == pytest.approx(base / this if name == "B" else this / base)
+    assert result["base"]["path"] == os.path.realpath(REPO)
+    for argv, named in ((["--base", REPO, "--workloads", "A,Z"], "unknown workloads"),
+                        (["--base", str(tmp_path)], "not a checkout"), (["--base", REPO, "--rounds", "0"], "--rounds")):
+        bad = run_script("benchmark_ab.py", *argv)
+        assert bad.returncode != 0 and named in bad.stderr, bad.stderr
+
+
 def test_prefix_caching_workload(tiny_checkpoints, tmp_path):
     out = tmp_path / "prefix_caching.json"
     proc = run_script("benchmark_prefix_caching.py", "--model", tiny_checkpoints["llama"], "--num-requests", "4",
