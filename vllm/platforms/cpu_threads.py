@@ -122,7 +122,6 @@ class ThreadGovernor:
             self._set_threads(threads)
             self._step_thread = threading.get_ident()
 
-
     @property
     def at_full_width(self) -> bool:
         """Whether steps run on all the threads the worker had when it warmed up, and so when it

@@ -353,11 +353,12 @@ static inline prefetch_stream rows_ahead(const uint8_t *w, int64_t stride, int64
 
 /* All m rows of x times W's rows [j0, j0 + 16) (fewer at W's end): its halves p[i] (H of them,
  * rows[i] rows each), the bytes of W's next 16 rows (in rows or in their panel) prefetched
- * meanwhile, each half's share by the half that multiplies. Up to
- * GEMM8_TILE rows of x multiply each block as it is decoded (of a panel of 4-bit codes, both
- * halves at once; else half after half). More unpack the halves
- * into `buffer` (nb * 20 ymm): then tiles of PAIR_TILE rows multiply both halves of 4-bit
- * codes at once, and tiles of GEMM8_TILE one half of Q8_0 (or the last half of W's rows).
+ * meanwhile, each half's share by the half that multiplies.
+ *   m <= GEMM8_TILE  each block multiplied as it is decoded: both halves at once from a panel
+ *                    of 4-bit codes, else half after half
+ *   more             the halves unpacked into `buffer` (nb * 20 ymm), then tiles of PAIR_TILE
+ *                    rows over both halves of 4-bit codes, or of GEMM8_TILE rows over one half
+ *                    at a time (Q8_0, and a lone last half of W's rows)
  * `type` is a constant in each caller. */
 static inline __attribute__((always_inline)) void rows16_product(const half_panel_at p[2], const int H,
                                                                  const int type, x_blocks q, int64_t m, int64_t nb,
