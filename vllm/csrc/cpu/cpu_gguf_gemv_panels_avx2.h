@@ -128,6 +128,21 @@ static void quantize_x8(const uint16_t *x, int type, int64_t m, int64_t k, x_blo
     }
 }
 
+/* A 4-bit block's int16 pair sums in 8 output rows -> its integer dot products (Q4_0's start
+ * added: x block xi's -offset * sx). */
+static inline __attribute__((always_inline)) __m256i dot4(__m256i pairs, x_blocks q, int64_t xi, const int type) {
+    const __m256i dot = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+    return type == TYPE_Q4_0 ? _mm256_add_epi32(dot, _mm256_set1_epi32(q.start[xi])) : dot;
+}
+
+/* acc + one block's share in 8 output rows, in the float32 steps every path takes (the header's
+ * sum): dot scaled by x block xi's dx, then by D; for Q4_1, M * dx * sx added. */
+static inline __attribute__((always_inline)) __m256 add_block8(__m256 acc, __m256i dot, __m256 D, __m256 M,
+                                                               x_blocks q, int64_t xi, const int type) {
+    acc = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(q.dx[xi])), D, acc);
+    return type == TYPE_Q4_1 ? _mm256_fmadd_ps(M, _mm256_set1_ps(q.dxsx[xi]), acc) : acc;
+}
+
 /* acc[t] (t < TM) + x block xb + t * nb's share of the half panel's block (codes u, D, M) in its
  * 8 output rows. TM and type are constants in each caller: the sums stay in registers. */
 static inline __attribute__((always_inline)) void tile_block8(const __m256i *u, __m256 D, __m256 M, x_blocks q,
@@ -155,16 +170,9 @@ static inline __attribute__((always_inline)) void tile_block8(const __m256i *u, 
                 pairs[t] = _mm256_add_epi16(pairs[t], _mm256_maddubs_epi16(u[g], xg));
                 KEEP_IN_ORDER(pairs[t]);
             }
-        for (int t = 0; t < TM; ++t) {
-            dot[t] = _mm256_madd_epi16(pairs[t], ones);
-            if (type == TYPE_Q4_0) dot[t] = _mm256_add_epi32(dot[t], _mm256_set1_epi32(q.start[xb + t * nb]));
-        }
+        for (int t = 0; t < TM; ++t) dot[t] = dot4(pairs[t], q, xb + t * nb, type);
     }
-    for (int t = 0; t < TM; ++t) {
-        const int64_t b = xb + t * nb;
-        acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(dot[t]), _mm256_set1_ps(q.dx[b])), D, acc[t]);
-        if (type == TYPE_Q4_1) acc[t] = _mm256_fmadd_ps(M, _mm256_set1_ps(q.dxsx[b]), acc[t]);
-    }
+    for (int t = 0; t < TM; ++t) acc[t] = add_block8(acc[t], dot[t], D, M, q, xb + t * nb, type);
 }
 
 /* Rows [t0, t0 + TM) of y, output rows [j0, j0 + rows) (rows <= 8): acc[t] plus the bias, to bf16. */
@@ -209,7 +217,7 @@ static inline __attribute__((always_inline)) void multiply_panel(const uint8_t *
                                                                  const int TM, int64_t nb, const uint16_t *bias,
                                                                  uint16_t *y, int64_t j0, int64_t n,
                                                                  prefetch_stream *ahead) {
-    const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    const __m256i low = _mm256_set1_epi8(15);
     __m256 acc[2][GEMM8_TILE];
     for (int i = 0; i < 2; ++i)
         for (int t = 0; t < TM; ++t) acc[i][t] = _mm256_setzero_ps();
@@ -240,19 +248,13 @@ static inline __attribute__((always_inline)) void multiply_panel(const uint8_t *
                 }
             }
         }
-        for (int t = 0; t < TM; ++t) {  /* tile_block8's float32 steps */
-            const int64_t xi = t * nb + kb;
-            const __m256 dx = _mm256_set1_ps(q.dx[xi]), dxsx = _mm256_set1_ps(q.dxsx[xi]);
-            for (int i = 0; i < 2; ++i) {
-                const __m256 D = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(at + panel_d_at(type) + 16 * i)));
-                __m256i dot = _mm256_madd_epi16(pairs[i][t], ones);
-                if (type == TYPE_Q4_0) dot = _mm256_add_epi32(dot, _mm256_set1_epi32(q.start[xi]));
-                acc[i][t] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(dot), dx), D, acc[i][t]);
-                if (type == TYPE_Q4_1) {
-                    const __m256 M = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(at + panel_m_at(type) + 16 * i)));
-                    acc[i][t] = _mm256_fmadd_ps(M, dxsx, acc[i][t]);
-                }
-            }
+        for (int i = 0; i < 2; ++i) {
+            const __m256 D = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(at + panel_d_at(type) + 16 * i)));
+            const __m256 M = type == TYPE_Q4_1  /* Q4_0's panels have none */
+                ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(at + panel_m_at(type) + 16 * i)))
+                : _mm256_setzero_ps();
+            for (int t = 0; t < TM; ++t)
+                acc[i][t] = add_block8(acc[i][t], dot4(pairs[i][t], q, t * nb + kb, type), D, M, q, t * nb + kb, type);
         }
     }
     for (int i = 0; i < 2; ++i) store_rows8(acc[i], 0, TM, bias, y, j0 + 8 * i, 8, n);
@@ -293,17 +295,11 @@ static inline __attribute__((always_inline)) void tile_block4_unpacked(const __m
             }
         }
     }
-    const __m256i ones = _mm256_set1_epi16(1);
-    for (int t = 0; t < TM; ++t) {  /* tile_block8's float32 steps */
-        const int64_t xi = xb + t * nb;
-        const __m256 dx = _mm256_set1_ps(q.dx[xi]), dxsx = _mm256_set1_ps(q.dxsx[xi]);
-        for (int i = 0; i < H; ++i) {
-            const __m256i *bi = b + i * half_stride;
-            __m256i dot = _mm256_madd_epi16(pairs[i][t], ones);
-            if (type == TYPE_Q4_0) dot = _mm256_add_epi32(dot, _mm256_set1_epi32(q.start[xi]));
-            acc[i][t] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(dot), dx), _mm256_castsi256_ps(bi[8]), acc[i][t]);
-            if (type == TYPE_Q4_1) acc[i][t] = _mm256_fmadd_ps(_mm256_castsi256_ps(bi[9]), dxsx, acc[i][t]);
-        }
+    for (int i = 0; i < H; ++i) {
+        const __m256i *bi = b + i * half_stride;
+        for (int t = 0; t < TM; ++t)
+            acc[i][t] = add_block8(acc[i][t], dot4(pairs[i][t], q, xb + t * nb, type), _mm256_castsi256_ps(bi[8]),
+                                   _mm256_castsi256_ps(bi[9]), q, xb + t * nb, type);
     }
 }
 
