@@ -1,7 +1,8 @@
 """The C kernels on CPUs with less than this one: what each build promises, and the fallbacks.
 
-The kernels are built with `-march=native` and choose their code paths by the compiler's ISA
-macros, so a build for an older ISA is what an older CPU gets. VLLM_CPU_ISA=avx2 builds them for
+The kernels are built with `-march=native` (tuned generically where AVX2 is the widest
+extension) and choose their code paths by the compiler's ISA macros, so a build for an older ISA
+is what an older CPU gets. VLLM_CPU_ISA=avx2 builds them for
 x86-64-v3 (AVX2 and FMA, no AVX-512) as an AVX2-only server would, and hides the later
 extensions from the engine's choices; the engine must then report every AVX-512 kernel
 unavailable (the prefill kernel runs its AVX2 copy) and still give transformers' tokens. On
@@ -93,6 +94,20 @@ def test_native_build_offers_what_the_cpu_has(tiny_checkpoints, tmp_path):
     assert (result["tile_gemm_rows"] > 0) == ({"avx512_bf16", "avx512bw"} <= flags or "amx_bf16" in flags)
     assert result["paged_prefill"] == ({"avx512_bf16", "avx512bw", "avx512dq"} <= flags or {"avx2", "fma"} <= flags)
     _check_tokens(result, path)
+
+
+@pytest.mark.parametrize("flags, want", [
+    ({"avx2", "fma", "f16c"}, ["-march=native", "-mtune=generic"]),  # AVX2 widest: tuned as x86-64-v3
+    ({"avx2", "fma", "avx_vnni"}, ["-march=native", "-mtune=generic"]),
+    ({"avx2", "fma", "avx512f", "avx512_bf16"}, ["-march=native"]),
+    ({"avx2", "avx512f", "amx_tile"}, ["-march=native"]),
+    ({"sse4_2"}, ["-march=native"]),
+    (set(), ["-march=native"]),  # no /proc/cpuinfo flags
+])
+def test_the_build_targets_this_cpu_tuned_generically_where_avx2_is_widest(monkeypatch, flags, want):
+    monkeypatch.delenv("VLLM_CPU_ISA", raising=False)
+    monkeypatch.setattr(c_build, "cpu_flags", lambda: frozenset(flags))
+    assert c_build.isa_flags() == want
 
 
 def test_vllm_cpu_isa_avx2_hides_the_later_extensions_and_builds_for_x86_64_v3(monkeypatch, tmp_path):

@@ -13,7 +13,8 @@ runtime preloaded (LD_PRELOAD=$(cc -print-file-name=libasan.so)), and the first 
 VLLM_C_EMULATE=amx builds the kernels' AMX copies over a C emulation of the tile instructions
 (csrc/cpu/amx_emulation.h), so that tests run them on a CPU with AVX512-BF16 but no AMX; it may be
 combined with VLLM_C_SANITIZE. VLLM_CPU_ISA=avx2 builds them for x86-64-v3 (into
-kernels-avx2/), as for an AVX2-only CPU.
+kernels-avx2/), as for an AVX2-only CPU; an AVX2-only CPU builds them for itself, tuned as for
+x86-64-v3 (`isa_flags`).
 """
 
 import ctypes
@@ -58,8 +59,17 @@ def sanitizer_flags() -> list[str]:
 
 
 def isa_flags() -> list[str]:
-    """The target: this CPU, or x86-64-v3 under VLLM_CPU_ISA=avx2 (vllm/platforms/cpu.py)."""
-    return ["-march=x86-64-v3", "-mtune=generic"] if cpu_isa() == "avx2" else ["-march=native"]
+    """The target: this CPU, or x86-64-v3 under VLLM_CPU_ISA=avx2 (vllm/platforms/cpu.py). Where
+    AVX2 is this CPU's widest vector extension (no AVX-512), its instructions with GCC's generic
+    tuning, as VLLM_CPU_ISA=avx2 builds the same AVX2 kernels: tuned for AMD Zen 3 instead, GCC
+    spills more of the AVX2 int8 GEMM's registers to the stack, and prefill runs slower
+    (benchmarks/results/ab_epyc_zen3_avx2_mtune_generic.json)."""
+    if cpu_isa() == "avx2":
+        return ["-march=x86-64-v3", "-mtune=generic"]
+    flags = cpu_flags()
+    if "avx2" in flags and not any(f.startswith("avx512") for f in flags):
+        return ["-march=native", "-mtune=generic"]
+    return ["-march=native"]
 
 
 def emulation_flags() -> list[str]:
