@@ -64,6 +64,21 @@ def test_governor_drops_and_takes_back_a_thread_per_interval():
     assert calls == [2, 1, 2] and governor.threads == 2
 
 
+@pytest.mark.parametrize("others_after, want", [(0.0, [2]), (1.0, [2, 1])])
+def test_an_idle_interval_decides_nothing(others_after, want):
+    """Others busy while the worker waited for requests: the count stays until an interval in
+    which the worker ran shows what they do now."""
+    clock, calls = FakeClock(), []
+    governor = ThreadGovernor(2, calls.append, read_times=clock, interval_s=0.5, clock=clock.wall)
+    governor.before_step()
+    clock.advance(10.0, others=1.5, own=0.05)  # a pause between requests beside a busy job
+    governor.before_step()
+    assert calls == [2] and governor.threads == 2
+    clock.advance(0.6, others=others_after, own=1.0)
+    governor.before_step()
+    assert calls == want
+
+
 def test_governor_reads_the_cpu_times_once_an_interval():
     clock, reads = FakeClock(), []
     governor = ThreadGovernor(2, lambda n: None, read_times=lambda: (reads.append(1), clock())[1],
@@ -132,7 +147,9 @@ def test_a_busy_process_counts_as_others_and_costs_a_thread():
         time.sleep(0.2)  # the interpreter starting up
         before = read_cpu_times()
         governor._last = before
-        time.sleep(1.0)
+        end = time.monotonic() + 1.0
+        while time.monotonic() < end:  # this process at work meanwhile, as a worker running steps
+            pass
         governor.before_step()
         after = read_cpu_times()
     finally:
