@@ -5,7 +5,7 @@ runs of benchmark_workloads.py minutes apart cannot tell a change of 10% from th
 each checkout keeps one engine loaded in a worker process of its own (its `vllm` first on
 PYTHONPATH, its C kernels built from its sources); every round runs each workload on one checkout
 and then at once on the other, the order swapped every round, while the other worker waits idle
-(the thread counts fixed: each would see the other's rounds as load). Reported per workload:
+(the thread counts fixed, so that only the checkouts differ). Reported per workload:
 both checkouts' figure in every round, their medians, and the speedup of this checkout over the
 base (above 1: this checkout is faster).
 
