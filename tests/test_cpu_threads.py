@@ -79,6 +79,17 @@ def test_an_idle_interval_decides_nothing(others_after, want):
     assert calls == want
 
 
+def test_a_worker_squeezed_by_busy_processes_still_decides():
+    """Stepping beside several busy processes, the worker gets little of the machine, but enough
+    to tell its intervals from waiting."""
+    clock, calls = FakeClock(), []
+    governor = ThreadGovernor(2, calls.append, read_times=clock, interval_s=0.5, clock=clock.wall)
+    governor.before_step()
+    clock.advance(0.6, others=1.8, own=0.2)
+    governor.before_step()
+    assert calls == [2, 1]
+
+
 def test_governor_reads_the_cpu_times_once_an_interval():
     clock, reads = FakeClock(), []
     governor = ThreadGovernor(2, lambda n: None, read_times=lambda: (reads.append(1), clock())[1],

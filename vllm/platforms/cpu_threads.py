@@ -12,7 +12,7 @@ CPU time went to other processes since it last looked, and runs on the cores lef
 
 Dropping a thread needs others above 0.4 of a core; taking it back needs them under 0.3, so a
 load near the threshold does not flip the count every interval. An interval in which the worker
-itself was mostly idle (between requests) decides nothing: what other processes did while it
+itself hardly ran (it waited for requests) decides nothing: what other processes did while it
 waited says little about what they do once it runs, and the first steps after a pause would
 otherwise run on the cores a job that has since ended was using. Setting OMP_NUM_THREADS (or
 VLLM_CPU_ADAPTIVE_THREADS=0) keeps the count fixed, as the user chose.
@@ -33,7 +33,9 @@ logger = init_logger(__name__)
 
 _DROP_MARGIN = 0.4  # of a core used by others before a thread is given up
 _TAKE_MARGIN = 0.3  # of a core, at most, used by others before a thread is taken back
-_IDLE_OWN = 0.5  # of a core used by this process, below which an interval counts as idle
+# Of a core used by this process, below which an interval counts as idle: a worker that steps
+# keeps at least its own thread runnable, which gets more than this beside several busy processes.
+_IDLE_OWN = 0.1
 
 
 @dataclass(frozen=True)
@@ -120,7 +122,7 @@ class ThreadGovernor:
         others = max(0.0, (now.busy - self._last.busy) - own) / wall
         self._last = now
         if own / wall < _IDLE_OWN:
-            return  # the worker mostly waited for work: the next interval decides
+            return  # the worker waited for work: the next interval decides
         threads = threads_for(others, self.threads, self.max_threads)
         if threads != self.threads:
             logger.info("Other processes use %.1f of the cores: kernels now run on %d thread(s) of %d",
