@@ -14,7 +14,8 @@ base (above 1: this checkout is faster).
     C  batch-1 decode, 16-token prompt, 128 outputs      tokens/s (the prompt's step included)
 
 These are benchmark_workloads.py's A, B and C (`--scale` shrinks every length). Prompts are random
-token ids, the same for both checkouts in a round; every run starts from an empty prefix cache.
+token ids that are not special tokens (workload_prompts.py), the same for both checkouts in a
+round; every run starts from an empty prefix cache.
 
     git worktree add /tmp/base <commit>
     python benchmarks/benchmark_ab.py --base /tmp/base [--workloads A,B,C] [--rounds 4] \\
@@ -30,6 +31,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+from workload_prompts import random_token_ids, tokenizer_vocab
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _THIS_CHECKOUT = os.path.dirname(_HERE)
@@ -54,8 +57,8 @@ def _run_workload(llm, name: str, seed: int, scale: float) -> float:
     count, length, outputs, _, _ = WORKLOADS[name]
     length, outputs = _size(length, scale), _size(outputs, scale)
     rng = random.Random(seed)
-    vocab = len(llm.get_tokenizer())
-    prompts = [{"prompt_token_ids": [rng.randrange(100, vocab) for _ in range(length)]} for _ in range(count)]
+    vocab, special = tokenizer_vocab(llm.get_tokenizer())
+    prompts = [{"prompt_token_ids": random_token_ids(rng, length, vocab, special)} for _ in range(count)]
     assert llm.reset_prefix_cache()
     start = time.perf_counter()
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=outputs, ignore_eos=True), use_tqdm=False)
@@ -93,8 +96,7 @@ class Worker:
     def __init__(self, checkout: str, engine_kwargs: dict, log_dir: str, name: str) -> None:
         self.checkout = os.path.realpath(checkout)
         self.log_path = os.path.join(log_dir, f"{name}.log")
-        # A fixed thread count: the governor of each would see the other's rounds as load and
-        # start its own on fewer threads.
+        # A fixed thread count, so that only the checkouts differ.
         env = dict(os.environ, PYTHONPATH=self.checkout, TOKENIZERS_PARALLELISM="false",
                    VLLM_CPU_ADAPTIVE_THREADS="0")
         with open(self.log_path, "w") as log:  # the worker writes to its own copy of the file

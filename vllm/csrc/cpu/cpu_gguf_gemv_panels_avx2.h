@@ -21,9 +21,9 @@
  * each block as it is decoded; more rows take the halves unpacked once (their blocks' codes, D
  * and M) into a per-thread buffer, then tiles of x. 4-bit codes take both halves at once, each
  * dword of x broadcast for the two (from panels where few rows decode as they go): fewer
- * broadcasts, and two independent sums per row of x. Meanwhile the bytes of the next 16 rows, which a thread's static share
- * reaches next, are prefetched: in rows, a half is 8 streams at once, more than the hardware
- * prefetchers may follow from memory.
+ * broadcasts, and two independent sums per row of x. Meanwhile the bytes of the next 16 rows,
+ * which a thread's static share reaches next, are prefetched: in rows, a half is 8 streams at
+ * once, more than the hardware prefetchers may follow from memory.
  */
 #ifndef VLLM_CPU_GGUF_GEMV_PANELS_AVX2_H
 #define VLLM_CPU_GGUF_GEMV_PANELS_AVX2_H
