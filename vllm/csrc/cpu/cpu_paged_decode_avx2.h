@@ -2,7 +2,14 @@
  * widest ISA with a copy (HAVE_ATTEND_AVX2: no AVX512-BF16 copies built). attend_bf16 sums
  * each score's 64 products in one vector and then across its lanes, one score at a time;
  * here each key's products with a head stay a vector of 8 partial sums until 8 keys' are
- * reduced together (sum8), and the value sums take FMAs. */
+ * reduced together (sum8). The value sums of up to AVX2_HEADS heads stay in registers through
+ * a tile, 16 dims at a time, each value's 16 bf16 taken as its even and its odd dims (a mask and
+ * a shift of one load); the sums keep that order until the task stores them (dims_in_order).
+ * Each dim's sum still takes one FMA per key, in the keys' order.
+ *
+ * A tile's rows are read with plain loads, row after row, before it is computed (touch_tile):
+ * on the AVX2 EPYC this runs ahead of load_tile's burst of prefetches into L2 and then loads,
+ * which the other copies keep (benchmarks/benchmark_decode_attention.py --copy avx2). */
 #ifndef VLLM_CPU_PAGED_DECODE_AVX2_H
 #define VLLM_CPU_PAGED_DECODE_AVX2_H
 
@@ -27,17 +34,64 @@ static inline void load_head64(const uint16_t *row, __m256 v[AVX2_VECTORS]) {
     for (int j = 0; j < AVX2_VECTORS; ++j) v[j] = bf16x8_to_float(row + 8 * j);
 }
 
+/* Every cache line of a tile's rows in both caches read once, in address order within a row. */
+static inline void touch_tile(const char *const *key_rows, const char *const *value_rows, int64_t n,
+                              int64_t row_bytes) {
+    uint8_t sink = 0;
+    for (int64_t i = 0; i < n; ++i)
+        for (int64_t b = 0; b < row_bytes; b += 64)
+            sink |= *(volatile const uint8_t *)(key_rows[i] + b) | *(volatile const uint8_t *)(value_rows[i] + b);
+    (void)sink;
+}
+
+/* A head's value sums from their order here (in each run of 16 dims, its 8 even dims, then
+ * its 8 odd ones: add_values16's) into the dims' order. */
+static inline void dims_in_order(float *acc) {
+    for (int d0 = 0; d0 < AVX2_HEAD_DIM; d0 += 16) {
+        const __m256 even = _mm256_load_ps(acc + d0), odd = _mm256_load_ps(acc + d0 + 8);
+        const __m256 lo = _mm256_unpacklo_ps(even, odd), hi = _mm256_unpackhi_ps(even, odd);
+        /* lo: dims 0-3 | 8-11 of the run, hi: 4-7 | 12-15 */
+        _mm256_store_ps(acc + d0, _mm256_permute2f128_ps(lo, hi, 0x20));
+        _mm256_store_ps(acc + d0 + 8, _mm256_permute2f128_ps(lo, hi, 0x31));
+    }
+}
+
+/* Heads h0 .. h0 + heads - 1, dims d0 .. d0 + 15 (even, then odd): += the tile's n
+ * weighted values of KV head g, key after key (heads a constant in each caller). */
+static inline __attribute__((always_inline)) void add_values16(float acc[][MAX_HEAD_DIM], float scores[][TILE],
+                                                               const char *const *value_rows, int64_t n, int64_t g,
+                                                               int64_t h0, const int heads, int d0) {
+    const __m256i odd_bits = _mm256_set1_epi32((int32_t)0xffff0000);
+    __m256 sum[AVX2_HEADS][2];
+    for (int c = 0; c < heads; ++c)
+        for (int j = 0; j < 2; ++j) sum[c][j] = _mm256_load_ps(acc[h0 + c] + d0 + 8 * j);
+    for (int64_t i = 0; i < n; ++i) {
+        const __m256i pairs = _mm256_loadu_si256((const __m256i *)((const uint16_t *)value_rows[i] +
+                                                                   g * AVX2_HEAD_DIM + d0));
+        const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
+        const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(pairs, odd_bits));
+        for (int c = 0; c < heads; ++c) {
+            const __m256 p = _mm256_broadcast_ss(&scores[h0 + c][i]);
+            sum[c][0] = _mm256_fmadd_ps(p, even, sum[c][0]);
+            sum[c][1] = _mm256_fmadd_ps(p, odd, sum[c][1]);
+        }
+    }
+    for (int c = 0; c < heads; ++c)
+        for (int j = 0; j < 2; ++j) _mm256_store_ps(acc[h0 + c] + d0 + 8 * j, sum[c][j]);
+}
+
 /* attend_bf16 (its arguments and result) for head_dim 64. */
 static void attend_bf16_avx2_d64(const uint16_t *query, const uint16_t *key_cache, const uint16_t *value_cache,
                                  const int64_t *table, int64_t first, int64_t last, float *partial,
                                  int64_t num_heads, int64_t group, int64_t num_kv_heads, int64_t block_size,
                                  float scale) {
     float q[MAX_HEADS][AVX2_HEAD_DIM] __attribute__((aligned(32)));
-    float acc[MAX_HEADS][MAX_HEAD_DIM] __attribute__((aligned(32)));
+    float acc[MAX_HEADS][MAX_HEAD_DIM] __attribute__((aligned(32)));  /* dims as add_values16 keeps them */
     float scores[MAX_HEADS][TILE], running_max[MAX_HEADS], total[MAX_HEADS];
     __m256 products[AVX2_HEADS][TILE];  /* per head of a group's chunk, 8 partial sums per key */
     const char *key_rows[TILE], *value_rows[TILE];
     const int64_t row_stride = num_kv_heads * AVX2_HEAD_DIM;  /* one cache row: all KV heads */
+    const int64_t row_bytes = row_stride * (int64_t)sizeof(uint16_t);
     for (int64_t h = 0; h < num_heads; ++h) {
         for (int64_t d = 0; d < AVX2_HEAD_DIM; ++d) {
             q[h][d] = bf16_to_float(query[h * AVX2_HEAD_DIM + d]) * scale;
@@ -47,9 +101,9 @@ static void attend_bf16_avx2_d64(const uint16_t *query, const uint16_t *key_cach
         total[h] = 0.0f;
     }
     for (int64_t t0 = first; t0 < last; t0 += TILE) {
-        const int64_t n = tile_rows(table, t0, last, block_size, (const char *)key_cache,
-                                    (const char *)value_cache, row_stride * (int64_t)sizeof(uint16_t),
-                                    key_rows, value_rows);
+        const int64_t n = tile_row_pointers(table, t0, last, block_size, (const char *)key_cache,
+                                            (const char *)value_cache, row_bytes, key_rows, value_rows);
+        touch_tile(key_rows, value_rows, n, row_bytes);
         for (int64_t g = 0; g < num_kv_heads; ++g) {
             for (int64_t h0 = g * group; h0 < (g + 1) * group; h0 += AVX2_HEADS) {
                 const int64_t heads = (g + 1) * group - h0 < AVX2_HEADS ? (g + 1) * group - h0 : AVX2_HEADS;
@@ -84,18 +138,20 @@ static void attend_bf16_avx2_d64(const uint16_t *query, const uint16_t *key_cach
             }
         }
         softmax_tile(scores, n, num_heads, running_max, total, acc, AVX2_HEAD_DIM);
-        for (int64_t g = 0; g < num_kv_heads; ++g) {
-            for (int64_t i = 0; i < n; ++i) {  /* a value converted once, summed for its heads */
-                __m256 v[AVX2_VECTORS];
-                load_head64((const uint16_t *)value_rows[i] + g * AVX2_HEAD_DIM, v);
-                for (int64_t h = g * group; h < (g + 1) * group; ++h) {
-                    const __m256 p = _mm256_set1_ps(scores[h][i]);
-                    for (int j = 0; j < AVX2_VECTORS; ++j)
-                        _mm256_store_ps(acc[h] + 8 * j, _mm256_fmadd_ps(p, v[j], _mm256_load_ps(acc[h] + 8 * j)));
+        for (int64_t g = 0; g < num_kv_heads; ++g)
+            for (int64_t h0 = g * group; h0 < (g + 1) * group; h0 += AVX2_HEADS) {
+                const int64_t heads = (g + 1) * group - h0 < AVX2_HEADS ? (g + 1) * group - h0 : AVX2_HEADS;
+                for (int d0 = 0; d0 < AVX2_HEAD_DIM; d0 += 16) {
+                    switch (heads) {
+                    case 1: add_values16(acc, scores, value_rows, n, g, h0, 1, d0); break;
+                    case 2: add_values16(acc, scores, value_rows, n, g, h0, 2, d0); break;
+                    case 3: add_values16(acc, scores, value_rows, n, g, h0, 3, d0); break;
+                    default: add_values16(acc, scores, value_rows, n, g, h0, AVX2_HEADS, d0); break;
+                    }
                 }
             }
-        }
     }
+    for (int64_t h = 0; h < num_heads; ++h) dims_in_order(acc[h]);
     store_partial(partial, acc, running_max, total, num_heads, AVX2_HEAD_DIM);
 }
 #endif
