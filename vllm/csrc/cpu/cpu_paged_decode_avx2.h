@@ -8,8 +8,8 @@
  * Each dim's sum still takes one FMA per key, in the keys' order.
  *
  * A tile's rows are read with plain loads, row after row, before it is computed (touch_tile):
- * on the AVX2 EPYC this runs ahead of load_tile's burst of prefetches into L2 and then loads,
- * which the other copies keep (benchmarks/benchmark_decode_attention.py --copy avx2). */
+ * on the AVX2-only EPYC that is faster than load_tile, the other copies' burst of prefetches
+ * into L2 followed by loads (benchmarks/benchmark_decode_attention.py). */
 #ifndef VLLM_CPU_PAGED_DECODE_AVX2_H
 #define VLLM_CPU_PAGED_DECODE_AVX2_H
 
