@@ -69,6 +69,16 @@ static inline void prefetch_rows(const char *const *key_rows, const char *const 
         }
 }
 
+/* Reads a byte of every cache line of rows [0, n) in both caches, row after row. */
+static inline void touch_rows(const char *const *key_rows, const char *const *value_rows, int64_t n,
+                              int64_t row_bytes) {
+    uint8_t sink = 0;
+    for (int64_t i = 0; i < n; ++i)
+        for (int64_t b = 0; b < row_bytes; b += 64)
+            sink |= *(volatile const uint8_t *)(key_rows[i] + b) | *(volatile const uint8_t *)(value_rows[i] + b);
+    (void)sink;
+}
+
 /* Reads a byte of every cache line of a tile's rows in both caches, before the tile is
  * computed. From memory, lines arrive at the rate of the misses in flight: the tile's own loads,
  * spread among its arithmetic, keep few in flight; these loads, with nothing between them, keep
@@ -79,11 +89,7 @@ static inline void prefetch_rows(const char *const *key_rows, const char *const 
 static inline void load_tile(const char *const *key_rows, const char *const *value_rows, int64_t n,
                              int64_t row_bytes) {
     prefetch_rows(key_rows, value_rows, 0, n, row_bytes);
-    uint8_t sink = 0;
-    for (int64_t i = 0; i < n; ++i)
-        for (int64_t b = 0; b < row_bytes; b += 64)
-            sink |= *(volatile const uint8_t *)(key_rows[i] + b) | *(volatile const uint8_t *)(value_rows[i] + b);
-    (void)sink;
+    touch_rows(key_rows, value_rows, n, row_bytes);
 }
 
 /* The cache rows of keys t0 .. t0 + n - 1 of a sequence, n = min(TILE, last - t0) (0 from

@@ -5,11 +5,11 @@
  * reduced together (sum8). The value sums of up to AVX2_HEADS heads stay in registers through
  * a tile, 16 dims at a time, each value's 16 bf16 taken as its even and its odd dims (a mask and
  * a shift of one load); the sums keep that order until the task stores them (dims_in_order).
- * Each dim's sum still takes one FMA per key, in the keys' order.
+ * Each dim's sum takes one FMA per key, in the keys' order.
  *
- * A tile's rows are read with plain loads, row after row, before it is computed (touch_tile):
+ * A tile's rows are read with plain loads, row after row, before it is computed (touch_rows):
  * on the AVX2-only EPYC that is faster than load_tile, the other copies' burst of prefetches
- * into L2 followed by loads (benchmarks/benchmark_decode_attention.py). */
+ * into L2 followed by the same loads (benchmarks/benchmark_decode_attention.py). */
 #ifndef VLLM_CPU_PAGED_DECODE_AVX2_H
 #define VLLM_CPU_PAGED_DECODE_AVX2_H
 
@@ -32,16 +32,6 @@ static inline __m256 sum8(const __m256 v[8]) {
 /* A cache row's head (64 bf16) -> 8 vectors of float32. */
 static inline void load_head64(const uint16_t *row, __m256 v[AVX2_VECTORS]) {
     for (int j = 0; j < AVX2_VECTORS; ++j) v[j] = bf16x8_to_float(row + 8 * j);
-}
-
-/* Every cache line of a tile's rows in both caches read once, in address order within a row. */
-static inline void touch_tile(const char *const *key_rows, const char *const *value_rows, int64_t n,
-                              int64_t row_bytes) {
-    uint8_t sink = 0;
-    for (int64_t i = 0; i < n; ++i)
-        for (int64_t b = 0; b < row_bytes; b += 64)
-            sink |= *(volatile const uint8_t *)(key_rows[i] + b) | *(volatile const uint8_t *)(value_rows[i] + b);
-    (void)sink;
 }
 
 /* A head's value sums from their order here (in each run of 16 dims, its 8 even dims, then
@@ -103,7 +93,7 @@ static void attend_bf16_avx2_d64(const uint16_t *query, const uint16_t *key_cach
     for (int64_t t0 = first; t0 < last; t0 += TILE) {
         const int64_t n = tile_row_pointers(table, t0, last, block_size, (const char *)key_cache,
                                             (const char *)value_cache, row_bytes, key_rows, value_rows);
-        touch_tile(key_rows, value_rows, n, row_bytes);
+        touch_rows(key_rows, value_rows, n, row_bytes);
         for (int64_t g = 0; g < num_kv_heads; ++g) {
             for (int64_t h0 = g * group; h0 < (g + 1) * group; h0 += AVX2_HEADS) {
                 const int64_t heads = (g + 1) * group - h0 < AVX2_HEADS ? (g + 1) * group - h0 : AVX2_HEADS;
