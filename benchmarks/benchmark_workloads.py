@@ -17,7 +17,9 @@ both ceilings measured in the same run: the matmul peak at its start, the bandwi
 and after each of C's runs (the higher of the two is that run's bound; the best run's fraction is
 quoted). For this engine C also gives that run's share of the decode time spent in the model
 (LLMEngine.stats.model_forward_seconds) and the model's own rate as a fraction of the bound: the
-rest of each step is the host's. `--scale` shrinks every length (for smoke tests).
+rest of each step is the host's. `--scale` shrinks every length (for smoke tests). transformers
+runs in the engine's dtype unless `--hf-dtype` names another: on a CPU without bf16 dot products
+its float32 is faster than its bf16, and the fair baseline is its faster one.
 
     python benchmarks/benchmark_workloads.py --output-json benchmarks/results/workloads.json
 """
@@ -119,9 +121,10 @@ class HF:
         import torch
         from transformers import AutoModelForCausalLM
         directory, kwargs = engine_setup.hf_model_kwargs(engine_setup.resolve_model_path(args.model))
-        dtype = getattr(torch, engine_setup.resolve_dtype_name(args))
+        dtype = getattr(torch, args.hf_dtype or engine_setup.resolve_dtype_name(args))
         self.model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, local_files_only=True,
                                                           **kwargs).eval()
+        self.dtype = str(self.model.dtype).removeprefix("torch.")
 
     def generate(self, prompts: list[list[int]], output_len: int) -> float:
         """One `generate` call for the batch; all prompts must have one length (no padding)."""
@@ -167,6 +170,7 @@ def run(args: argparse.Namespace) -> dict:
     w = result["workloads"]
 
     dtype_name = engine_setup.resolve_dtype_name(args)
+    result["dtypes"] = {}
     result["machine_roofline"] = roofline.measure_machine_roofline(dtype_name, args.roofline_seconds)
     params = roofline.model_param_counts(engine_setup.resolve_model_path(args.model))
     bytes_per_param = torch.finfo(getattr(torch, dtype_name)).bits // 8
@@ -181,6 +185,8 @@ def run(args: argparse.Namespace) -> dict:
     for backend in backends:
         result_files.log(f"{backend}: loading")
         runner = BACKENDS[backend](args)
+        if backend in ("vllm", "hf"):  # llama.cpp computes in the GGUF's own types
+            result["dtypes"][backend] = dtype_name if backend == "vllm" else runner.dtype
         runner.generate(a_prompts[:2], 4)  # warm-up
         res = w.setdefault(backend, {})
         # llama.cpp's quantized weights have another roofline
@@ -301,6 +307,8 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--backends", default="vllm,hf",
                         help="comma-separated: vllm, hf, llama.cpp (needs llama-cpp-python)")
     parser.add_argument("--scale", type=float, default=1.0, help="multiplies every length (smoke tests)")
+    parser.add_argument("--hf-dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                        help="transformers' dtype (default: the engine's)")
     parser.add_argument("--output-json", default=None, help="write the results here (without it, only print them)")
     roofline.add_roofline_args(parser)
     engine_setup.add_engine_args(parser)

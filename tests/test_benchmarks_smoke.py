@@ -232,9 +232,10 @@ def test_workloads(tiny_checkpoints, tmp_path):
     out = tmp_path / "workloads.json"
     proc = run_script("benchmark_workloads.py", "--model", tiny_checkpoints["llama"], "--scale", "0.02",
                       "--max-model-len", "256", "--enforce-eager", "--block-size", "16", *QUICK_ROOFLINE,
-                      "--output-json", str(out))
+                      "--dtype", "float32", "--hf-dtype", "bfloat16", "--output-json", str(out))
     check_ok(proc)
     result = json.loads(out.read_text())
+    assert result["dtypes"] == {"vllm": "float32", "hf": "bfloat16"}  # transformers' as loaded
     # Dense FLOPs over the time, against the matmul peak. At --scale 0.02 A has 16 prompts of 5
     # tokens, B one of 41, D 4 of 40 and 16 of 1, with one output token each: the body runs on the
     # prompts alone.
