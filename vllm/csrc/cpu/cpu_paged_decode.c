@@ -221,7 +221,7 @@ DEFINE_ATTEND(attend_f32, float, f32_to_float)
 
 /* The faster copies of attend_bf16, in parts of this file: AVX512-BF16 dot products for the
  * common group sizes, AMX tiles for the scores of all heads at once, and, where neither is
- * built, AVX2 for head_dim 64. */
+ * built, AVX2 for head_dim 64 (attend_f32's too). */
 #include "cpu_paged_decode_avx512.h"
 #include "cpu_paged_decode_amx.h"
 #include "cpu_paged_decode_avx2.h"
@@ -259,6 +259,22 @@ static inline void attend_bf16_any(const uint16_t *query, const uint16_t *key_ca
 #endif
     attend_bf16(query, key_cache, value_cache, table, first, last, partial, num_heads, group,
                 head_dim, num_kv_heads, block_size, scale);
+}
+
+/* attend_f32 on the AVX2 copy for head_dim 64 where it is built. */
+static inline void attend_f32_any(const float *query, const float *key_cache, const float *value_cache,
+                                  const int64_t *table, int64_t first, int64_t last, float *partial,
+                                  int64_t num_heads, int64_t group, int64_t head_dim, int64_t num_kv_heads,
+                                  int64_t block_size, float scale) {
+#ifdef HAVE_ATTEND_AVX2
+    if (head_dim == AVX2_HEAD_DIM) {
+        attend_f32_avx2_d64(query, key_cache, value_cache, table, first, last, partial, num_heads, group,
+                            num_kv_heads, block_size, scale);
+        return;
+    }
+#endif
+    attend_f32(query, key_cache, value_cache, table, first, last, partial, num_heads, group, head_dim,
+               num_kv_heads, block_size, scale);
 }
 
 static inline int64_t attended_keys(int64_t seq_len, int64_t window) {
@@ -373,4 +389,4 @@ int64_t paged_decode_max_heads(void) { return MAX_HEADS; }
 int64_t paged_decode_max_head_dim(void) { return MAX_HEAD_DIM; }
 
 DEFINE_PAGED_DECODE(paged_decode_bf16, attend_bf16_any, uint16_t, float_to_bf16)
-DEFINE_PAGED_DECODE(paged_decode_f32, attend_f32, float, float_to_f32)
+DEFINE_PAGED_DECODE(paged_decode_f32, attend_f32_any, float, float_to_f32)

@@ -1,11 +1,11 @@
-/* Part of cpu_paged_decode.c: attend_bf16's copy for head_dim 64 where AVX2 with FMA is the
- * widest ISA with a copy (HAVE_ATTEND_AVX2: no AVX512-BF16 copies built). attend_bf16 sums
- * each score's 64 products in one vector and then across its lanes, one score at a time;
- * here each key's products with a head stay a vector of 8 partial sums until 8 keys' are
- * reduced together (sum8). The value sums of up to AVX2_HEADS heads stay in registers through
- * a tile, 16 dims at a time, each value's 16 bf16 taken as its even and its odd dims (a mask and
- * a shift of one load); the sums keep that order until the task stores them (dims_in_order).
- * Each dim's sum takes one FMA per key, in the keys' order.
+/* Part of cpu_paged_decode.c: attend_bf16's and attend_f32's copy for head_dim 64 where AVX2
+ * with FMA is the widest ISA with a copy (HAVE_ATTEND_AVX2: no AVX512-BF16 copies built).
+ * attend_bf16 sums each score's 64 products in one vector and then across its lanes, one score
+ * at a time; here each key's products with a head stay a vector of 8 partial sums until 8 keys'
+ * are reduced together (sum8). The value sums of up to AVX2_HEADS heads stay in registers
+ * through a tile, 16 dims at a time; a bf16 value's 16 dims come from one load as its even and
+ * its odd dims (a shift and a mask), and its sums keep that order until the task stores them
+ * (dims_in_order). Each dim's sum takes one FMA per key, in the keys' order.
  *
  * A tile's rows are read with plain loads, row after row, before it is computed (touch_rows):
  * on the AVX2-only EPYC that is faster than load_tile, the other copies' burst of prefetches
@@ -29,9 +29,10 @@ static inline __m256 sum8(const __m256 v[8]) {
     return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
 }
 
-/* A cache row's head (64 bf16) -> 8 vectors of float32. */
-static inline void load_head64(const uint16_t *row, __m256 v[AVX2_VECTORS]) {
-    for (int j = 0; j < AVX2_VECTORS; ++j) v[j] = bf16x8_to_float(row + 8 * j);
+/* A cache row's head (64 bf16, or float32 where f32) -> 8 vectors of float32. */
+static inline __attribute__((always_inline)) void load_head64(const void *row, const int f32, __m256 v[AVX2_VECTORS]) {
+    for (int j = 0; j < AVX2_VECTORS; ++j)
+        v[j] = f32 ? _mm256_loadu_ps((const float *)row + 8 * j) : bf16x8_to_float((const uint16_t *)row + 8 * j);
 }
 
 /* A head's value sums from their order here (in each run of 16 dims, its 8 even dims, then
@@ -46,45 +47,54 @@ static inline void dims_in_order(float *acc) {
     }
 }
 
-/* Heads h0 .. h0 + heads - 1, dims d0 .. d0 + 15 (even, then odd): += the tile's n
- * weighted values of KV head g, key after key (heads a constant in each caller). */
+/* Heads h0 .. h0 + heads - 1, dims d0 .. d0 + 15 (bf16: even, then odd): += the tile's n
+ * weighted values of KV head g, key after key (heads and f32 constants in each caller). */
 static inline __attribute__((always_inline)) void add_values16(float acc[][MAX_HEAD_DIM], float scores[][TILE],
                                                                const char *const *value_rows, int64_t n, int64_t g,
-                                                               int64_t h0, const int heads, int d0) {
+                                                               int64_t h0, const int heads, int d0, const int f32) {
     const __m256i odd_bits = _mm256_set1_epi32((int32_t)0xffff0000);
     __m256 sum[AVX2_HEADS][2];
     for (int c = 0; c < heads; ++c)
         for (int j = 0; j < 2; ++j) sum[c][j] = _mm256_load_ps(acc[h0 + c] + d0 + 8 * j);
     for (int64_t i = 0; i < n; ++i) {
-        const __m256i pairs = _mm256_loadu_si256((const __m256i *)((const uint16_t *)value_rows[i] +
-                                                                   g * AVX2_HEAD_DIM + d0));
-        const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
-        const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(pairs, odd_bits));
+        __m256 v[2];
+        if (f32) {
+            const float *row = (const float *)value_rows[i] + g * AVX2_HEAD_DIM + d0;
+            v[0] = _mm256_loadu_ps(row);
+            v[1] = _mm256_loadu_ps(row + 8);
+        } else {
+            const __m256i pairs = _mm256_loadu_si256((const __m256i *)((const uint16_t *)value_rows[i] +
+                                                                       g * AVX2_HEAD_DIM + d0));
+            v[0] = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));     /* the even dims */
+            v[1] = _mm256_castsi256_ps(_mm256_and_si256(pairs, odd_bits));  /* the odd ones */
+        }
         for (int c = 0; c < heads; ++c) {
             const __m256 p = _mm256_broadcast_ss(&scores[h0 + c][i]);
-            sum[c][0] = _mm256_fmadd_ps(p, even, sum[c][0]);
-            sum[c][1] = _mm256_fmadd_ps(p, odd, sum[c][1]);
+            sum[c][0] = _mm256_fmadd_ps(p, v[0], sum[c][0]);
+            sum[c][1] = _mm256_fmadd_ps(p, v[1], sum[c][1]);
         }
     }
     for (int c = 0; c < heads; ++c)
         for (int j = 0; j < 2; ++j) _mm256_store_ps(acc[h0 + c] + d0 + 8 * j, sum[c][j]);
 }
 
-/* attend_bf16 (its arguments and result) for head_dim 64. */
-static void attend_bf16_avx2_d64(const uint16_t *query, const uint16_t *key_cache, const uint16_t *value_cache,
-                                 const int64_t *table, int64_t first, int64_t last, float *partial,
-                                 int64_t num_heads, int64_t group, int64_t num_kv_heads, int64_t block_size,
-                                 float scale) {
+/* attend_bf16, or where f32 attend_f32 (their arguments and result), for head_dim 64. */
+static inline __attribute__((always_inline)) void attend_avx2_d64(
+        const void *query, const void *key_cache, const void *value_cache, const int64_t *table, int64_t first,
+        int64_t last, float *partial, int64_t num_heads, int64_t group, int64_t num_kv_heads, int64_t block_size,
+        float scale, const int f32) {
     float q[MAX_HEADS][AVX2_HEAD_DIM] __attribute__((aligned(32)));
     float acc[MAX_HEADS][MAX_HEAD_DIM] __attribute__((aligned(32)));  /* dims as add_values16 keeps them */
     float scores[MAX_HEADS][TILE], running_max[MAX_HEADS], total[MAX_HEADS];
     __m256 products[AVX2_HEADS][TILE];  /* per head of a group's chunk, 8 partial sums per key */
     const char *key_rows[TILE], *value_rows[TILE];
     const int64_t row_stride = num_kv_heads * AVX2_HEAD_DIM;  /* one cache row: all KV heads */
-    const int64_t row_bytes = row_stride * (int64_t)sizeof(uint16_t);
+    const int64_t element = f32 ? (int64_t)sizeof(float) : (int64_t)sizeof(uint16_t);
+    const int64_t row_bytes = row_stride * element;
     for (int64_t h = 0; h < num_heads; ++h) {
         for (int64_t d = 0; d < AVX2_HEAD_DIM; ++d) {
-            q[h][d] = bf16_to_float(query[h * AVX2_HEAD_DIM + d]) * scale;
+            const int64_t i = h * AVX2_HEAD_DIM + d;
+            q[h][d] = (f32 ? ((const float *)query)[i] : bf16_to_float(((const uint16_t *)query)[i])) * scale;
             acc[h][d] = 0.0f;
         }
         running_max[h] = -INFINITY;
@@ -99,7 +109,7 @@ static void attend_bf16_avx2_d64(const uint16_t *query, const uint16_t *key_cach
                 const int64_t heads = (g + 1) * group - h0 < AVX2_HEADS ? (g + 1) * group - h0 : AVX2_HEADS;
                 for (int64_t i = 0; i < n; ++i) {  /* a key converted once, scored for its heads */
                     __m256 k[AVX2_VECTORS];
-                    load_head64((const uint16_t *)key_rows[i] + g * AVX2_HEAD_DIM, k);
+                    load_head64(key_rows[i] + g * AVX2_HEAD_DIM * element, f32, k);
                     for (int64_t c = 0; c < heads; ++c) {
                         const float *qh = q[h0 + c];
                         __m256 even = _mm256_mul_ps(_mm256_load_ps(qh), k[0]);
@@ -133,16 +143,32 @@ static void attend_bf16_avx2_d64(const uint16_t *query, const uint16_t *key_cach
                 const int64_t heads = (g + 1) * group - h0 < AVX2_HEADS ? (g + 1) * group - h0 : AVX2_HEADS;
                 for (int d0 = 0; d0 < AVX2_HEAD_DIM; d0 += 16) {
                     switch (heads) {
-                    case 1: add_values16(acc, scores, value_rows, n, g, h0, 1, d0); break;
-                    case 2: add_values16(acc, scores, value_rows, n, g, h0, 2, d0); break;
-                    case 3: add_values16(acc, scores, value_rows, n, g, h0, 3, d0); break;
-                    default: add_values16(acc, scores, value_rows, n, g, h0, AVX2_HEADS, d0); break;
+                    case 1: add_values16(acc, scores, value_rows, n, g, h0, 1, d0, f32); break;
+                    case 2: add_values16(acc, scores, value_rows, n, g, h0, 2, d0, f32); break;
+                    case 3: add_values16(acc, scores, value_rows, n, g, h0, 3, d0, f32); break;
+                    default: add_values16(acc, scores, value_rows, n, g, h0, AVX2_HEADS, d0, f32); break;
                     }
                 }
             }
     }
-    for (int64_t h = 0; h < num_heads; ++h) dims_in_order(acc[h]);
+    for (int64_t h = 0; h < num_heads && !f32; ++h) dims_in_order(acc[h]);
     store_partial(partial, acc, running_max, total, num_heads, AVX2_HEAD_DIM);
+}
+
+static void attend_bf16_avx2_d64(const uint16_t *query, const uint16_t *key_cache, const uint16_t *value_cache,
+                                 const int64_t *table, int64_t first, int64_t last, float *partial,
+                                 int64_t num_heads, int64_t group, int64_t num_kv_heads, int64_t block_size,
+                                 float scale) {
+    attend_avx2_d64(query, key_cache, value_cache, table, first, last, partial, num_heads, group, num_kv_heads,
+                    block_size, scale, 0);
+}
+
+static void attend_f32_avx2_d64(const float *query, const float *key_cache, const float *value_cache,
+                                const int64_t *table, int64_t first, int64_t last, float *partial,
+                                int64_t num_heads, int64_t group, int64_t num_kv_heads, int64_t block_size,
+                                float scale) {
+    attend_avx2_d64(query, key_cache, value_cache, table, first, last, partial, num_heads, group, num_kv_heads,
+                    block_size, scale, 1);
 }
 #endif
 
