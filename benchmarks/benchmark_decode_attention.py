@@ -3,7 +3,8 @@
 One bf16 decode step (default: workload D's decodes, 4 sequences with 2050 cached keys beside 16
 with 60, SmolLM2-135M's 30 layers of 9 query and 3 KV heads of 64 dims, block size 128) on the C
 decode kernel (cpu_paged_decode.c: AMX where the CPU has it, else AVX512-BF16, else AVX2;
-`--copy` picks one), in two placements of the cache:
+`--copy` picks one), or with `--dtype float32` a float32 step as float32 models take (AVX2's
+copy where that is the widest ISA, else the plain loop), in two placements of the cache:
   cold   every layer's blocks its own, scrambled: the step reads its keys and values from memory,
          as a real step does once the cache outgrows the last-level cache;
   warm   every layer on the first layer's blocks: after the first layer they are in the cache,
@@ -47,6 +48,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=5, help="steps per placement and round")
     parser.add_argument("--copy", choices=["auto", "amx", "avx512"], default="auto",
                         help="the kernel's copy: auto = AMX where the CPU has it")
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                        help="the cache's and the queries' dtype")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--output-json", type=str, default=None)
     add_roofline_args(parser)
@@ -60,7 +63,9 @@ def main() -> int:
         parser.error("--contexts needs at least one sequence of at least one key, and --layers at least 1")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    device, dtype = torch.device("cpu"), torch.bfloat16
+    device, dtype = torch.device("cpu"), getattr(torch, args.dtype)
+    if dtype == torch.float32 and args.copy == "amx":
+        parser.error("--copy amx takes bf16 only: float32 decodes have no AMX copy")
     if not cpu_paged_decode.is_available(device, dtype, args.heads, args.kv_heads, HEAD_DIM):
         print("the decode kernel is not available here (no C compiler)", file=sys.stderr)
         return 1
@@ -70,6 +75,8 @@ def main() -> int:
     # --copy avx512 means the vector copy without AMX: AVX512-BF16's, or AVX2's where that is the widest
     vector = "avx512" if {"avx512_bf16", "avx512bw"} <= cpu_flags() else "avx2"
     copy = "amx" if cpu_paged_decode.use_amx(args.copy != "avx512") else vector
+    if dtype == torch.float32:  # float32 takes the AVX2 copy where that is the widest, else the plain loop
+        copy = "avx2" if vector == "avx2" else "loop"
 
     torch.manual_seed(0)
     blocks = [-(-n // args.block_size) for n in seq_lens]             # per sequence
@@ -117,7 +124,7 @@ def main() -> int:
           f"{read_bytes / 1e6:.1f} MB read per step")
     if args.output_json:
         write_json({"args": vars(args), "kernel_copy": copy, "read_bytes": read_bytes,
-                    "memory_bandwidth_bytes_per_s": bandwidth, "placements": results,
+                    "dtype": args.dtype, "memory_bandwidth_bytes_per_s": bandwidth, "placements": results,
                     "cold_fraction_of_bandwidth": cold_fraction, "machine": machine_info()}, args.output_json)
     return 0
 

@@ -408,8 +408,15 @@ def test_decode_attention(tmp_path):
     assert result["read_bytes"] == (2 * 300 + 3 * 20) * 3 * 2 * 3 * 64 * 2  # keys and values, bf16
     assert all(p["ms_median"] > 0 for p in result["placements"].values())
     assert result["cold_fraction_of_bandwidth"] > 0
-    proc = run_script("benchmark_decode_attention.py", "--contexts", "300")
-    assert proc.returncode != 0 and "LENxCOUNT" in proc.stderr
+    proc = run_script("benchmark_decode_attention.py", "--contexts", "300x2", "--layers", "2", "--block-size", "16",
+                      "--rounds", "1", "--repeats", "1", "--dtype", "float32", *QUICK_ROOFLINE,
+                      "--output-json", str(out))
+    check_ok(proc)
+    result = json.loads(out.read_text())
+    assert result["dtype"] == "float32" and result["read_bytes"] == 2 * 300 * 2 * 2 * 3 * 64 * 4
+    for argv, named in ((["--contexts", "300"], "LENxCOUNT"), (["--dtype", "float32", "--copy", "amx"], "bf16 only")):
+        proc = run_script("benchmark_decode_attention.py", *argv)
+        assert proc.returncode != 0 and named in proc.stderr, argv
 
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="the instruction peaks are measured in C")
