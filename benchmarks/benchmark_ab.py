@@ -137,6 +137,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--scale", type=float, default=1.0)
     parser.add_argument("--model", default=None, help="default: the engine's default model")
+    parser.add_argument("--dtype", default=None, help="default: the engine's auto")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--block-size", type=int, default=None)
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=1 << 30)
@@ -157,7 +158,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
     kwargs = {"kv_cache_memory_bytes": args.kv_cache_memory_bytes, "enable_chunked_prefill": True}
-    for key in ("model", "max_model_len", "block_size", "enforce_eager"):
+    for key in ("model", "dtype", "max_model_len", "block_size", "enforce_eager"):
         if getattr(args, key) is not None:
             kwargs[key] = getattr(args, key)
     return kwargs

@@ -292,6 +292,13 @@ def test_ab_alternates_two_checkouts(tiny_checkpoints, tmp_path):
         assert bad.returncode != 0 and named in bad.stderr, bad.stderr
 
 
+def test_ab_gives_both_workers_the_engine_flags():
+    ab = load_module("benchmark_ab")
+    args = ab.parse_args(["--base", REPO, "--dtype", "float32", "--block-size", "16"])
+    assert ab._engine_kwargs(args) == {"kv_cache_memory_bytes": 1 << 30, "enable_chunked_prefill": True,
+                                       "dtype": "float32", "block_size": 16}
+
+
 def test_prefix_caching_workload(tiny_checkpoints, tmp_path):
     out = tmp_path / "prefix_caching.json"
     proc = run_script("benchmark_prefix_caching.py", "--model", tiny_checkpoints["llama"], "--num-requests", "4",
