@@ -18,7 +18,7 @@
  * compiler sees it, decides which exist, and AMX runs where both do (paged_prefill_use_amx).
  * Q^T and the output rows go through transposes in registers (transpose_16x16) rather than
  * through memory. Where AVX2 is the widest ISA built, cpu_paged_prefill_avx2.h has the same
- * task in float32 FMAs, 16 keys a step, on keys and values converted once per call.
+ * task in float32 FMAs, 32 keys a step, on keys and values converted once per call.
  *
  * Layouts: query (num_tokens, num_heads, 64) with rows query_stride elements apart (q inside a
  * rotated q|k row), out (num_tokens, num_heads, 64) contiguous; caches (num_blocks, block_size,

@@ -20,7 +20,7 @@
 
 #include "exp.h"
 
-#define AVX2_KEYS 16                         /* keys per softmax step, from a multiple of 16: one cache block */
+#define AVX2_KEYS 32                         /* keys per softmax step, from a multiple of 32 */
 #define AVX2_STEP (AVX2_KEYS * HEAD_DIM)     /* float32 elements of K (or V) per step and KV head */
 
 /* Keys and values [step, step + 1) * AVX2_KEYS of one sequence, all KV heads, as a prepared step:
@@ -74,11 +74,14 @@ static inline __attribute__((always_inline)) void score_keys(struct avx2_task *b
     }
 }
 
-/* S^T = Q^T . K^T for a step's keys (kf: (AVX2_KEYS, 64) float32 rows), 6 + 6 + 4 keys at once. */
+/* S^T = Q^T . K^T for a step's keys (kf: (AVX2_KEYS, 64) float32 rows), 6, 6, 6, 6, 4 and 4 keys at once. */
 static inline void score_step(struct avx2_task *b, const float *kf) {
     score_keys(b, kf, 0, 6);
     score_keys(b, kf, 6, 6);
-    score_keys(b, kf, 12, 4);
+    score_keys(b, kf, 12, 6);
+    score_keys(b, kf, 18, 6);
+    score_keys(b, kf, 24, 4);
+    score_keys(b, kf, 28, 4);
 }
 
 /* O^T rows d0 .. d0 + n - 1 += their share of V^T . P^T (n <= 6, a constant in each caller). */
