@@ -226,6 +226,29 @@ DEFINE_ATTEND(attend_f32, float, f32_to_float)
 #include "cpu_paged_decode_amx.h"
 #include "cpu_paged_decode_avx2.h"
 
+/* attend_bf16, or where f32 attend_f32, on the AVX2 copy where it is built and takes the head
+ * size: 1 if it did. A call of its own, outside the task loop (inlined into it, the float32 copy
+ * ran slower), with a copy specialized for each element type. */
+static __attribute__((noinline)) int attended_on_avx2(
+        const void *query, const void *key_cache, const void *value_cache, const int64_t *table, int64_t first,
+        int64_t last, float *partial, int64_t num_heads, int64_t group, int64_t head_dim, int64_t num_kv_heads,
+        int64_t block_size, float scale, int f32) {
+#ifdef HAVE_ATTEND_AVX2
+    if (head_dim != AVX2_HEAD_DIM) return 0;
+    if (f32)
+        attend_avx2_d64(query, key_cache, value_cache, table, first, last, partial, num_heads, group, num_kv_heads,
+                        block_size, scale, 1);
+    else
+        attend_avx2_d64(query, key_cache, value_cache, table, first, last, partial, num_heads, group, num_kv_heads,
+                        block_size, scale, 0);
+    return 1;
+#else
+    (void)query, (void)key_cache, (void)value_cache, (void)table, (void)first, (void)last, (void)partial;
+    (void)num_heads, (void)group, (void)head_dim, (void)num_kv_heads, (void)block_size, (void)scale, (void)f32;
+#endif
+    return 0;
+}
+
 /* attend_bf16 on the fast copy for this group and head size where there is one. */
 static inline void attend_bf16_any(const uint16_t *query, const uint16_t *key_cache,
                                    const uint16_t *value_cache, const int64_t *table, int64_t first,
@@ -250,13 +273,9 @@ static inline void attend_bf16_any(const uint16_t *query, const uint16_t *key_ca
     FAST(1, 64) FAST(2, 64) FAST(3, 64) FAST(4, 64) FAST(1, 128) FAST(2, 128)
 #undef FAST
 #endif
-#ifdef HAVE_ATTEND_AVX2
-    if (head_dim == AVX2_HEAD_DIM) {
-        attend_bf16_avx2_d64(query, key_cache, value_cache, table, first, last, partial, num_heads, group,
-                             num_kv_heads, block_size, scale);
+    if (attended_on_avx2(query, key_cache, value_cache, table, first, last, partial, num_heads, group, head_dim,
+                         num_kv_heads, block_size, scale, 0))
         return;
-    }
-#endif
     attend_bf16(query, key_cache, value_cache, table, first, last, partial, num_heads, group,
                 head_dim, num_kv_heads, block_size, scale);
 }
@@ -266,15 +285,10 @@ static inline void attend_f32_any(const float *query, const float *key_cache, co
                                   const int64_t *table, int64_t first, int64_t last, float *partial,
                                   int64_t num_heads, int64_t group, int64_t head_dim, int64_t num_kv_heads,
                                   int64_t block_size, float scale) {
-#ifdef HAVE_ATTEND_AVX2
-    if (head_dim == AVX2_HEAD_DIM) {
-        attend_f32_avx2_d64(query, key_cache, value_cache, table, first, last, partial, num_heads, group,
-                            num_kv_heads, block_size, scale);
-        return;
-    }
-#endif
-    attend_f32(query, key_cache, value_cache, table, first, last, partial, num_heads, group, head_dim,
-               num_kv_heads, block_size, scale);
+    if (!attended_on_avx2(query, key_cache, value_cache, table, first, last, partial, num_heads, group, head_dim,
+                          num_kv_heads, block_size, scale, 1))
+        attend_f32(query, key_cache, value_cache, table, first, last, partial, num_heads, group, head_dim,
+                   num_kv_heads, block_size, scale);
 }
 
 static inline int64_t attended_keys(int64_t seq_len, int64_t window) {

@@ -154,22 +154,6 @@ static inline __attribute__((always_inline)) void attend_avx2_d64(
     for (int64_t h = 0; h < num_heads && !f32; ++h) dims_in_order(acc[h]);
     store_partial(partial, acc, running_max, total, num_heads, AVX2_HEAD_DIM);
 }
-
-static void attend_bf16_avx2_d64(const uint16_t *query, const uint16_t *key_cache, const uint16_t *value_cache,
-                                 const int64_t *table, int64_t first, int64_t last, float *partial,
-                                 int64_t num_heads, int64_t group, int64_t num_kv_heads, int64_t block_size,
-                                 float scale) {
-    attend_avx2_d64(query, key_cache, value_cache, table, first, last, partial, num_heads, group, num_kv_heads,
-                    block_size, scale, 0);
-}
-
-static void attend_f32_avx2_d64(const float *query, const float *key_cache, const float *value_cache,
-                                const int64_t *table, int64_t first, int64_t last, float *partial,
-                                int64_t num_heads, int64_t group, int64_t num_kv_heads, int64_t block_size,
-                                float scale) {
-    attend_avx2_d64(query, key_cache, value_cache, table, first, last, partial, num_heads, group, num_kv_heads,
-                    block_size, scale, 1);
-}
 #endif
 
 #endif  /* VLLM_CPU_PAGED_DECODE_AVX2_H */
