@@ -17,7 +17,8 @@ both ceilings measured in the same run: the matmul peak at its start, the bandwi
 and after each of C's runs (the higher of the two is that run's bound; the best run's fraction is
 quoted). For this engine C also gives that run's share of the decode time spent in the model
 (LLMEngine.stats.model_forward_seconds) and the model's own rate as a fraction of the bound: the
-rest of each step is the host's. `--scale` shrinks every length (for smoke tests). transformers
+rest of each step is the host's; D gives the count, seconds and tokens of its prefill-only,
+decode-only and mixed steps (D_steps). `--scale` shrinks every length (for smoke tests). transformers
 runs in the engine's dtype unless `--hf-dtype` names another: on a CPU without bf16 dot products
 its float32 is faster than its bf16, and the fair baseline is its faster one.
 
@@ -34,6 +35,7 @@ import time
 import result_files
 import engine_setup
 import roofline
+import step_stats
 
 REPEATS = 3  # B and C: best of
 C_BOUND_SECONDS = 0.05  # per method, each bandwidth measurement beside a C run (best of 3 or more reads)
@@ -69,6 +71,17 @@ class Engine:
         start = time.perf_counter()
         self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         return time.perf_counter() - start
+
+    def generate_steps(self, prompts: list[list[int]], output_len: int) -> tuple[float, dict]:
+        """`generate` through the engine's step loop: the wall time, and the count, seconds and
+        tokens of its prefill-only, decode-only and mixed steps (step_stats.StepRecorder)."""
+        from vllm import SamplingParams
+        params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+        assert self.llm.reset_prefix_cache()
+        recorder = step_stats.StepRecorder(self.engine)
+        start = time.perf_counter()
+        recorder.generate([{"prompt_token_ids": p} for p in prompts], [params] * len(prompts))
+        return time.perf_counter() - start, recorder.composition()
 
     def token_times(self, prompt: list[int], output_len: int, forward: list[float] | None = None) -> list[float]:
         """Runs one request alone; the time each of its tokens arrived (first = TTFT), and into
@@ -232,8 +245,8 @@ def run(args: argparse.Namespace) -> dict:
                     res["C_model_share_of_decode_time"] = shares[best]
                     res["C_model_fraction_of_memory_bandwidth"] = fractions[best] / shares[best]
         if "D" in want:
-            if backend == "vllm":
-                res["D_wall_s"] = runner.generate(d_prompts, out_a)
+            if backend == "vllm":  # and where its time went: steps with prefill chunks, or only decodes
+                res["D_wall_s"], res["D_steps"] = runner.generate_steps(d_prompts, out_a)
             elif backend == "hf":  # one at a time: its best strategy (batches pad to 2000 tokens)
                 res["D_wall_s"] = sum(runner.generate([p], out_a) for p in d_prompts)
             else:

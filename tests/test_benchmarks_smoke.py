@@ -256,6 +256,13 @@ def test_workloads(tiny_checkpoints, tmp_path):
     assert ours["C_model_fraction_of_memory_bandwidth"] == pytest.approx(
         ours["C_fraction_of_memory_bandwidth"] / ours["C_model_share_of_decode_time"])
     assert "C_model_share_of_decode_time" not in result["workloads"]["hf"]
+    # D's steps: every prompt token in one of them (its one output token each comes from the
+    # prompt's last chunk: no decodes), and their seconds within the wall time.
+    steps = ours["D_steps"]
+    assert sum(k["prefill_tokens"] for k in steps.values()) == 4 * 40 + 16
+    assert sum(k["decode_tokens"] for k in steps.values()) == 0  # one output token each
+    assert 0 < sum(k["seconds"] for k in steps.values()) <= ours["D_wall_s"]
+    assert "D_steps" not in result["workloads"]["hf"]
     e = result["workloads"]["vllm"]["E"]
     assert e["chunked"]["p99_gap_s"] <= e["chunked"]["max_gap_s"]
     for name in ("chunked", "unchunked"):  # each figure the mean of its two runs
