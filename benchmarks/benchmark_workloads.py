@@ -345,6 +345,9 @@ def main() -> None:
                   f"{e['unchunked']['p99_gap_s'] * 1e3:.0f} ms "
                   f"(ratio {e['p99_gap_ratio_chunked_over_unchunked']:.2f}), "
                   f"throughput ratio {e['throughput_ratio_chunked_over_unchunked']:.2f}")
+        if "D_steps" in values:
+            print("D steps: " + ", ".join(f"{kind} {k['steps']} ({k['seconds']:.2f} s)"
+                                          for kind, k in values["D_steps"].items()))
     for k, v in result.get("ratios", {}).items():
         print(f"{k}: {v:.2f}")
     if args.output_json:  # only when asked: a run of a subset must not replace the recorded file

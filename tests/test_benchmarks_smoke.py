@@ -263,6 +263,7 @@ def test_workloads(tiny_checkpoints, tmp_path):
     assert sum(k["decode_tokens"] for k in steps.values()) == 0  # one output token each
     assert 0 < sum(k["seconds"] for k in steps.values()) <= ours["D_wall_s"]
     assert "D_steps" not in result["workloads"]["hf"]
+    assert re.search(r"^D steps: prefill_only \d+ \([0-9.]+ s\), decode_only \d+", proc.stdout, re.M), proc.stdout
     e = result["workloads"]["vllm"]["E"]
     assert e["chunked"]["p99_gap_s"] <= e["chunked"]["max_gap_s"]
     for name in ("chunked", "unchunked"):  # each figure the mean of its two runs
